@@ -1,0 +1,50 @@
+# One entry point for people and CI. Every target sets up the virtualenv first if needed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines take the CPU build of torch; a GPU machine may pass its own, e.g. TORCH_SPEC=torch.
+TORCH_SPEC ?= torch==2.13.0
+MODEL ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-gpu lint format tiny-model bench-offline bench-online clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)" "numpy<2"
+	$(PY) -m pip install -q -e ".[server,build,dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+# Builds the built-in default model (offline tokenizer + seeded random weights) when missing,
+# starts tritonserver and the OpenAI sidecar, waits for both, Ctrl-C stops both.
+serve: setup
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m tritonllm.launch $(if $(MODEL),--model "$(MODEL)",)
+
+test: setup
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-gpu: setup
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+tiny-model: setup
+	$(PY) -m tritonllm.build_model --shape tiny --out models/tiny-qwen3
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench-offline: setup
+	$(PY) -m benchmarks.offline
+
+bench-online: setup
+	$(PY) -m benchmarks.online
+
+clean:
+	rm -rf $(VENV) models .cache

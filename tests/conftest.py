@@ -1,0 +1,69 @@
+"""Shared pytest fixtures: the tiny offline checkpoint and a real tritonserver serving it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3 checkpoint (offline tokenizer + seeded random weights), built once a session."""
+    from tritonllm.build_model import build_model
+
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", shape="tiny", arch="qwen3")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    """The Hugging Face fast tokenizer of the tiny checkpoint."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+# Engine settings for the served test model: small pages so prompts span several of them, and a
+# KV pool small enough that the cache accounting is observable.
+SERVER_ENV = {
+    "TRITONLLM_PAGE_SIZE": "8",
+    "TRITONLLM_NUM_PAGES": "1024",
+    "TRITONLLM_DEVICE": "cpu",
+}
+
+
+@pytest.fixture(scope="session")
+def triton_server(tiny_model_dir, tmp_path_factory):
+    """A real tritonserver on free localhost ports serving the project's model repository."""
+    from tritonllm.triton_server import TritonServer
+
+    log = tmp_path_factory.mktemp("logs") / "tritonserver.log"
+    server = TritonServer(model_path=tiny_model_dir, env=dict(SERVER_ENV), log_path=log)
+    try:
+        server.start(timeout=float(os.environ.get("TRITONLLM_TEST_SERVER_TIMEOUT", "300")))
+    except RuntimeError:
+        server.stop()
+        raise
+    yield server
+    server.stop()
+    if os.environ.get("TRITONLLM_SHOW_SERVER_LOG"):
+        print(server.log_tail())
