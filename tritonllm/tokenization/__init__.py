@@ -1,0 +1,1 @@
+"""Tokenization: the offline Qwen3 tokenizer, prompt rendering and stateless detokenization."""
