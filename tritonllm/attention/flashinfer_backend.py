@@ -1,0 +1,242 @@
+"""Attention backend on FlashInfer 0.5.x paged kernels (NHD layout), K/V stored by `store_kv`.
+
+`prepare()` converts the page table into FlashInfer's CSR page list (`kv_indptr`, `kv_indices`,
+`kv_last_page_len`) and calls `plan()` once per forward on the decode wrapper
+(`BatchDecodeWithPagedKVCacheWrapper`) or the prefill wrapper
+(`BatchPrefillWithPagedKVCacheWrapper`, causal: FlashInfer aligns the causal mask to the
+bottom-right, so new token i of a sequence with prefix p sees keys 0..p+i). `forward()` runs the
+planned wrapper on the layer's `(k_cache, v_cache)`.
+
+CUDA-graph decode: `init_cuda_graph(max_bs)` allocates fixed indptr/indices/last_page_len
+buffers; `prepare_capture(bs)` creates a `use_cuda_graph=True` decode wrapper for batch size
+`bs` over slices of them and plans it with a dummy batch; `prepare_replay(meta, bs)` re-plans
+that wrapper with the real batch padded to `bs` (padding: one token on reserved page 0).
+FlashInfer's plan() copies into the fixed buffers, so the captured kernels see the new batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernels.store_kv import store_kv
+from tritonllm.attention import register_backend
+from tritonllm.attention.base import AttentionBackend, AttentionMetadata
+
+try:
+    import flashinfer
+except ImportError:  # the registry still lists the backend; constructing it raises
+    flashinfer = None
+
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-K)
+
+
+@dataclass
+class PagedKVArgs:
+    """FlashInfer's CSR description of a batch's pages.
+
+    kv_indptr: `[B + 1]` int32 on the host, page-list offsets.
+    kv_indices: `[kv_indptr[-1]]` int32 on the device, page ids of all sequences, in order.
+    kv_last_page_len: `[B]` int32 on the host, tokens in each sequence's last page (1..page_size).
+    """
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+
+
+def paged_kv_args(page_table: torch.Tensor, seq_lens_cpu: list[int], page_size: int) -> PagedKVArgs:
+    """Build FlashInfer's page list from our page table without a device-to-host sync.
+
+    Args:
+        page_table: `[B, max_pages]` int32 (device), row b holds sequence b's pages in order.
+        seq_lens_cpu: B host ints >= 1, tokens per sequence.
+        page_size: tokens per page.
+    """
+    num_pages = [math.ceil(n / page_size) for n in seq_lens_cpu]
+    indptr = [0]
+    for n in num_pages:
+        indptr.append(indptr[-1] + n)
+    dev = page_table.device
+    counts = torch.tensor(num_pages, dtype=torch.int64).to(dev, non_blocking=True)
+    starts = torch.tensor(indptr[:-1], dtype=torch.int64).to(dev, non_blocking=True)
+    rows = torch.repeat_interleave(
+        torch.arange(len(num_pages), device=dev), counts, output_size=indptr[-1]
+    )
+    cols = torch.arange(indptr[-1], device=dev) - starts[rows]
+    return PagedKVArgs(
+        kv_indptr=torch.tensor(indptr, dtype=torch.int32),
+        kv_indices=page_table[rows, cols].to(torch.int32),
+        kv_last_page_len=torch.tensor(
+            [(n - 1) % page_size + 1 for n in seq_lens_cpu], dtype=torch.int32
+        ),
+    )
+
+
+@dataclass
+class _GraphBuffers:
+    kv_indptr: torch.Tensor  # [max_bs + 1] int32
+    kv_indices: torch.Tensor  # [max_bs * max_pages_per_seq] int32
+    kv_last_page_len: torch.Tensor  # [max_bs] int32
+    out_cache_loc: torch.Tensor  # [max_bs] int64
+
+
+@register_backend("flashinfer")
+class FlashInferAttentionBackend(AttentionBackend):
+    """Paged attention through FlashInfer (see module docstring).
+
+    Raises:
+        ImportError: flashinfer is not installed (`pip install 'tritonllm[gpu]'`).
+    """
+
+    def __init__(self, model_config, kv_cache, device: torch.device) -> None:
+        if flashinfer is None:
+            raise ImportError("the flashinfer backend needs flashinfer-python (tritonllm[gpu])")
+        super().__init__(model_config, kv_cache, device)
+        self.num_q_heads = model_config.num_heads
+        self.num_kv_heads = model_config.num_kv_heads
+        self.head_dim = model_config.head_dim
+        self.page_size = kv_cache.page_size
+        self.dtype = kv_cache.k_cache(0).dtype
+        # FlashInfer's decode kernels on CUDA cores suit small GQA groups; larger groups go
+        # faster through its tensor-core (prefill) kernels (the same rule SGLang applies).
+        self.use_tensor_cores = self.num_q_heads // self.num_kv_heads >= 4
+        # "Must be initialized to 0 for its first use" (FlashInfer docs).
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        )
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._wrapper = self._decode
+        self._out_cache_loc: torch.Tensor | None = None
+        self._graph: _GraphBuffers | None = None
+        self._graph_wrappers: dict[int, object] = {}
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Plan the decode or prefill wrapper for `meta` (host-side; no device sync)."""
+        args = paged_kv_args(meta.page_table, meta.seq_lens_cpu, self.page_size)
+        self._out_cache_loc = meta.out_cache_loc
+        if meta.is_decode:
+            self._plan_decode(self._decode, args)
+            self._wrapper = self._decode
+            return
+        qo_indptr = [0]
+        for n in meta.extend_lens_cpu:
+            qo_indptr.append(qo_indptr[-1] + n)
+        self._prefill.plan(
+            torch.tensor(qo_indptr, dtype=torch.int32),
+            args.kv_indptr,
+            args.kv_indices,
+            args.kv_last_page_len,
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            causal=True,
+            sm_scale=self.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        self._wrapper = self._prefill
+
+    def _plan_decode(self, wrapper, args: PagedKVArgs) -> None:
+        wrapper.plan(
+            args.kv_indptr,
+            args.kv_indices,
+            args.kv_last_page_len,
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            sm_scale=self.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
+    ) -> torch.Tensor:
+        """Store k/v `[T, Hkv, D]` at out_cache_loc, then attend; returns `[T, Hq, D]`."""
+        k_cache = self.kv_cache.k_cache(layer_id)
+        v_cache = self.kv_cache.v_cache(layer_id)
+        store_kv(k, v, k_cache, v_cache, self._out_cache_loc)
+        return self._wrapper.run(q.contiguous(), (k_cache, v_cache))
+
+    # ---- CUDA-graph decode ------------------------------------------------------------------
+
+    def init_cuda_graph(self, max_bs: int, max_pages_per_seq: int | None = None) -> None:
+        """Allocate FlashInfer's fixed buffers for decode graphs of up to `max_bs` sequences.
+
+        Args:
+            max_bs: largest captured batch size.
+            max_pages_per_seq: pages one sequence may hold (default: the model's
+                max_position_embeddings in pages, at most the pool size).
+        """
+        if max_pages_per_seq is None:
+            max_pages_per_seq = min(
+                math.ceil(self.model_config.max_position_embeddings / self.page_size),
+                self.kv_cache.num_pages,
+            )
+        dev = self.device
+        self._graph = _GraphBuffers(
+            kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
+            kv_indices=torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=dev),
+            kv_last_page_len=torch.ones(max_bs, dtype=torch.int32, device=dev),
+            out_cache_loc=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+        )
+        self._graph_wrappers.clear()
+
+    def prepare_capture(self, bs: int) -> None:
+        """Create and plan (with a dummy batch) the graph wrapper for batch size `bs`.
+
+        Raises:
+            RuntimeError: `init_cuda_graph` was not called, or `bs` exceeds its max_bs.
+        """
+        g = self._graph
+        if g is None or bs > g.kv_last_page_len.shape[0]:
+            raise RuntimeError(f"init_cuda_graph(max_bs >= {bs}) must be called first")
+        wrapper = self._graph_wrappers.get(bs)
+        if wrapper is None:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=g.kv_indptr[: bs + 1],
+                paged_kv_indices_buffer=g.kv_indices,
+                paged_kv_last_page_len_buffer=g.kv_last_page_len[:bs],
+            )
+            self._graph_wrappers[bs] = wrapper
+        dummy_table = torch.zeros(bs, 1, dtype=torch.int32, device=self.device)
+        self._plan_decode(wrapper, paged_kv_args(dummy_table, [1] * bs, self.page_size))
+        g.out_cache_loc[:bs] = 0
+        self._out_cache_loc = g.out_cache_loc[:bs]
+        self._wrapper = wrapper
+
+    def prepare_replay(self, meta: AttentionMetadata, bs: int) -> None:
+        """Re-plan the batch-size-`bs` graph wrapper with `meta` padded to `bs` sequences.
+
+        Raises:
+            ValueError: `meta` is not a decode batch or has more than `bs` sequences.
+            RuntimeError: no graph was prepared for `bs`.
+        """
+        n = meta.num_seqs
+        if not meta.is_decode or n > bs:
+            raise ValueError(f"cannot replay: decode={meta.is_decode}, num_seqs={n}, bs={bs}")
+        wrapper = self._graph_wrappers.get(bs)
+        if wrapper is None:
+            raise RuntimeError(f"prepare_capture({bs}) was never called")
+        g = self._graph
+        table = meta.page_table
+        if n < bs:
+            table = torch.zeros(bs, max(1, table.shape[1]), dtype=torch.int32, device=self.device)
+            table[:n, : meta.page_table.shape[1]] = meta.page_table
+        seq_lens = list(meta.seq_lens_cpu) + [1] * (bs - n)
+        self._plan_decode(wrapper, paged_kv_args(table, seq_lens, self.page_size))
+        g.out_cache_loc[:n].copy_(meta.out_cache_loc, non_blocking=True)
+        if n < bs:
+            g.out_cache_loc[n:bs] = 0
+        self._out_cache_loc = g.out_cache_loc[:bs]
+        self._wrapper = wrapper
