@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from frontend_fixtures import sidecar  # noqa: F401  (the OpenAI sidecar fixture)
+
 
 def _has_cuda() -> bool:
     try:

@@ -1,0 +1,82 @@
+"""The FastAPI app factory and the sidecar's command line.
+
+``python -m openai_frontend --triton-url 127.0.0.1:8001 --model-name NAME --port 9000``
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from .errors import install_error_handlers
+from .routes import chat, completions, models
+from .routes.common import ServerState
+from .triton_client import TritonClient
+
+
+def create_app(
+    triton_url: str, model_name: str, triton_model: str = "llm", generator_model: str = "generator"
+) -> FastAPI:
+    """An OpenAI-compatible app in front of the Triton ensemble at ``triton_url`` (gRPC).
+
+    Args:
+        triton_url: ``host:port`` of tritonserver's gRPC endpoint.
+        model_name: the name clients use in ``model`` (others get 404 ``model_not_found``).
+        triton_model: the ensemble to call; ``generator_model``: the model that takes aborts.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The gRPC channel binds to the running event loop, so it is made here, not at import.
+        client = TritonClient(triton_url, triton_model, generator_model)
+        app.state.server = ServerState(client=client, model_name=model_name)
+        try:
+            yield
+        finally:
+            await client.close()
+
+    app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
+    install_error_handlers(app)
+    for router in (chat.router, completions.router, models.router):
+        app.include_router(router)
+    return app
+
+
+def default_model_name(model: str | None) -> str:
+    """The served name of a model path (its directory's basename) or hub id (kept whole)."""
+    model = model or os.environ.get("TRITONLLM_MODEL")
+    if not model:
+        return "llm"
+    path = Path(model)
+    return path.resolve().name if path.exists() else model
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m openai_frontend", description=__doc__)
+    p.add_argument("--triton-url", default="127.0.0.1:8001", help="tritonserver gRPC host:port")
+    p.add_argument(
+        "--model-name", default=None, help="served model name (default: --model's basename)"
+    )
+    p.add_argument("--model", default=None, help="the served checkpoint (only names the model)")
+    p.add_argument("--triton-model", default="llm", help="the ensemble to call")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--log-level", default="warning")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the sidecar with uvicorn until SIGINT/SIGTERM."""
+    import uvicorn
+
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    name = args.model_name or default_model_name(args.model)
+    app = create_app(args.triton_url, name, args.triton_model)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -1,0 +1,107 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with HTTP statuses.
+
+Every failure the sidecar reports (bad JSON, invalid values, unknown model, Triton rejecting a
+prompt, Triton unreachable) goes through ``OpenAIError`` or the handlers installed by
+``install_error_handlers``, so clients always get the OpenAI error body.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+
+class OpenAIError(Exception):
+    """An error to return to the client as an OpenAI error body.
+
+    Args:
+        message: human-readable reason.
+        status: HTTP status (400 invalid request, 404 not found, 500 server, 503 unavailable).
+        type: OpenAI error type (``invalid_request_error``, ``server_error``, ...).
+        param: the request field at fault, if any.
+        code: machine-readable code (``model_not_found``, ``context_length_exceeded``, ...).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = (
+            message,
+            status,
+            type,
+            param,
+            code,
+        )
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def unsupported(param: str, what: str | None = None) -> OpenAIError:
+    """A 400 for a request field this server does not implement."""
+    return OpenAIError(
+        f"{what or param} is not supported by this server",
+        param=param,
+        code="unsupported_parameter",
+    )
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+    if first.get("type") == "json_invalid":
+        return OpenAIError(
+            "We could not parse the JSON body of your request. Expected a valid JSON object.",
+            code="invalid_json",
+        )
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid value")
+    if param:
+        message = f"Invalid '{param}': {message} (got {first.get('input')!r})"
+    return OpenAIError(message, param=param, code=first.get("type"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error raised inside ``app`` to an OpenAI error body."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return OpenAIError(str(exc.detail), status=exc.status_code, type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return OpenAIError(
+            f"internal server error: {exc}", status=500, type="server_error"
+        ).response()

@@ -1,0 +1,1 @@
+"""HTTP routes: one file per OpenAI endpoint family."""

@@ -1,0 +1,143 @@
+"""OpenAI request fields → ``llm`` ensemble inputs.
+
+Only fields the client gave are sent; the backend's documented defaults apply to the rest. A field
+the served ensemble has no input for is rejected with a 400 ("not supported") unless its value is
+the no-op one (``presence_penalty=0``, ``repetition_penalty=1``, ...). Which inputs exist is read
+from Triton's model metadata, so a backend that grows an input is used without changes here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import OpenAIError, unsupported
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from .triton_client import InputSpec, InputValue
+
+# Request field → the value at which it changes nothing (None: never a no-op once given).
+_OPTIONAL_FIELDS: dict[str, Any] = {
+    "temperature": None,
+    "top_p": None,
+    "seed": None,
+    "top_k": None,
+    "min_p": None,
+    "stop_token_ids": [],
+    "ignore_eos": False,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+}
+
+
+def _put(inputs: dict, specs: Mapping[str, InputSpec], name: str, value: Any, noop: Any) -> None:
+    if value is None or (isinstance(value, list) and not value):
+        return
+    if name in specs:
+        inputs[name] = value
+    elif noop is None or value != noop:
+        raise unsupported(name)
+
+
+def sampling_inputs(
+    req: SamplingFields,
+    specs: Mapping[str, InputSpec],
+    max_tokens: int | None,
+    backend_stream: bool,
+) -> dict[str, InputValue]:
+    """The sampling inputs of ``req`` for an ensemble with inputs ``specs``.
+
+    Args:
+        max_tokens: the resolved token limit (chat: ``max_completion_tokens`` or ``max_tokens``).
+        backend_stream: whether the ensemble should answer token by token (else one response).
+    Raises:
+        OpenAIError: 400 for ``n > 1`` or a field the backend cannot honour.
+    """
+    if req.n != 1:
+        raise OpenAIError(
+            "n > 1 is not supported by this server", param="n", code="unsupported_value"
+        )
+    inputs: dict[str, InputValue] = {}
+    _put(inputs, specs, "max_tokens", max_tokens, None)
+    for name, noop in _OPTIONAL_FIELDS.items():
+        _put(inputs, specs, name, getattr(req, name), noop)
+    if "stream" in specs:
+        inputs["stream"] = backend_stream
+    return inputs
+
+
+def _message_text(index: int, message: ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    parts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise OpenAIError(
+                f"content part type {part.type!r} is not supported (text only)",
+                param=f"messages.{index}.content",
+                code="unsupported_value",
+            )
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def chat_inputs(
+    req: ChatCompletionRequest, specs: Mapping[str, InputSpec], backend_stream: bool
+) -> dict[str, InputValue]:
+    """Ensemble inputs of a chat request: ``messages`` as JSON plus sampling inputs.
+
+    ``developer`` messages are sent as ``system`` (OpenAI treats them alike for chat models).
+
+    Raises:
+        OpenAIError: 400 for unsupported features (tools, logprobs, non-text content, ...).
+    """
+    if req.logprobs or req.top_logprobs:
+        raise unsupported("logprobs")
+    if req.tools:
+        raise unsupported("tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise unsupported("response_format", "response_format other than text")
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": _message_text(i, m)}
+        for i, m in enumerate(req.messages)
+    ]
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    inputs: dict[str, InputValue] = {"messages": json.dumps(messages, ensure_ascii=False)}
+    inputs.update(sampling_inputs(req, specs, max_tokens, backend_stream))
+    thinking = (req.chat_template_kwargs or {}).get("enable_thinking")
+    if thinking is not None:
+        if not isinstance(thinking, bool):
+            raise OpenAIError(
+                "chat_template_kwargs.enable_thinking must be a boolean",
+                param="chat_template_kwargs",
+            )
+        _put(inputs, specs, "enable_thinking", thinking, None)
+    return inputs
+
+
+def completion_inputs(
+    req: CompletionRequest, specs: Mapping[str, InputSpec], backend_stream: bool
+) -> dict[str, InputValue]:
+    """Ensemble inputs of a text completion: the raw prompt as ``text_input`` plus sampling.
+
+    Raises:
+        OpenAIError: 400 for token-id or batched prompts, echo, suffix, best_of, logprobs.
+    """
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise unsupported("prompt", "a prompt that is not one string")
+        prompt = prompt[0]
+    if req.logprobs is not None:
+        raise unsupported("logprobs")
+    if req.echo:
+        raise unsupported("echo")
+    if req.suffix:
+        raise unsupported("suffix")
+    if req.best_of not in (None, 1):
+        raise unsupported("best_of", "best_of > 1")
+    inputs: dict[str, InputValue] = {"text_input": prompt}
+    inputs.update(sampling_inputs(req, specs, req.max_tokens, backend_stream))
+    return inputs

@@ -1,0 +1,269 @@
+"""How a request reaches Triton: gRPC streams to the ``llm`` ensemble and aborts to ``generator``.
+
+Built on ``grpc.aio`` with tritonclient's protobuf service (``tritonclient.grpc.service_pb2*``) and
+its ``InferResult`` for reading outputs. The raw stub is used rather than
+``tritonclient.grpc.aio.InferenceServerClient.stream_infer`` because every stream here sets the
+reserved request parameter ``triton_enable_empty_final_response``: the empty final response marks
+the end of a decoupled request (the generator answers an abort with exactly that), and that
+client offers no way to set reserved parameters.
+
+Tensor shapes and datatypes come from the model's metadata, so the client sends ``[1]`` or
+``[1, 1]`` scalars as the served config declares them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
+from tritonclient.utils import serialize_byte_tensor, triton_to_np_dtype
+
+log = logging.getLogger(__name__)
+
+InputValue = str | bool | int | float | list[int] | tuple[int, ...]
+
+
+class TritonError(Exception):
+    """Triton rejected or failed a request.
+
+    Attributes:
+        message: Triton's error message (for inference errors, the model's own message).
+        unavailable: True when Triton could not be reached or the model is not loaded/ready.
+    """
+
+    def __init__(self, message: str, unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.unavailable = unavailable
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One model input from Triton's model metadata: datatype (``"INT32"``...) and dims."""
+
+    datatype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LLMChunk:
+    """One response of the ``llm`` ensemble.
+
+    Attributes:
+        text: the text delta (may be empty: an incomplete UTF-8 character is held back).
+        finish_reason: ``""`` while running, else ``"stop"``, ``"length"`` or ``"abort"``.
+        num_input_tokens: prompt tokens.
+        num_output_tokens: tokens generated so far (cumulative).
+        cached_tokens: prompt tokens served from the prefix cache.
+    """
+
+    text: str
+    finish_reason: str
+    num_input_tokens: int
+    num_output_tokens: int
+    cached_tokens: int
+
+
+def encode_tensor(name: str, value: InputValue, spec: InputSpec) -> tuple[Any, bytes]:
+    """An input tensor proto and its raw bytes for ``value`` under ``spec``.
+
+    Scalars fill every dim with 1; a list fills the last dim with its length.
+
+    Raises:
+        TritonError: the value cannot be sent as ``spec.datatype``.
+    """
+    dims = [1] * len(spec.shape)
+    if isinstance(value, list | tuple):
+        dims[-1] = len(value)
+        flat = list(value)
+    else:
+        flat = [value]
+    if spec.datatype == "BYTES":
+        data = [v.encode() if isinstance(v, str) else v for v in flat]
+        array = np.array(data, dtype=np.object_).reshape(dims)
+        raw = serialize_byte_tensor(array).item()
+    else:
+        dtype = triton_to_np_dtype(spec.datatype)
+        if dtype is None:
+            raise TritonError(f"input {name}: unsupported datatype {spec.datatype}")
+        raw = np.array(flat, dtype=dtype).reshape(dims).tobytes()
+    tensor = service_pb2.ModelInferRequest.InferInputTensor(
+        name=name, datatype=spec.datatype, shape=dims
+    )
+    return tensor, raw
+
+
+def _scalar(result: InferResult, name: str, default: Any) -> Any:
+    array = result.as_numpy(name)
+    return default if array is None or array.size == 0 else array.reshape(-1)[0]
+
+
+def parse_chunk(result: InferResult) -> LLMChunk:
+    """The ``llm`` ensemble's outputs of one response as an ``LLMChunk``."""
+    text = _scalar(result, "text_output", b"")
+    reason = _scalar(result, "finish_reason", b"")
+    return LLMChunk(
+        text=text.decode("utf-8", errors="replace") if isinstance(text, bytes) else str(text),
+        finish_reason=reason.decode() if isinstance(reason, bytes) else str(reason),
+        num_input_tokens=int(_scalar(result, "num_input_tokens", 0)),
+        num_output_tokens=int(_scalar(result, "num_output_tokens", 0)),
+        cached_tokens=int(_scalar(result, "cached_tokens", 0)),
+    )
+
+
+class ResponseStream:
+    """The responses of one decoupled request, read one at a time.
+
+    ``read()`` returns the next ``LLMChunk``, or None once Triton sent the final response.
+    ``cancel()`` cancels the gRPC stream (Triton then cancels the request; see DESIGN.md for why
+    that alone does not stop a running ensemble step).
+    """
+
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        self._call = call
+        self.done = False
+
+    async def read(self) -> LLMChunk | None:
+        """Raises: TritonError on an error response or a broken stream."""
+        while not self.done:
+            try:
+                response = await self._call.read()
+            except grpc.aio.AioRpcError as exc:
+                self.done = True
+                raise TritonError(exc.details() or str(exc.code()), unavailable=True) from exc
+            if response is grpc.aio.EOF:
+                self.done = True
+                return None
+            if response.error_message:
+                self.done = True
+                raise TritonError(response.error_message)
+            infer = response.infer_response
+            final = infer.parameters["triton_final_response"].bool_param
+            self.done = final
+            if infer.outputs:
+                return parse_chunk(InferResult(infer))
+        return None
+
+    def cancel(self) -> None:
+        self.done = True
+        self._call.cancel()
+
+
+class TritonClient:
+    """An async gRPC client of one tritonserver, shared by all requests of the sidecar.
+
+    Args:
+        url: ``host:port`` of Triton's gRPC endpoint.
+        model: the ensemble to generate with (``llm``).
+        generator_model: the decoupled model that takes ``abort_request_id`` (``generator``).
+    """
+
+    def __init__(self, url: str, model: str = "llm", generator_model: str = "generator") -> None:
+        self.url, self.model, self.generator_model = url, model, generator_model
+        options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        self._channel = grpc.aio.insecure_channel(url, options=options)
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self._specs: dict[str, dict[str, InputSpec]] = {}
+        self._background: set[asyncio.Task] = set()
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._channel.close()
+
+    async def is_ready(self, timeout: float = 2.0) -> bool:
+        """True when the server and the ``llm`` model are ready."""
+        try:
+            server = await self._stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=timeout)
+            if not server.ready:
+                return False
+            request = service_pb2.ModelReadyRequest(name=self.model)
+            return (await self._stub.ModelReady(request, timeout=timeout)).ready
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def input_specs(self, model: str | None = None) -> dict[str, InputSpec]:
+        """The inputs ``model`` (default: the ensemble) accepts, from its metadata (cached).
+
+        Raises:
+            TritonError(unavailable=True): Triton unreachable or the model is not loaded.
+        """
+        model = model or self.model
+        if model not in self._specs:
+            try:
+                meta = await self._stub.ModelMetadata(
+                    service_pb2.ModelMetadataRequest(name=model), timeout=10
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise TritonError(f"model {model!r}: {exc.details()}", unavailable=True) from exc
+            self._specs[model] = {
+                t.name: InputSpec(t.datatype, tuple(t.shape)) for t in meta.inputs
+            }
+        return self._specs[model]
+
+    async def _request(self, model: str, request_id: str, inputs: Mapping[str, InputValue]) -> Any:
+        specs = await self.input_specs(model)
+        request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+        for name, value in inputs.items():
+            if name not in specs:
+                raise TritonError(f"model {model!r} has no input {name!r}")
+            tensor, raw = encode_tensor(name, value, specs[name])
+            request.inputs.append(tensor)
+            request.raw_input_contents.append(raw)
+        request.parameters["triton_enable_empty_final_response"].bool_param = True
+        return request
+
+    async def stream(self, request_id: str, inputs: Mapping[str, InputValue]) -> ResponseStream:
+        """Send one request to the ensemble on its own gRPC stream.
+
+        Args:
+            request_id: the Triton request id (the OpenAI completion id); the generator keys
+                aborts by it.
+            inputs: ensemble input name → value; only inputs the client was given.
+        Raises:
+            TritonError: unknown input, Triton unreachable.
+        """
+        request = await self._request(self.model, request_id, inputs)
+        # One request, then half-close: Triton keeps the stream open until the final response.
+        return ResponseStream(self._stub.ModelStreamInfer(iter([request])))
+
+    async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
+        """Ask the generator to abort ``request_id`` now and free its KV pages.
+
+        Ensembles do not pass cancellation into a running decoupled step (DESIGN.md), so this
+        control request (only ``abort_request_id``) goes straight to the generator. Returns
+        True when the generator acknowledged with its final response within ``timeout`` s.
+        """
+        try:
+            request = await self._request(
+                self.generator_model, f"abort-{request_id}", {"abort_request_id": request_id}
+            )
+        except TritonError as exc:
+            log.warning("abort %s not sent: %s", request_id, exc.message)
+            return False
+        stream = ResponseStream(self._stub.ModelStreamInfer(iter([request])))
+
+        async def drain() -> None:
+            while await stream.read() is not None:
+                pass
+
+        try:
+            await asyncio.wait_for(drain(), timeout)
+            return True
+        except (TritonError, asyncio.TimeoutError) as exc:
+            log.warning("abort %s not acknowledged: %r", request_id, exc)
+            return False
+        finally:
+            stream.cancel()
+
+    def abort_soon(self, request_id: str) -> None:
+        """Schedule ``abort`` without awaiting it (safe inside a cancelled task's cleanup)."""
+        task = asyncio.get_running_loop().create_task(self.abort(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,165 @@
+"""/v1/chat/completions and /v1/models through the real sidecar and tritonserver, with the
+official ``openai`` client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+from openai_helpers import chat_prompt_ids
+
+MESSAGES = [
+    {"role": "system", "content": "You are a terse assistant."},
+    {"role": "user", "content": "Name three colours of the rainbow."},
+]
+
+
+@pytest.fixture(scope="module")
+def client(sidecar):
+    return openai.OpenAI(base_url=sidecar.base_url, api_key="unused", max_retries=0)
+
+
+def _stream(client, model, **kwargs):
+    chunks = list(client.chat.completions.create(model=model, stream=True, **kwargs))
+    return chunks, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_models_lists_the_served_model(client, sidecar):
+    ids = [m.id for m in client.models.list()]
+    assert ids == [sidecar.model_name]
+    assert client.models.retrieve(sidecar.model_name).id == sidecar.model_name
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 1234}])
+def test_stream_concatenation_equals_non_stream(client, sidecar, sampling):
+    """Same seed (or greedy) → the streamed deltas join to exactly the non-streamed content."""
+    kwargs = dict(messages=MESSAGES, max_tokens=24, **sampling)
+    full = client.chat.completions.create(model=sidecar.model_name, **kwargs)
+    chunks, streamed = _stream(client, sidecar.model_name, **kwargs)
+    assert streamed == full.choices[0].message.content
+    assert len(streamed) > 0
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason == "length"
+
+
+def test_stream_chunk_protocol(client, sidecar, tokenizer):
+    """Role first, content deltas, finish_reason last, then a usage-only chunk; one id."""
+    chunks, _ = _stream(
+        client,
+        sidecar.model_name,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        stream_options={"include_usage": True},
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].id.startswith("chatcmpl-")
+    assert {c.id for c in chunks} == {chunks[0].id}
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    with_choices = [c for c in chunks if c.choices]
+    assert [c.choices[0].finish_reason for c in with_choices[:-1]] == [None] * (
+        len(with_choices) - 1
+    )
+    assert with_choices[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == []
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 6
+    assert usage.prompt_tokens == len(chat_prompt_ids(tokenizer, MESSAGES))
+
+
+def test_non_stream_usage_and_length(client, sidecar, tokenizer):
+    """usage counts the HF-rendered prompt and exactly max_tokens when the limit ends it."""
+    response = client.chat.completions.create(
+        model=sidecar.model_name, messages=MESSAGES, max_completion_tokens=7, temperature=0
+    )
+    assert response.id.startswith("chatcmpl-")
+    assert response.choices[0].finish_reason == "length"
+    usage = response.usage
+    assert usage.prompt_tokens == len(chat_prompt_ids(tokenizer, MESSAGES))
+    assert usage.completion_tokens == 7
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+
+
+def test_repeated_prompt_reports_cached_tokens(client, sidecar):
+    messages = [{"role": "user", "content": "Tell me about the history of paged attention. " * 4}]
+    for _ in range(2):
+        response = client.chat.completions.create(
+            model=sidecar.model_name, messages=messages, max_tokens=2, temperature=0
+        )
+    cached = response.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached <= response.usage.prompt_tokens
+
+
+def test_stop_token_ids_finish_with_stop(client, sidecar, tokenizer):
+    """Stopping on a token the model greedily emits ends the request early with "stop"."""
+    kwargs = dict(model=sidecar.model_name, messages=MESSAGES, max_tokens=16, temperature=0)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    stop_id = tokenizer.encode(full, add_special_tokens=False)[2]
+    response = client.chat.completions.create(**kwargs, extra_body={"stop_token_ids": [stop_id]})
+    assert response.choices[0].finish_reason == "stop"
+    assert response.usage.completion_tokens < 16
+    text = response.choices[0].message.content
+    assert full.startswith(text)
+    assert text.endswith(tokenizer.decode([stop_id]))
+    _, streamed = _stream(
+        client,
+        sidecar.model_name,
+        **{k: v for k, v in kwargs.items() if k != "model"},
+        extra_body={"stop_token_ids": [stop_id]},
+    )
+    assert streamed == text
+
+
+def test_stop_strings_cut_before_the_match(client, sidecar):
+    kwargs = dict(model=sidecar.model_name, messages=MESSAGES, max_tokens=16, temperature=0)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    response = client.chat.completions.create(**kwargs, stop=[stop])
+    assert response.choices[0].finish_reason == "stop"
+    assert response.choices[0].message.content == full[: full.index(stop)]
+
+
+def test_enable_thinking_false_changes_the_prompt(client, sidecar):
+    """chat_template_kwargs.enable_thinking reaches the template (Qwen3 pre-fills a think block)."""
+    base = dict(model=sidecar.model_name, messages=MESSAGES, max_tokens=1, temperature=0)
+    on = client.chat.completions.create(**base)
+    off = client.chat.completions.create(
+        **base, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert off.usage.prompt_tokens > on.usage.prompt_tokens
+
+
+def test_eight_concurrent_streams_complete(sidecar):
+    """Eight simultaneous streaming chats all finish, each with its own full content."""
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=sidecar.base_url, api_key="unused", max_retries=0)
+
+        async def one(i):
+            messages = [{"role": "user", "content": f"Count to {i + 3}."}]
+            stream = await client.chat.completions.create(
+                model=sidecar.model_name,
+                messages=messages,
+                max_tokens=20,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = [c async for c in stream]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return messages, text, chunks
+
+        results = await asyncio.gather(*(one(i) for i in range(8)))
+        await client.close()
+        return results
+
+    results = asyncio.run(run())
+    assert len({chunks[0].id for _, _, chunks in results}) == 8
+    client = openai.OpenAI(base_url=sidecar.base_url, api_key="unused", max_retries=0)
+    for messages, text, chunks in results:
+        assert chunks[-1].usage.completion_tokens == 20
+        alone = client.chat.completions.create(
+            model=sidecar.model_name, messages=messages, max_tokens=20, temperature=0
+        )
+        assert text == alone.choices[0].message.content

@@ -1,0 +1,93 @@
+"""Bad requests get OpenAI-shaped 4xx errors from the real sidecar, and it keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def client(sidecar):
+    return openai.OpenAI(base_url=sidecar.base_url, api_key="unused", max_retries=0)
+
+
+def _chat(model, **kwargs):
+    return dict(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, **kwargs)
+
+
+def _assert_still_serving(client, model):
+    response = client.chat.completions.create(**_chat(model))
+    assert response.choices[0].finish_reason in ("length", "stop")
+
+
+def _error_body(exc: openai.APIStatusError) -> dict:
+    error = exc.response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+CASES = {
+    "empty messages": (lambda m: dict(model=m, messages=[], max_tokens=2), 400, "messages"),
+    "max_tokens 0": (lambda m: _chat(m) | {"max_tokens": 0}, 400, "max_tokens"),
+    "negative max_tokens": (lambda m: _chat(m) | {"max_tokens": -5}, 400, "max_tokens"),
+    "temperature 3": (lambda m: _chat(m, temperature=3.0), 400, "temperature"),
+    "top_p 1.5": (lambda m: _chat(m, top_p=1.5), 400, "top_p"),
+    "n 2": (lambda m: _chat(m, n=2), 400, "n"),
+    "logprobs": (lambda m: _chat(m, logprobs=True), 400, "logprobs"),
+    "unknown model": (lambda m: _chat("no-such-model"), 404, "model"),
+    "min_tokens > max_tokens (engine check)": (
+        lambda m: _chat(m, extra_body={"min_tokens": 10}),
+        400,
+        "min_tokens",
+    ),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_request_is_openai_error_then_service_continues(client, sidecar, case, stream):
+    make, status, param = CASES[case]
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(stream=stream, **make(sidecar.model_name))
+    assert info.value.status_code == status
+    error = _error_body(info.value)
+    assert error["param"] == param
+    if status == 404:
+        assert error["code"] == "model_not_found"
+    _assert_still_serving(client, sidecar.model_name)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_longer_than_context_is_400(client, sidecar, stream):
+    """The engine's max_model_len rejection surfaces as OpenAI's context_length_exceeded."""
+    prompt = "hello " * 5000
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=sidecar.model_name, prompt=prompt, max_tokens=4, stream=stream
+        )
+    error = _error_body(info.value)
+    assert error["code"] == "context_length_exceeded"
+    assert error["param"] == "prompt"
+    _assert_still_serving(client, sidecar.model_name)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"model": "x", "messages": [', b"not json at all", b"[1, 2, 3]"],
+)
+def test_malformed_body_is_openai_400(client, sidecar, body):
+    response = httpx.post(
+        f"{sidecar.base_url}/chat/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    _assert_still_serving(client, sidecar.model_name)
+
+
+def test_health_reports_triton_ready(sidecar):
+    response = httpx.get(f"{sidecar.root_url}/health")
+    assert response.status_code == 200

@@ -1,0 +1,205 @@
+"""``make serve``: tritonserver + the OpenAI sidecar, readiness, clean shutdown.
+
+``python -m tritonllm.launch [--model PATH|HUB_ID] [--host 127.0.0.1] [--port 9000]``
+
+Without ``--model`` the built-in tiny checkpoint ``models/tiny-qwen3`` is served (built offline
+on first use). tritonserver runs on this project's ``model_repository`` with ``TRITONLLM_MODEL``
+set; the sidecar (``python -m openai_frontend``) runs as a child process. Both are started in
+their own process groups, so Ctrl-C / SIGTERM reach only this launcher, which then stops the
+sidecar first and tritonserver (with its Python stubs) second: no orphan processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .triton_server import MODEL_REPOSITORY, REPO_ROOT, TritonServer
+
+DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "tiny-qwen3"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What to serve and where (ports are TCP ports on the given host / localhost)."""
+
+    model: str | None = None
+    model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 9000
+    grpc_port: int = 8001
+    http_port: int = 8000
+    metrics_port: int = 8002
+    startup_timeout_s: float = 600.0
+    triton_log: Path | None = None
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}/v1"
+
+
+def resolve_model(model: str | None) -> str:
+    """The checkpoint to serve: a local directory (absolute path) or a hub id kept as is.
+
+    With no model, builds the tiny offline checkpoint at ``models/tiny-qwen3`` if missing.
+    """
+    if model is None:
+        from .build_model import build_model
+
+        return str(build_model(DEFAULT_MODEL_DIR, shape="tiny", arch="qwen3").resolve())
+    path = Path(model).expanduser()
+    # A path that does not exist is passed through: transformers resolves hub ids like
+    # Qwen/Qwen3-0.6B where a hub is reachable.
+    return str(path.resolve()) if path.exists() else model
+
+
+def served_name(model: str) -> str:
+    """The default served model name: a directory's basename, or the hub id itself."""
+    path = Path(model)
+    return path.name if path.is_absolute() and path.exists() else model
+
+
+def _sidecar_command(cfg: LaunchConfig, model_name: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "openai_frontend",
+        f"--triton-url=127.0.0.1:{cfg.grpc_port}",
+        f"--model-name={model_name}",
+        f"--host={cfg.host}",
+        f"--port={cfg.port}",
+    ]
+
+
+def _wait_http_ok(url: str, process: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"sidecar exited early with code {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
+
+
+def _stop(process: subprocess.Popen | None, timeout_s: float = 15.0) -> None:
+    """SIGTERM the process group of ``process``, SIGKILL after ``timeout_s`` seconds."""
+    if process is None or process.poll() is not None:
+        return
+    pgid = os.getpgid(process.pid)
+    os.killpg(pgid, signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(pgid, signal.SIGKILL)
+        process.wait()
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def serve(cfg: LaunchConfig) -> int:
+    """Start both processes, wait for readiness, print the base URL, run until interrupted.
+
+    Returns:
+        0 after a Ctrl-C/SIGTERM shutdown; 1 when a process failed to start or died.
+    """
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    model = resolve_model(cfg.model)
+    model_name = cfg.model_name or served_name(model)
+    # TRITONLLM_MODEL goes through env (not model_path) so a hub id is not turned into a path.
+    triton = TritonServer(
+        model_path=None,
+        model_repository=MODEL_REPOSITORY,
+        env={"TRITONLLM_MODEL": model},
+        log_path=cfg.triton_log,
+        http_port=cfg.http_port,
+        grpc_port=cfg.grpc_port,
+        metrics_port=cfg.metrics_port,
+    )
+    sidecar: subprocess.Popen | None = None
+    try:
+        print(f"starting tritonserver (model {model}) ...", flush=True)
+        triton.start(timeout=cfg.startup_timeout_s)
+        print(f"tritonserver pid {triton.process.pid}, log {triton.log_path}", flush=True)
+        sidecar = subprocess.Popen(
+            _sidecar_command(cfg, model_name), cwd=REPO_ROOT, start_new_session=True
+        )
+        print(f"sidecar pid {sidecar.pid}", flush=True)
+        health = cfg.base_url.removesuffix("/v1") + "/health"
+        _wait_http_ok(health, sidecar, cfg.startup_timeout_s)
+        print(_banner(cfg, model_name), flush=True)
+        while triton.process.poll() is None and sidecar.poll() is None:
+            time.sleep(0.5)
+        print("a server process exited; shutting down", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("shutting down ...", flush=True)
+        return 0
+    except RuntimeError as exc:
+        print(f"launch failed: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        # Ignore further Ctrl-C while stopping, so the children are always reaped.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _stop(sidecar)
+        triton.stop()
+        print("stopped", flush=True)
+
+
+def _banner(cfg: LaunchConfig, model_name: str) -> str:
+    return (
+        f"OpenAI base URL: {cfg.base_url}\n"
+        f"try: curl {cfg.base_url}/chat/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hello"}}], '
+        f'"max_tokens": 32}}\'\n'
+        "Ctrl-C stops both servers."
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> LaunchConfig:
+    p = argparse.ArgumentParser(prog="python -m tritonllm.launch", description=__doc__)
+    p.add_argument("--model", default=None, help="HF model directory or hub id (default: tiny)")
+    p.add_argument("--model-name", default=None, help="served name (default: dir basename)")
+    p.add_argument("--host", default="127.0.0.1", help="sidecar bind address")
+    p.add_argument("--port", type=int, default=9000, help="sidecar (OpenAI API) port")
+    p.add_argument("--grpc-port", type=int, default=8001, help="tritonserver gRPC port")
+    p.add_argument("--http-port", type=int, default=8000, help="tritonserver HTTP port")
+    p.add_argument("--metrics-port", type=int, default=8002, help="tritonserver metrics port")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds per server")
+    p.add_argument("--triton-log", type=Path, default=None, help="tritonserver log file")
+    a = p.parse_args(argv)
+    return LaunchConfig(
+        model=a.model,
+        model_name=a.model_name,
+        host=a.host,
+        port=a.port,
+        grpc_port=a.grpc_port,
+        http_port=a.http_port,
+        metrics_port=a.metrics_port,
+        startup_timeout_s=a.startup_timeout,
+        triton_log=a.triton_log,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
