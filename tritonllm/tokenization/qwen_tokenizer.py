@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import importlib.util
 import json
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -71,12 +72,17 @@ QWEN3_MODEL_MAX_LENGTH = 131072
 
 
 def qwen_tiktoken_path() -> Path:
-    """Path of ``qwen.tiktoken`` inside the installed ``dashscope`` package.
+    """Path of ``qwen.tiktoken``: ``$TRITONLLM_QWEN_TIKTOKEN`` if set, else the copy inside the
+    installed ``dashscope`` package (hosts without dashscope, e.g. an offline GPU host, can carry
+    the file and point the variable at it).
 
     Raises:
         FileNotFoundError: dashscope is not installed or lacks the file
             (``pip install dashscope``, the ``build`` extra of this project).
     """
+    override = os.environ.get("TRITONLLM_QWEN_TIKTOKEN")
+    if override:
+        return Path(override)
     spec = importlib.util.find_spec("dashscope")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
