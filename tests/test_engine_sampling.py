@@ -1,0 +1,167 @@
+"""Sampling: per-request seeds, logprobs, penalties and filters against reference semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_helpers import checkpoint, hf_greedy, hf_logits, prompts
+
+from tritonllm.config import EngineConfig
+from tritonllm.engine import LLMEngine
+from tritonllm.engine.request import Request
+from tritonllm.engine.sampler import Sampler
+from tritonllm.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(model=checkpoint("qwen3"), page_size=4, num_pages=512))
+
+
+def collect(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]):
+    """Run requests together; return {id: [RequestOutput, ...]}."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    outs: dict[str, list] = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    return outs
+
+
+def ids_of(outputs) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+def test_seeded_sampling_identical_alone_and_in_batch_of_16(engine):
+    ps = prompts([5 + i for i in range(16)], seed=9)
+    target = SamplingParams(
+        max_tokens=24, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
+    )
+    alone = ids_of(collect(engine, {"t": (ps[0], target)})["t"])
+    others = {
+        f"o{i}": (
+            ps[i],
+            SamplingParams(
+                max_tokens=10 + i, temperature=1.3, seed=i if i % 2 else None, ignore_eos=True
+            ),
+        )
+        for i in range(1, 16)
+    }
+    batched = collect(engine, {"t": (ps[0], target), **others})
+    assert engine.stats().max_batch_size_seen >= 16
+    assert ids_of(batched["t"]) == alone
+    # A different seed gives a different continuation (the distribution is not degenerate).
+    other_seed = SamplingParams(**{**target.__dict__, "seed": 99})
+    assert ids_of(collect(engine, {"t": (ps[0], other_seed)})["t"]) != alone
+
+
+def test_logprobs_match_transformers_log_softmax(engine):
+    path = checkpoint("qwen3")
+    prompt = prompts([11], seed=10)[0]
+    temp = 0.7
+    params = SamplingParams(max_tokens=12, temperature=temp, seed=5, logprobs=5, ignore_eos=True)
+    outs = collect(engine, {"s": (prompt, params)})["s"]
+    tokens = ids_of(outs)
+    logits = hf_logits(path, prompt + tokens)[len(prompt) - 1 : -1]  # [12, vocab]
+    expected = torch.log_softmax(logits / temp, dim=-1)
+    for i, out in enumerate(outs):
+        tok = tokens[i]
+        assert abs(out.logprobs[0] - float(expected[i, tok])) < 1e-4
+        top = out.top_logprobs[0]
+        ref_vals, ref_ids = expected[i].topk(5)
+        assert list(top) == ref_ids.tolist()
+        torch.testing.assert_close(torch.tensor(list(top.values())), ref_vals, rtol=0, atol=1e-4)
+
+
+def test_greedy_logprobs_use_temperature_one(engine):
+    path = checkpoint("qwen3")
+    prompt = prompts([6], seed=11)[0]
+    outs = collect(
+        engine,
+        {"g": (prompt, SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True))},
+    )["g"]
+    ref_tokens, ref_logits = hf_greedy(path, prompt, 6)
+    assert ids_of(outs) == ref_tokens
+    expected = torch.log_softmax(ref_logits, dim=-1)
+    for i, out in enumerate(outs):
+        assert abs(out.logprobs[0] - float(expected[i, ref_tokens[i]])) < 1e-4
+        assert out.top_logprobs == [{}]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=10, temperature=1.0, top_k=1, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=2.0, min_p=1.0, ignore_eos=True),
+    ],
+)
+def test_degenerate_filters_reduce_to_greedy(engine, params):
+    prompt = prompts([9], seed=12)[0]
+    outs = collect(engine, {"f": (prompt, params)})["f"]
+    assert ids_of(outs) == hf_greedy(checkpoint("qwen3"), prompt, 10)[0]
+
+
+def _penalised(logits: torch.Tensor, prompt, output, p: SamplingParams) -> torch.Tensor:
+    """OpenAI presence/frequency and vLLM repetition penalty, written from their definitions."""
+    logits = logits.clone()
+    for tok in set(prompt) | set(output):
+        if p.repetition_penalty != 1.0:
+            v = logits[tok]
+            logits[tok] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+    for tok in set(output):
+        count = output.count(tok)
+        logits[tok] -= p.frequency_penalty * count + p.presence_penalty
+    return logits
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=16, temperature=0, presence_penalty=1.5, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0, frequency_penalty=2.0, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0, repetition_penalty=1.8, ignore_eos=True),
+        SamplingParams(
+            max_tokens=16,
+            temperature=0,
+            repetition_penalty=0.6,
+            frequency_penalty=-0.5,
+            ignore_eos=True,
+        ),
+    ],
+)
+def test_penalties_follow_openai_and_vllm_semantics(engine, params):
+    path = checkpoint("qwen3")
+    prompt = prompts([7], seed=13)[0]
+    tokens = ids_of(collect(engine, {"p": (prompt, params)})["p"])
+    logits = hf_logits(path, prompt + tokens)[len(prompt) - 1 : -1]
+    for i, tok in enumerate(tokens):
+        ref = _penalised(logits[i], prompt, tokens[:i], params)
+        assert tok == int(ref.argmax()), f"step {i}"
+    # Penalties change the outcome versus plain greedy on this random model.
+    if params.frequency_penalty > 0 or params.presence_penalty > 0:
+        assert tokens != hf_greedy(path, prompt, 16)[0]
+
+
+def test_sampler_masks_stop_ids_until_min_tokens():
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    req = Request(
+        "r", [1, 2], SamplingParams(temperature=0, min_tokens=2), arrival=0, stop_ids=frozenset({3})
+    )
+    logits = torch.zeros(1, 8)
+    logits[0, 3] = 10.0
+    assert sampler.sample(logits.clone(), [req]).token_ids == [0]
+    req.token_ids += [5, 6]  # two outputs: EOS is allowed again
+    assert sampler.sample(logits.clone(), [req]).token_ids == [3]
+
+
+def test_unseeded_sampling_follows_the_distribution():
+    """top_k=2 over logits [2, 1, -inf...]: token 0 with p = e/(e+1) ≈ 0.731."""
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    reqs = [Request(str(i), [1], SamplingParams(top_k=2), arrival=i) for i in range(4000)]
+    logits = torch.full((4000, 6), -5.0)
+    logits[:, 0], logits[:, 1] = 2.0, 1.0
+    tokens = torch.tensor(sampler.sample(logits, reqs).token_ids)
+    assert set(tokens.tolist()) <= {0, 1}
+    assert abs((tokens == 0).float().mean().item() - 0.7311) < 0.03

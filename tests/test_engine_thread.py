@@ -1,0 +1,135 @@
+"""EngineThread: thread-safe submit/abort, callbacks, synchronous validation, error isolation."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from test_engine_helpers import checkpoint, hf_greedy, prompts
+
+from tritonllm.config import EngineConfig
+from tritonllm.engine import EngineThread, LLMEngine
+from tritonllm.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+TIMEOUT = 60.0
+
+
+class Collector:
+    """Thread-safe sink of RequestOutputs; `wait(ids)` blocks until each id has finished."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, list] = {}
+        self._cv = threading.Condition()
+
+    def __call__(self, out) -> None:
+        with self._cv:
+            self.outputs.setdefault(out.request_id, []).append(out)
+            self._cv.notify_all()
+
+    def finished(self, rid: str) -> bool:
+        outs = self.outputs.get(rid)
+        return bool(outs) and outs[-1].finished
+
+    def wait(self, ids) -> None:
+        with self._cv:
+            assert self._cv.wait_for(lambda: all(self.finished(r) for r in ids), TIMEOUT)
+
+    def ids(self, rid: str) -> list[int]:
+        return [t for o in self.outputs[rid] for t in o.new_token_ids]
+
+
+@pytest.fixture
+def thread():
+    engine = LLMEngine(EngineConfig(model=checkpoint("qwen3"), page_size=4, num_pages=256))
+    et = EngineThread(engine)
+    yield et
+    et.shutdown()
+    assert not et.is_alive()
+
+
+def test_concurrent_submissions_from_many_threads(thread):
+    ps = prompts([4, 9, 13, 2, 21, 7], seed=20)
+    sink = Collector()
+    workers = [
+        threading.Thread(target=thread.submit, args=(f"r{i}", p, GREEDY, sink))
+        for i, p in enumerate(ps)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    sink.wait([f"r{i}" for i in range(len(ps))])
+    for i, p in enumerate(ps):
+        assert sink.ids(f"r{i}") == hf_greedy(checkpoint("qwen3"), p, 12)[0]
+        last = sink.outputs[f"r{i}"][-1]
+        assert last.finish_reason == "length" and last.num_output_tokens == 12
+        assert sum(o.finished for o in sink.outputs[f"r{i}"]) == 1
+    assert thread.stats().num_running == 0
+
+
+def test_invalid_submit_raises_synchronously_and_thread_keeps_serving(thread):
+    sink = Collector()
+    with pytest.raises(ValueError, match="top_p"):
+        thread.submit("bad", [1, 2], SamplingParams(top_p=0), sink)
+    with pytest.raises(ValueError, match="max_model_len"):
+        thread.submit("long", [1] * 500, SamplingParams(max_tokens=100), sink)
+    thread.submit("good", [1, 2, 3], GREEDY, sink)
+    with pytest.raises(ValueError, match="already in use"):
+        thread.submit("good", [1, 2, 3], GREEDY, sink)
+    sink.wait(["good"])
+    assert "bad" not in sink.outputs and thread.is_alive()
+
+
+def test_abort_through_thread_reports_abort_and_frees_pages(thread):
+    sink = Collector()
+    started = threading.Event()
+
+    def on_output(out):
+        sink(out)
+        started.set()
+
+    thread.submit(
+        "long", prompts([10])[0], SamplingParams(max_tokens=400, ignore_eos=True), on_output
+    )
+    assert started.wait(TIMEOUT)
+    thread.abort("long")
+    sink.wait(["long"])
+    last = sink.outputs["long"][-1]
+    assert last.finish_reason == "abort" and last.num_output_tokens < 400
+    stats = thread.stats()
+    assert stats.num_running == 0 and stats.free_pages + stats.evictable_pages == stats.total_pages
+    thread.abort("unknown-id")  # ignored
+    thread.submit("after", [5, 6], GREEDY, sink)
+    sink.wait(["after"])
+
+
+def test_engine_error_fails_requests_in_flight_but_not_the_thread(thread, monkeypatch):
+    runner = thread.engine.runner
+    real_run = runner.run
+    calls = {"n": 0}
+
+    def flaky_run(batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated kernel failure")
+        return real_run(batch)
+
+    monkeypatch.setattr(runner, "run", flaky_run)
+    sink = Collector()
+    thread.submit("x", [1, 2, 3], GREEDY, sink)
+    sink.wait(["x"])
+    last = sink.outputs["x"][-1]
+    assert last.finish_reason == "error" and "simulated kernel failure" in last.error
+    thread.submit("y", [1, 2, 3], GREEDY, sink)
+    sink.wait(["y"])
+    assert sink.outputs["y"][-1].finish_reason == "length"
+    assert thread.stats().free_pages + thread.stats().evictable_pages == thread.stats().total_pages
+
+
+def test_n_children_reach_the_parent_callback(thread):
+    sink = Collector()
+    thread.submit("multi", [3, 4, 5], SamplingParams(max_tokens=5, n=3, seed=1), sink)
+    sink.wait(["multi#0", "multi#1", "multi#2"])
+    thread.submit("multi", [3, 4, 5], GREEDY, sink)  # the id is free again
+    sink.wait(["multi"])

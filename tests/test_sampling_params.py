@@ -1,0 +1,85 @@
+"""SamplingParams.validate: every out-of-range value is a ValueError naming the parameter."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tritonllm.sampling_params import SamplingParams
+
+INVALID = [
+    ("max_tokens", 0),
+    ("max_tokens", -3),
+    ("max_tokens", 1.5),
+    ("temperature", -0.1),
+    ("temperature", math.nan),
+    ("temperature", "hot"),
+    ("top_p", 0.0),
+    ("top_p", 1.01),
+    ("top_p", -0.5),
+    ("top_p", math.nan),
+    ("top_k", -2),
+    ("top_k", 2.5),
+    ("min_p", -0.01),
+    ("min_p", 1.5),
+    ("seed", 1.5),
+    ("seed", "7"),
+    ("min_tokens", -1),
+    ("min_tokens", 17),  # > max_tokens (16)
+    ("presence_penalty", 2.01),
+    ("presence_penalty", -2.5),
+    ("frequency_penalty", 3.0),
+    ("frequency_penalty", -2.01),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("logprobs", -1),
+    ("logprobs", 21),
+    ("n", 0),
+    ("n", 17),
+    ("stop_token_ids", (5, -1)),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), INVALID)
+def test_invalid_value_raises_value_error_naming_parameter(name, value):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: value}).validate()
+
+
+VALID = [
+    {},
+    {"temperature": 0.0},
+    {"temperature": 2.5},
+    {"top_p": 1.0},
+    {"top_p": 1e-3},
+    {"top_k": -1},
+    {"top_k": 0},
+    {"top_k": 1},
+    {"min_p": 0.0},
+    {"min_p": 1.0},
+    {"presence_penalty": -2.0, "frequency_penalty": 2.0},
+    {"repetition_penalty": 0.5},
+    {"logprobs": 0},
+    {"logprobs": 20},
+    {"n": 16},
+    {"seed": 0},
+    {"min_tokens": 16},
+    {"stop_token_ids": [1, 2]},
+]
+
+
+@pytest.mark.parametrize("kwargs", VALID)
+def test_valid_values_pass(kwargs):
+    params = SamplingParams(**kwargs)
+    assert params.validate() is params
+
+
+def test_defaults_and_greedy_flag():
+    p = SamplingParams()
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.n) == (16, 1.0, 1.0, -1, 1)
+    assert not p.is_greedy and SamplingParams(temperature=0).is_greedy
+    # Lists are accepted and stored as tuples, so params stay hashable (frozen).
+    assert hash(SamplingParams(stop_token_ids=[3, 4])) == hash(
+        SamplingParams(stop_token_ids=(3, 4))
+    )

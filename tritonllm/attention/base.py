@@ -1,0 +1,84 @@
+"""The attention backend interface: `AttentionMetadata` (per forward) + `AttentionBackend`."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tritonllm.config import ModelConfig
+    from tritonllm.engine.kv_cache import KVCache
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one forward batch to the attention backend; built once by the model runner.
+
+    Device tensors live on the model's device. B = num_seqs, T = total new tokens.
+
+    Attributes:
+        num_seqs: B.
+        is_decode: every sequence adds exactly one token (T == B).
+        seq_lens: `[B]` int32, tokens in the cache after this step (prefix + new).
+        extend_lens: `[B]` int32, new tokens this step (1 in decode).
+        prefix_lens: `[B]` int32, `seq_lens - extend_lens` (tokens already cached).
+        cu_extend_lens: `[B + 1]` int32, offsets of each sequence's new tokens in the T axis.
+        page_table: `[B, max_pages_per_seq]` int32, page ids, padded with 0 (reserved page).
+        out_cache_loc: `[T]` int64, cache slot (`page * page_size + offset`) of each new token.
+        seq_lens_cpu, extend_lens_cpu: host copies as Python ints, for CPU-side planning.
+    """
+
+    num_seqs: int
+    is_decode: bool
+    seq_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    prefix_lens: torch.Tensor
+    cu_extend_lens: torch.Tensor
+    page_table: torch.Tensor
+    out_cache_loc: torch.Tensor
+    seq_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the new tokens in this forward."""
+        return int(sum(self.extend_lens_cpu))
+
+
+class AttentionBackend(ABC):
+    """Paged causal attention over the KV cache.
+
+    Subclasses register themselves in `tritonllm.attention.ATTENTION_BACKENDS` (see
+    `register_backend`). The model runner calls `prepare(meta)` once per forward, then each
+    attention layer calls `forward(q, k, v, layer_id)`.
+    """
+
+    def __init__(self, model_config: ModelConfig, kv_cache: KVCache, device: torch.device) -> None:
+        self.model_config = model_config
+        self.kv_cache = kv_cache
+        self.device = device
+        self.scale = model_config.head_dim**-0.5
+
+    @abstractmethod
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Plan the forward described by `meta` (once per forward, before layer 0)."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
+    ) -> torch.Tensor:
+        """Write k/v into the cache at `out_cache_loc`, then attend.
+
+        Args:
+            q: `[T, Hq, D]` (after RoPE/norm), model dtype.
+            k, v: `[T, Hkv, D]`, model dtype.
+            layer_id: index into the KV cache's layers.
+
+        Returns:
+            `[T, Hq, D]`: causal attention of each new token over its sequence's cached prefix
+            and the new tokens up to itself, scale `1/sqrt(D)`; query head h reads KV head
+            `h // (Hq // Hkv)` (GQA).
+        """

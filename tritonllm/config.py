@@ -1,0 +1,245 @@
+"""Configuration: `ModelConfig` (parsed from a Hugging Face model directory) and `EngineConfig`.
+
+Both are frozen dataclasses. Derived values are properties, so one object is the single source
+of truth for a knob and everything computed from it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+_MODEL_TYPE_TO_ARCH = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 RoPE frequency scaling (`rope_type == "llama3"`), as in Hugging Face configs."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only transformer, from `config.json`.
+
+    Attributes follow Hugging Face names where they exist; `qk_norm` is True for Qwen3 (per-head
+    RMSNorm on q and k before RoPE), `attention_bias` is True for Qwen2 (q/k/v biases).
+    """
+
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    o_proj_bias: bool
+    qk_norm: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> ModelConfig:
+        """Parse `path/config.json` (+ `generation_config.json` for extra EOS ids).
+
+        Accepts both the transformers 4 keys (`rope_theta`, `rope_scaling`) and the
+        transformers 5 key (`rope_parameters`).
+
+        Raises:
+            FileNotFoundError: no config.json in `path`.
+            ValueError: an unsupported architecture or rope scaling type.
+        """
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        return cls.from_dict(cfg, _read_generation_eos(path))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], extra_eos: tuple[int, ...] = ()) -> ModelConfig:
+        """Build from a parsed `config.json` dict. Raises ValueError if unsupported."""
+        archs = cfg.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(cfg.get("model_type"), "")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        hidden = cfg["hidden_size"]
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling_dict = cfg.get("rope_scaling") or rope
+        rope_type = scaling_dict.get("rope_type", scaling_dict.get("type", "default"))
+        scaling = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                factor=float(scaling_dict["factor"]),
+                low_freq_factor=float(scaling_dict["low_freq_factor"]),
+                high_freq_factor=float(scaling_dict["high_freq_factor"]),
+                original_max_position_embeddings=int(
+                    scaling_dict["original_max_position_embeddings"]
+                ),
+            )
+        elif rope_type not in ("default", None):
+            raise ValueError(f"unsupported rope scaling type {rope_type!r} (default, llama3)")
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = is_qwen2 or bool(cfg.get("attention_bias", False))
+        eos = _as_tuple(cfg.get("eos_token_id"))
+        eos = tuple(dict.fromkeys(eos + tuple(extra_eos)))
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            # Qwen2 biases q/k/v only; Llama and Qwen3 with attention_bias also bias o_proj.
+            o_proj_bias=attention_bias and not is_qwen2,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            eos_token_ids=eos,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, for a 1-byte dtype (multiply by size)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _as_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _read_generation_eos(path: str) -> tuple[int, ...]:
+    gen_path = os.path.join(path, "generation_config.json")
+    if not os.path.exists(gen_path):
+        return ()
+    with open(gen_path) as f:
+        return _as_tuple(json.load(f).get("eos_token_id"))
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# CPU has no memory probe worth trusting; the KV pool defaults to this many bytes at most.
+CPU_KV_CACHE_BYTES = 1 << 30
+CPU_DEFAULT_CONTEXT = 2048
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs. `None` means "derive"; the derived values are the properties below.
+
+    Attributes:
+        model: path of a Hugging Face model directory (config.json + safetensors).
+        device: "cpu" or "cuda" (or "cuda:N").
+        dtype: "float32" | "bfloat16" | "float16"; None → float32 on CPU, bfloat16 on CUDA.
+        page_size: tokens per KV page.
+        num_pages: KV pages in the pool (page 0 is reserved, so num_pages - 1 are usable);
+            None → on CPU enough for `max_running_requests` sequences of min(max_model_len,
+            2048) tokens capped at 1 GiB, on CUDA `gpu_memory_utilization` of free memory
+            after the weights (see `engine.kv_cache.derive_num_pages`).
+        max_running_requests: most requests in one batch (admitted at the same time).
+        max_prefill_tokens: the per-step token budget of a prefill/extend batch (chunked
+            prefill splits longer prompts across steps).
+        enable_prefix_cache: reuse KV pages of earlier prompts through the radix cache.
+        attention_backend: a key of `tritonllm.attention.ATTENTION_BACKENDS`.
+        max_model_len: prompt + output limit in tokens; None → the model's
+            max_position_embeddings.
+        seed: seed of the sampler's generator for requests without their own seed.
+        gpu_memory_utilization: fraction of free GPU memory the KV pool may take (CUDA only).
+    """
+
+    model: str
+    device: str = "cpu"
+    dtype: str | None = None
+    page_size: int = 16
+    num_pages: int | None = None
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192
+    enable_prefix_cache: bool = True
+    attention_backend: str = "torch"
+    max_model_len: int | None = None
+    seed: int = 0
+    gpu_memory_utilization: float = 0.85
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @cached_property
+    def model_config(self) -> ModelConfig:
+        """The parsed `config.json` of `model` (read once)."""
+        return ModelConfig.from_pretrained(self.model)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """Weights/activations/KV dtype: `dtype`, else float32 on CPU and bfloat16 on CUDA."""
+        if self.dtype is not None:
+            return _DTYPES[self.dtype]
+        return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
+
+    @property
+    def effective_max_model_len(self) -> int:
+        """Prompt + output token limit per request."""
+        mpe = self.model_config.max_position_embeddings
+        return mpe if self.max_model_len is None else self.max_model_len
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        """Pages one sequence of `effective_max_model_len` tokens needs."""
+        return math.ceil(self.effective_max_model_len / self.page_size)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one KV page over all layers (K and V)."""
+        elem = torch.tensor([], dtype=self.torch_dtype).element_size()
+        return self.model_config.kv_bytes_per_token * elem * self.page_size
+
+    @property
+    def cpu_default_num_pages(self) -> int:
+        """The CPU default pool size in pages (including reserved page 0)."""
+        context = min(self.effective_max_model_len, CPU_DEFAULT_CONTEXT)
+        wanted = self.max_running_requests * math.ceil(context / self.page_size)
+        return max(2, min(wanted, CPU_KV_CACHE_BYTES // self.page_bytes) + 1)

@@ -1,0 +1,7 @@
+"""The inference engine: paged KV cache, radix prefix cache, continuous batching, sampling."""
+
+from tritonllm.engine.engine import EngineStats, LLMEngine
+from tritonllm.engine.engine_thread import EngineThread
+from tritonllm.engine.request import RequestOutput
+
+__all__ = ["EngineStats", "EngineThread", "LLMEngine", "RequestOutput"]

@@ -1,0 +1,289 @@
+"""`LLMEngine`: requests in, tokens out, one scheduler step at a time.
+
+Not thread-safe: one thread calls it (see `EngineThread` for serving). The data path of a step
+is scheduler (which requests, which pages) → model runner (forward + sampling) → here (append
+tokens, stop checks, release finished requests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+
+from tritonllm.config import EngineConfig
+from tritonllm.engine.kv_cache import PageAllocator
+from tritonllm.engine.model_runner import ModelRunner
+from tritonllm.engine.radix_cache import RadixCache
+from tritonllm.engine.request import Request, RequestOutput, RequestStatus
+from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
+from tritonllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine (pages are KV pages; page 0 is not counted).
+
+    Attributes:
+        num_running: admitted requests (prefilling or decoding).
+        num_waiting: queued requests (new or preempted).
+        total_pages: usable pages in the pool.
+        free_pages: pages on the free list.
+        used_pages: total_pages - free_pages (running requests + radix cache).
+        cached_pages: pages held by the radix prefix cache (locked or not).
+        evictable_pages: radix cache pages no running request uses (reclaimable).
+        max_batch_size_seen: the largest decode batch so far.
+        num_steps: steps that ran a forward pass.
+        num_preemptions: requests preempted for lack of pages.
+    """
+
+    num_running: int
+    num_waiting: int
+    total_pages: int
+    free_pages: int
+    used_pages: int
+    cached_pages: int
+    evictable_pages: int
+    max_batch_size_seen: int
+    num_steps: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache (see ARCHITECTURE.md, "Engine API").
+
+    `n > 1` in SamplingParams expands a request into n requests `"{id}#{i}"` (seed + i when
+    seeded); they share the prompt's KV pages through the radix cache once the first has
+    prefilled, and `abort(id)` aborts all of them.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.runner = ModelRunner(config)
+        self.allocator = PageAllocator(self.runner.num_pages)
+        radix = None
+        if config.enable_prefix_cache:
+            radix = RadixCache(self.allocator, config.page_size)
+        self.radix = radix
+        self.scheduler = Scheduler(
+            self.allocator,
+            radix,
+            config.page_size,
+            config.max_running_requests,
+            config.max_prefill_tokens,
+        )
+        self.max_model_len = config.effective_max_model_len
+        self._requests: dict[str, Request] = {}
+        self._children: dict[str, list[str]] = {}
+        self._pending: list[RequestOutput] = []
+        self._arrival = itertools.count()
+        self._gen_ids = itertools.count()
+        self._num_steps = 0
+        self._max_batch = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Validate a request without touching engine state (safe from any thread).
+
+        Raises:
+            ValueError: invalid params, an empty prompt, token ids outside the vocabulary,
+                prompt + max_tokens over max_model_len, or more KV pages than the pool has.
+        """
+        params.validate()
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        total = n + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        # The last sampled token is never fed back, so its K/V never needs a slot.
+        pages = math.ceil((total - 1) / self.config.page_size)
+        if pages > self.allocator.num_usable:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {pages} KV pages "
+                f"of {self.config.page_size} tokens; the cache has {self.allocator.num_usable}"
+            )
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; it joins the running batch at a later step.
+
+        Raises:
+            ValueError: see `check_request`; or `request_id` is already in use.
+        """
+        self.check_request(prompt_ids, params)
+        if request_id in self._requests or request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n == 1:
+            self._enqueue(request_id, list(prompt_ids), params)
+            return
+        ids = [f"{request_id}#{i}" for i in range(params.n)]
+        self._children[request_id] = ids
+        for i, child_id in enumerate(ids):
+            seed = None if params.seed is None else params.seed + i
+            self._enqueue(child_id, list(prompt_ids), dataclasses.replace(params, n=1, seed=seed))
+
+    def _enqueue(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(self.model_config.eos_token_ids)
+        req = Request(
+            request_id, prompt_ids, params, arrival=next(self._arrival), stop_ids=frozenset(stop)
+        )
+        if params.seed is not None:
+            req.generator = self.runner.sampler.make_generator(params.seed)
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (or all n children of one); its KV pages are freed at once.
+
+        The next `step()` reports it with finish_reason "abort". Returns False if unknown or
+        already finished.
+        """
+        ids = self._children.pop(request_id, [request_id])
+        found = False
+        for rid in ids:
+            req = self._requests.get(rid)
+            if req is not None:
+                self._finish(req, "abort", release=True)
+                found = True
+        return found
+
+    def abort_all(self, error: str) -> list[RequestOutput]:
+        """Fail every request (after an engine error); returns their final outputs."""
+        for req in list(self._requests.values()):
+            self._finish(req, "error", release=True, error=error)
+        self._children.clear()
+        outs, self._pending = self._pending, []
+        return outs
+
+    def _finish(self, req: Request, reason: str, release: bool, error: str | None = None) -> None:
+        if release:
+            self.scheduler.abort(req)
+        req.finish_reason = reason
+        del self._requests[req.request_id]
+        self._pending.append(self._output(req, [], None, None, error=error))
+
+    # ---- stepping --------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step (a prefill or a decode batch); return the outputs it made,
+        plus final outputs of requests aborted since the last step."""
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if self._requests and not outputs:
+                raise RuntimeError("scheduler stalled: requests pending but nothing runnable")
+            return outputs
+        if batch.is_decode:
+            self._max_batch = max(self._max_batch, len(batch.reqs))
+        sample_reqs, samples = self.runner.run(batch)
+        self._num_steps += 1
+        for req, ext in zip(batch.reqs, batch.extend_lens, strict=True):
+            req.num_computed += ext
+        if samples is not None:
+            for j, req in enumerate(sample_reqs):
+                outputs.append(self._append_token(req, batch, j, samples))
+        return outputs
+
+    def _append_token(self, req: Request, batch: ScheduledBatch, j: int, samples) -> RequestOutput:
+        token = samples.token_ids[j]
+        req.token_ids.append(token)
+        if not batch.is_decode:
+            self.scheduler.cache_prefix(req)
+        p = req.params
+        reason = None
+        if token in req.stop_ids and req.num_output_tokens >= p.min_tokens:
+            reason = "stop"
+        elif req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
+            reason = "length"
+        lp = None if samples.logprobs[j] is None else [samples.logprobs[j]]
+        top = None if samples.top_logprobs[j] is None else [samples.top_logprobs[j]]
+        if reason is not None:
+            req.finish_reason = reason
+            self.scheduler.finish(req)
+            del self._requests[req.request_id]
+        return self._output(req, [token], lp, top)
+
+    def _output(
+        self, req: Request, tokens: list[int], lp, top, error: str | None = None
+    ) -> RequestOutput:
+        finished = req.finish_reason is not None
+        if finished:
+            self._forget_child(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            finished=finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            cached_tokens=req.cached_tokens,
+            logprobs=lp,
+            top_logprobs=top,
+            error=error,
+        )
+
+    def _forget_child(self, request_id: str) -> None:
+        parent, sep, _ = request_id.rpartition("#")
+        if sep and parent in self._children:
+            if all(c not in self._requests for c in self._children[parent]):
+                del self._children[parent]
+
+    # ---- introspection and offline use ---------------------------------------------------------
+    def stats(self) -> EngineStats:
+        total = self.allocator.num_usable
+        free = self.allocator.num_free
+        radix = self.radix
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            total_pages=total,
+            free_pages=free,
+            used_pages=total - free,
+            cached_pages=radix.num_pages if radix else 0,
+            evictable_pages=radix.num_evictable_pages if radix else 0,
+            max_batch_size_seen=self._max_batch,
+            num_steps=self._num_steps,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion as one continuous batch; return their generated ids.
+
+        With `n > 1` the result holds n lists per prompt, prompt-major. Other requests already
+        in the engine keep running alongside.
+        """
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        order: list[str] = []
+        for prompt, p in zip(prompts, plist, strict=True):
+            rid = f"generate-{next(self._gen_ids)}"
+            self.add_request(rid, prompt, p)
+            order.extend([rid] if p.n == 1 else [f"{rid}#{i}" for i in range(p.n)])
+        results: dict[str, list[int]] = {rid: [] for rid in order}
+        remaining = set(order)
+        while remaining:
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+                    if out.finished:
+                        remaining.discard(out.request_id)
+        return [results[rid] for rid in order]
+
+
+__all__ = ["EngineStats", "LLMEngine", "RequestStatus"]

@@ -1,0 +1,152 @@
+"""`EngineThread`: runs an `LLMEngine` on its own daemon thread for the Triton generator.
+
+Submissions and aborts from any thread are queued under one condition variable and applied
+between steps; the thread sleeps on it when there is no work. Outputs are delivered by calling
+each request's callback on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from tritonllm.engine.engine import EngineStats, LLMEngine
+from tritonllm.engine.request import RequestOutput
+from tritonllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class EngineThread:
+    """Thread-safe front of an `LLMEngine`.
+
+    Errors: `submit` validates synchronously (ValueError, nothing queued). An exception inside
+    a step fails the requests in flight with finish_reason "error" (message in
+    `RequestOutput.error`) and the thread keeps serving; an exception in a callback is logged.
+    """
+
+    def __init__(self, engine: LLMEngine, name: str = "tritonllm-engine") -> None:
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._submissions: deque[tuple[str, list[int], SamplingParams]] = deque()
+        self._aborts: deque[str] = deque()
+        self._callbacks: dict[str, OutputCallback] = {}  # request id → callback
+        self._live: dict[str, int] = {}  # request id → outputs still to finish (n children)
+        self._stop = False
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        callback: OutputCallback,
+    ) -> None:
+        """Queue a request; `callback(RequestOutput)` is called from the engine thread for each
+        output, the last one with `finished=True`.
+
+        Raises:
+            ValueError: invalid request (see `LLMEngine.check_request`) or a request id that
+                is still in flight.
+            RuntimeError: after `shutdown()`.
+        """
+        self.engine.check_request(prompt_ids, params)
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("engine thread is shut down")
+            if request_id in self._callbacks:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._callbacks[request_id] = callback
+            self._live[request_id] = params.n
+            self._submissions.append((request_id, list(prompt_ids), params))
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request between steps; its callback gets a final "abort" output. Unknown or
+        finished ids are ignored."""
+        with self._cv:
+            self._aborts.append(request_id)
+            self._cv.notify()
+
+    def stats(self) -> EngineStats:
+        """The engine stats as of the end of the last step."""
+        return self._stats
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the thread (requests in flight get no further outputs) and join it."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not (
+                    self._stop or self._submissions or self._aborts or engine.has_unfinished()
+                ):
+                    self._cv.wait()
+                if self._stop:
+                    return
+                submissions, self._submissions = list(self._submissions), deque()
+                aborts, self._aborts = list(self._aborts), deque()
+            outputs: list[RequestOutput] = []
+            for request_id, prompt_ids, params in submissions:
+                try:
+                    engine.add_request(request_id, prompt_ids, params)
+                except Exception as exc:  # validated in submit(); reaching here is unexpected
+                    logger.exception("add_request failed for %s", request_id)
+                    with self._cv:
+                        self._live[request_id] = 1  # one error output ends it, even for n > 1
+                    outputs.append(_error_output(request_id, len(prompt_ids), str(exc)))
+            for request_id in aborts:
+                engine.abort(request_id)
+            try:
+                outputs.extend(engine.step())
+            except Exception as exc:
+                logger.exception("engine step failed; failing the requests in flight")
+                outputs.extend(engine.abort_all(f"engine error: {exc}"))
+            self._stats = engine.stats()
+            for out in outputs:
+                self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        key = out.request_id
+        if key not in self._callbacks:
+            key = out.request_id.rpartition("#")[0]
+        with self._cv:
+            callback = self._callbacks.get(key)
+            if callback is not None and out.finished:
+                self._live[key] -= 1
+                if self._live[key] == 0:
+                    del self._live[key], self._callbacks[key]
+        if callback is None:
+            return
+        try:
+            callback(out)
+        except Exception:
+            logger.exception("output callback failed for %s", out.request_id)
+
+
+def _error_output(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        finished=True,
+        finish_reason="error",
+        num_prompt_tokens=num_prompt_tokens,
+        num_output_tokens=0,
+        cached_tokens=0,
+        error=message,
+    )

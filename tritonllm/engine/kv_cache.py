@@ -1,0 +1,97 @@
+"""The paged KV cache: one K and one V tensor for all layers, plus a free-page allocator.
+
+Layout `[num_layers, num_pages, page_size, num_kv_heads, head_dim]` (FlashInfer's NHD paged
+layout per layer). Token slot `s = page * page_size + offset`. Page 0 is never handed out: it is
+the padding target of page tables (and of CUDA-graph padding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonllm.config import EngineConfig, ModelConfig
+
+
+class KVCache:
+    """K and V page pools.
+
+    Attributes:
+        k, v: `[num_layers, num_pages, page_size, num_kv_heads, head_dim]` in the model dtype.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.num_pages, self.page_size = num_pages, page_size
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        """`[num_pages, page_size, num_kv_heads, head_dim]` view of layer `layer`'s K."""
+        return self.k[layer]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        """`[num_pages, page_size, num_kv_heads, head_dim]` view of layer `layer`'s V."""
+        return self.v[layer]
+
+
+class PageAllocator:
+    """Free list of page ids 1..num_pages-1 (page 0 is reserved).
+
+    Freed pages are reused last-in first-out, which keeps recently touched memory warm.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable(self) -> int:
+        """Pages that can ever be handed out (all but page 0)."""
+        return self.num_pages - 1
+
+    def alloc(self, n: int) -> list[int] | None:
+        """Take `n` pages; None (and nothing taken) if fewer than `n` are free."""
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        pages = self._free[-n:]
+        del self._free[-n:]
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        """Return pages to the pool. Freeing page 0 or an out-of-range id is a bug."""
+        for p in pages:
+            if not 0 < p < self.num_pages:
+                raise ValueError(f"cannot free page {p} (valid: 1..{self.num_pages - 1})")
+        self._free.extend(pages)
+
+
+def derive_num_pages(config: EngineConfig) -> int:
+    """Pool size in pages (including page 0) for `config`.
+
+    `config.num_pages` if set. On CPU: `config.cpu_default_num_pages`. On CUDA: call after the
+    weights are loaded; `gpu_memory_utilization` of the memory free now, minus a margin for
+    activations, divided by the page size in bytes.
+    """
+    if config.num_pages is not None:
+        return config.num_pages
+    device = config.torch_device
+    if device.type != "cuda":
+        return config.cpu_default_num_pages
+    free, _total = torch.cuda.mem_get_info(device)
+    # Leave room for activations and logits of a max_prefill_tokens batch.
+    activation_margin = 1 << 30
+    budget = int(free * config.gpu_memory_utilization) - activation_margin
+    return max(2, budget // config.page_bytes)

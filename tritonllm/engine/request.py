@@ -1,0 +1,99 @@
+"""`Request` (engine-side state of one generation) and `RequestOutput` (what a step reports)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tritonllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # in the waiting queue (new or preempted)
+    RUNNING = "running"  # admitted: holds KV pages (prefilling or decoding)
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One sequence being generated.
+
+    `token_ids` is prompt + generated tokens. `num_computed` tokens of it have K/V in the
+    cache (in `pages`); the first `num_tree_pages` pages belong to the radix cache and are
+    locked through `tree_node` while the request holds them.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int  # admission order key: larger is newer (the preemption victim)
+    token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    pages: list[int] = field(default_factory=list)
+    num_tree_pages: int = 0
+    tree_node: Any = None
+    cached_tokens: int = 0
+    admitted_once: bool = False
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    stop_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        """Prefill done: each step feeds exactly the last sampled token."""
+        return self.num_pending == 1 and self.num_output_tokens > 0
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step reports for one request.
+
+    Attributes:
+        request_id: the id given to `add_request` (`"{id}#{i}"` for the i-th of n > 1).
+        new_token_ids: tokens generated this step (empty for an abort or error).
+        finished: this is the request's last output.
+        finish_reason: None while running; "stop" (EOS or a stop token, included in the ids),
+            "length" (max_tokens), "abort", or "error" (see `error`).
+        num_prompt_tokens, num_output_tokens: counts so far (tokens).
+        cached_tokens: prompt tokens served from the prefix cache at admission.
+        logprobs: with `SamplingParams.logprobs`, the logprob of each new token.
+        top_logprobs: with `SamplingParams.logprobs`, per new token {token id: logprob} of the
+            `logprobs` most likely tokens.
+        error: the message when finish_reason is "error".
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    cached_tokens: int
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    error: str | None = None

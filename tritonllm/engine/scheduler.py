@@ -1,0 +1,239 @@
+"""Continuous batching: which requests run in the next step, and their KV pages.
+
+Policy (one batch kind per step, like mini-sglang):
+
+- A step is either a *prefill/extend* batch (new prompts, prompt chunks, recomputation of
+  preempted requests) or a *decode* batch (every decoding request adds one token).
+- Prefill is preferred while requests can be admitted, so new requests get a low TTFT, but
+  never twice in a row when requests are decoding: after a prefill step, a decode step runs,
+  so running requests advance at least every other step.
+- A prefill batch takes at most `max_prefill_tokens` tokens (chunked prefill). Requests that
+  are part-way through their prompt go first, then the waiting queue in FIFO order; a long
+  prompt is split and continues in later prefill steps.
+- Admission needs free pages for the scheduled chunk (after evicting unreferenced radix-cache
+  pages), plus one spare page per decoding request, so that decodes crossing a page boundary
+  rarely have to preempt. Admission stops at the first request that does not fit (FIFO, no
+  overtaking) or at `max_running_requests`.
+- A decode that crosses a page boundary takes one page. If none is left even after
+  eviction, the newest running request is preempted: its computed pages go to the radix cache
+  (or are freed), and it returns to the front of the waiting queue, to be recomputed later
+  with its generated tokens appended to the prompt (mostly from the prefix cache).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from tritonllm.engine.kv_cache import PageAllocator
+from tritonllm.engine.radix_cache import RadixCache
+from tritonllm.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: `reqs[i]` runs `extend_lens[i]` new tokens starting at its
+    `num_computed`. `is_decode`: all extend lens are 1 and every request samples."""
+
+    reqs: list[Request]
+    extend_lens: list[int]
+    is_decode: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    def samples(self, i: int) -> bool:
+        """Whether request i reaches the end of its tokens this step (so it samples)."""
+        return self.reqs[i].num_computed + self.extend_lens[i] == len(self.reqs[i].token_ids)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and every request's KV pages."""
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        radix: RadixCache | None,
+        page_size: int,
+        max_running_requests: int,
+        max_prefill_tokens: int,
+    ) -> None:
+        self.allocator = allocator
+        self.radix = radix
+        self.page_size = page_size
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._last_was_prefill = False
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, req: Request) -> None:
+        """Drop `req` wherever it is; its pages are released at once."""
+        if req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status == RequestStatus.RUNNING:
+            self.finish(req)
+        req.status = RequestStatus.FINISHED
+
+    def finish(self, req: Request) -> None:
+        """Remove a running request and release its pages (full pages go to the radix cache)."""
+        self._release(req)
+        self.running.remove(req)
+        req.status = RequestStatus.FINISHED
+
+    # ---- step planning -----------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        """Plan the next step (see the module docstring); None when there is nothing to run."""
+        has_decodes = any(r.is_decoding for r in self.running)
+        has_prefills = bool(self.waiting) or any(not r.is_decoding for r in self.running)
+        if has_prefills and not (self._last_was_prefill and has_decodes):
+            batch = self._schedule_prefill()
+            if batch is not None:
+                self._last_was_prefill = True
+                return batch
+        self._last_was_prefill = False
+        batch = self._schedule_decode() if has_decodes else None
+        if batch is None and has_prefills:
+            # Decodes were all preempted (or none existed): use the step for prefill.
+            batch = self._schedule_prefill()
+        return batch
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.max_prefill_tokens
+        reqs: list[Request] = []
+        extends: list[int] = []
+        num_decoding = sum(r.is_decoding for r in self.running)
+        partial = sorted((r for r in self.running if not r.is_decoding), key=lambda r: r.arrival)
+        for req in partial:
+            if budget == 0:
+                break
+            extend = min(req.num_pending, budget)
+            if not self._grow(req, req.num_computed + extend, reserve=0):
+                # No overtaking: new requests must not take the pages this one waits for.
+                budget = 0
+                break
+            reqs.append(req)
+            extends.append(extend)
+            budget -= extend
+        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
+            req = self.waiting[0]
+            self._match_prefix(req)
+            extend = min(req.num_pending, budget)
+            if not self._grow(req, req.num_computed + extend, reserve=num_decoding):
+                self._release(req)
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            if not req.admitted_once:
+                req.cached_tokens = req.num_computed
+                req.admitted_once = True
+            reqs.append(req)
+            extends.append(extend)
+            budget -= extend
+        if not reqs:
+            return None
+        return ScheduledBatch(reqs, extends, is_decode=False)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        batch = sorted((r for r in self.running if r.is_decoding), key=lambda r: r.arrival)
+        kept: list[Request] = []
+        for req in batch:
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted to make room for an older request
+            while not self._grow(req, req.num_computed + 1, reserve=0):
+                victim = max(self.running, key=lambda r: r.arrival)
+                self.preempt(victim)
+                if victim is req:
+                    break
+                if victim in kept:
+                    kept.remove(victim)
+            if req.status == RequestStatus.RUNNING:
+                kept.append(req)
+        if not kept:
+            return None
+        return ScheduledBatch(kept, [1] * len(kept), is_decode=True)
+
+    def preempt(self, req: Request) -> None:
+        """Release a running request's pages and requeue it first, to be recomputed."""
+        self._release(req)
+        self.running.remove(req)
+        self.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    # ---- pages ---------------------------------------------------------------------------
+    def num_free_pages(self) -> int:
+        """Pages free now or reclaimable by eviction."""
+        evictable = self.radix.num_evictable_pages if self.radix else 0
+        return self.allocator.num_free + evictable
+
+    def _alloc(self, n: int, reserve: int) -> list[int] | None:
+        if n + reserve > self.num_free_pages():
+            return None
+        short = n - self.allocator.num_free
+        if short > 0 and self.radix is not None:
+            self.radix.evict(short)
+        return self.allocator.alloc(n)
+
+    def _grow(self, req: Request, num_tokens: int, reserve: int) -> bool:
+        """Give `req` pages for its first `num_tokens` tokens; False if not enough pages."""
+        need = math.ceil(num_tokens / self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self._alloc(need, reserve)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def _match_prefix(self, req: Request) -> None:
+        if self.radix is None or req.pages:
+            return
+        node, pages = self.radix.match_prefix(req.token_ids)
+        self.radix.lock(node)
+        req.tree_node, req.pages = node, list(pages)
+        req.num_tree_pages = len(pages)
+        req.num_computed = len(pages) * self.page_size
+
+    def cache_prefix(self, req: Request) -> None:
+        """Put `req`'s computed full pages into the radix cache and lock them for it (after its
+        prefill, so concurrent requests with the same prompt prefix can share them)."""
+        if self.radix is None:
+            return
+        num_full = req.num_computed // self.page_size
+        if num_full <= req.num_tree_pages:
+            return
+        node, tree_pages = self.radix.insert(req.token_ids, req.pages[:num_full])
+        duplicates = [p for p, t in zip(req.pages[:num_full], tree_pages, strict=True) if p != t]
+        self.radix.lock(node)
+        self.radix.unlock(req.tree_node)
+        self.allocator.free(duplicates)
+        req.pages[:num_full] = tree_pages
+        req.tree_node, req.num_tree_pages = node, num_full
+
+    def _release(self, req: Request) -> None:
+        """Return `req`'s pages: full computed pages to the radix cache, the rest freed."""
+        if self.radix is None:
+            self.allocator.free(req.pages)
+        else:
+            num_full = req.num_computed // self.page_size
+            _, tree_pages = self.radix.insert(req.token_ids, req.pages[:num_full])
+            owned = req.pages[num_full:]
+            duplicates = [
+                p for p, t in zip(req.pages[:num_full], tree_pages, strict=True) if p != t
+            ]
+            self.radix.unlock(req.tree_node)
+            self.allocator.free(duplicates + owned)
+        req.pages, req.num_computed = [], 0
+        req.tree_node, req.num_tree_pages = None, 0

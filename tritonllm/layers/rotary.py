@@ -1,0 +1,78 @@
+"""Rotary position embedding (RoFormer, Su et al. 2021), NeoX "rotate half" layout.
+
+Llama 3 frequency scaling follows the Llama 3 paper / Meta's reference code, with the same
+semantics as transformers' `_compute_llama3_parameters`: wavelengths shorter than
+`original_max / high_freq_factor` are kept, longer than `original_max / low_freq_factor` are
+divided by `factor`, and the band in between is interpolated smoothly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tritonllm.config import RopeScaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies `[head_dim // 2]` float32, with Llama 3 scaling when given."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k from a cos/sin cache indexed by position.
+
+    The cache holds `[max_positions, head_dim // 2]` float32 cos and sin; rows are gathered per
+    token, so positions need not be contiguous (prefix caching, batched sequences).
+    """
+
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None
+    ) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions = head_dim, max_positions
+        self.theta, self.scaling = theta, scaling
+        self.register_buffer("cos_cache", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+        if not self.cos_cache.is_meta:
+            self.init_cache()
+
+    def init_cache(self, device: torch.device | None = None) -> None:
+        """(Re)compute the cos/sin cache, e.g. after the module was built on the meta device."""
+        device = device or self.cos_cache.device
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+        # An outer product: one rounding per entry, bit-equal to transformers' matmul form.
+        freqs = torch.outer(t, inv_freq)
+        self.cos_cache = freqs.cos().to(device)
+        self.sin_cache = freqs.sin().to(device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions `[T]` int64; q `[T, Hq, D]`, k `[T, Hkv, D]` → rotated q, k (same dtype)."""
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2] float32
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

@@ -1,0 +1,143 @@
+"""One decoder-only transformer for Qwen3, Qwen2 and Llama.
+
+The three differ only in config-driven details: Qwen3 applies a per-head RMSNorm to q and k
+before RoPE, Qwen2 has q/k/v biases, Llama may use Llama 3 RoPE frequency scaling. Module
+names mirror Hugging Face's (`model.layers.N.self_attn...`), so the loader only has to fuse
+q/k/v and gate/up.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tritonllm.attention.base import AttentionBackend, AttentionMetadata
+from tritonllm.config import ModelConfig
+from tritonllm.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+
+
+class BackendRef:
+    """Shared, late-bound handle to the attention backend (the KV cache is sized after the
+    weights are loaded, so the backend exists only after the model)."""
+
+    backend: AttentionBackend | None = None
+
+
+class Attention(nn.Module):
+    """Fused qkv projection, optional q/k norm, RoPE, paged attention, output projection."""
+
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, backend_ref: BackendRef
+    ) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self._rotary = [rotary]  # a list, so the shared module is not registered per layer
+        self._backend_ref = backend_ref
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """positions `[T]` int64, hidden `[T, hidden_size]` → `[T, hidden_size]`."""
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rotary[0](positions, q, k)
+        out = self._backend_ref.backend.forward(q, k, v.contiguous(), self.layer_id)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: `h += attn(norm(h)); h += mlp(norm(h))`."""
+
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, backend_ref: BackendRef
+    ) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, rotary, backend_ref)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers, final norm (Hugging Face's `model.` submodule)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, backend_ref: BackendRef) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary_emb = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.rotary_emb, backend_ref) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Decoder-only causal LM over a paged KV cache (Qwen3ForCausalLM / Qwen2 / Llama).
+
+    Call `set_attention_backend` before the first forward. The model runner calls
+    `backend.prepare(meta)` before each forward (kept outside so CUDA graphs can capture the
+    forward alone).
+    """
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.backend_ref = BackendRef()
+        self.model = DecoderModel(
+            cfg, max_positions or cfg.max_position_embeddings, self.backend_ref
+        )
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        self.backend_ref.backend = backend
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the new tokens of a batch through the model.
+
+        Args:
+            input_ids: `[T]` int64, new tokens of all sequences, concatenated.
+            positions: `[T]` int64, their absolute positions.
+            meta: the batch's attention metadata (already passed to `backend.prepare`).
+            logits_indices: `[B]` int64, rows of T whose next-token logits are wanted.
+
+        Returns:
+            `[B, vocab_size]` float32 logits.
+        """
+        hidden = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            hidden = layer(positions, hidden)
+        hidden = self.model.norm(hidden[logits_indices])
+        return self.lm_head(hidden).float()
