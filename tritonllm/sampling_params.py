@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 MAX_N = 16
+# Stop strings per request (OpenAI allows 4; vLLM has no limit). Each is matched against the
+# decoded output every step, so the count bounds per-token work.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,10 @@ class SamplingParams:
         min_p: drop tokens with probability < min_p * max probability, in [0, 1]; 0 disables.
         seed: per-request seed: the same seed and inputs give the same tokens regardless of
             which other requests share the batch. None uses the engine's generator.
+        stop: stop strings (OpenAI semantics): the output text ends just before the first
+            occurrence of any of them, no part of one is ever streamed, and the request finishes
+            with "stop". At most MAX_STOP_STRINGS, each 1..MAX_STOP_STRING_CHARS characters.
+            Applied from the first generated token (min_tokens does not delay them).
         stop_token_ids: extra token ids that finish the request ("stop"); the stop token is
             included in the output ids.
         ignore_eos: keep generating past the model's EOS ids.
@@ -40,6 +48,7 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -52,6 +61,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable.
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
 
     @property
     def is_greedy(self) -> bool:
@@ -118,6 +129,18 @@ class SamplingParams:
             "stop_token_ids",
             "non-negative token ids",
             self.stop_token_ids,
+        )
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_STOP_STRINGS} strings",
+            f"{len(self.stop)} strings",
+        )
+        _check(
+            all(isinstance(t, str) and 0 < len(t) <= MAX_STOP_STRING_CHARS for t in self.stop),
+            "stop",
+            f"strings of 1..{MAX_STOP_STRING_CHARS} characters",
+            self.stop,
         )
         return self
 

@@ -18,7 +18,9 @@ from tritonllm.engine.model_runner import ModelRunner
 from tritonllm.engine.radix_cache import RadixCache
 from tritonllm.engine.request import Request, RequestOutput, RequestStatus
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
+from tritonllm.engine.stop_strings import StopStringChecker
 from tritonllm.sampling_params import SamplingParams
+from tritonllm.tokenization.detokenizer import Detokenizer
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class LLMEngine:
         self._gen_ids = itertools.count()
         self._num_steps = 0
         self._max_batch = 0
+        self._detok: Detokenizer | None = None
 
     # ---- requests ------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -140,8 +143,18 @@ class LLMEngine:
         )
         if params.seed is not None:
             req.generator = self.runner.sampler.make_generator(params.seed)
+        if params.stop:
+            req.stop_checker = StopStringChecker(self._detokenizer(), params.stop)
         self._requests[request_id] = req
         self.scheduler.add(req)
+
+    def _detokenizer(self) -> Detokenizer:
+        # Loaded on first use: only requests with stop strings need text in the engine.
+        if self._detok is None:
+            from transformers import AutoTokenizer
+
+            self._detok = Detokenizer(AutoTokenizer.from_pretrained(self.config.model))
+        return self._detok
 
     def abort(self, request_id: str) -> bool:
         """Abort a request (or all n children of one); its KV pages are freed at once.
@@ -210,11 +223,35 @@ class LLMEngine:
             reason = "length"
         lp = None if samples.logprobs[j] is None else [samples.logprobs[j]]
         top = None if samples.top_logprobs[j] is None else [samples.top_logprobs[j]]
+        released, trim = [token], 0
+        if req.stop_checker is not None:
+            released, trim, stopped, lp, top = self._check_stop_strings(req, token, reason, lp, top)
+            if stopped:
+                reason = "stop"
         if reason is not None:
             req.finish_reason = reason
             self.scheduler.finish(req)
             del self._requests[req.request_id]
-        return self._output(req, [token], lp, top)
+        out = self._output(req, released, lp, top)
+        out.trim_chars = trim
+        return out
+
+    def _check_stop_strings(self, req: Request, token: int, reason: str | None, lp, top):
+        """Run the request's stop-string checker on its new token.
+
+        Returns (released ids, trim chars, stopped, logprobs, top logprobs) for this step's
+        output; a request that ends for another reason (`reason`) releases what was held. Held
+        tokens are released later; their logprobs are not reported (logprobs stay aligned with
+        the tokens released in the same output only when nothing is held).
+        """
+        checker = req.stop_checker
+        result = checker.process([token])
+        released = list(result.release_ids)
+        if not result.stopped and reason is not None:
+            released += checker.flush()
+        if released != [token]:
+            lp = top = None
+        return released, result.trim_chars, result.stopped, lp, top
 
     def _output(
         self, req: Request, tokens: list[int], lp, top, error: str | None = None

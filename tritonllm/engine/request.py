@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from tritonllm.engine.stop_strings import StopStringChecker
 from tritonllm.sampling_params import SamplingParams
 
 
@@ -41,6 +42,7 @@ class Request:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     stop_ids: frozenset[int] = frozenset()
+    stop_checker: StopStringChecker | None = None  # only for requests with stop strings
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -75,7 +77,9 @@ class RequestOutput:
 
     Attributes:
         request_id: the id given to `add_request` (`"{id}#{i}"` for the i-th of n > 1).
-        new_token_ids: tokens generated this step (empty for an abort or error).
+        new_token_ids: tokens released this step (empty for an abort or error). With stop
+            strings, tokens that may begin a stop string are held back and released later, so
+            this can be empty while running or hold several tokens.
         finished: this is the request's last output.
         finish_reason: None while running; "stop" (EOS or a stop token, included in the ids),
             "length" (max_tokens), "abort", or "error" (see `error`).
@@ -85,6 +89,9 @@ class RequestOutput:
         top_logprobs: with `SamplingParams.logprobs`, per new token {token id: logprob} of the
             `logprobs` most likely tokens.
         error: the message when finish_reason is "error".
+        trim_chars: characters to drop from the end of the text of `new_token_ids` (decoded
+            after all earlier ones) so the output ends just before a matched stop string; 0
+            unless a stop string ended the request (see `engine/stop_strings.py`).
     """
 
     request_id: str
@@ -97,3 +104,4 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     error: str | None = None
+    trim_chars: int = 0
