@@ -177,6 +177,14 @@ class EngineConfig:
             max_position_embeddings.
         seed: seed of the sampler's generator for requests without their own seed.
         gpu_memory_utilization: fraction of free GPU memory the KV pool may take (CUDA only).
+        cuda_graph: capture decode steps as CUDA graphs at batch sizes 1, 2, 4, 8, 16, 24, ...
+            up to `cuda_graph_max_bs` (padded); None → on for CUDA with a backend that supports
+            it (triton, flashinfer). Always off on CPU. Larger decode batches and prefill run
+            eagerly.
+        cuda_graph_max_bs: the largest captured decode batch (sequences).
+        overlap_schedule: schedule step N+1 on the CPU while the GPU runs step N (sampled ids
+            stay on the GPU and are processed one step late); None → on for CUDA, off on CPU.
+            True on CPU is honoured (no speed-up; it exercises the same code path in tests).
     """
 
     model: str
@@ -191,6 +199,9 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     gpu_memory_utilization: float = 0.85
+    cuda_graph: bool | None = None
+    cuda_graph_max_bs: int = 256
+    overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -203,6 +214,8 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
 
     @cached_property
     def model_config(self) -> ModelConfig:
@@ -219,6 +232,31 @@ class EngineConfig:
         if self.dtype is not None:
             return _DTYPES[self.dtype]
         return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        """Whether decode steps replay CUDA graphs (never on CPU; see `cuda_graph`)."""
+        if self.torch_device.type != "cuda":
+            return False
+        return self.cuda_graph is not False and self.attention_backend != "torch"
+
+    @property
+    def use_overlap_schedule(self) -> bool:
+        """Whether the engine overlaps CPU scheduling with the GPU (see `overlap_schedule`)."""
+        if self.overlap_schedule is None:
+            return self.torch_device.type == "cuda"
+        return self.overlap_schedule
+
+    @property
+    def cuda_graph_batch_sizes(self) -> list[int]:
+        """Captured decode batch sizes: 1, 2, 4, 8, then steps of 8, up to cuda_graph_max_bs
+        (and max_running_requests); the largest is always included."""
+        top = min(self.cuda_graph_max_bs, self.max_running_requests)
+        sizes = [b for b in (1, 2, 4, 8) if b <= top]
+        sizes += list(range(16, top + 1, 8))
+        if sizes[-1] != top:
+            sizes.append(top)
+        return sizes
 
     @property
     def effective_max_model_len(self) -> int:

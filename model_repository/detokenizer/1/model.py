@@ -1,0 +1,55 @@
+"""Triton adapter: ``output_ids`` + ``prefix_ids`` → ``text_output`` (stateless, batched).
+
+The text delta is ``tritonllm.tokenization.detokenizer.Detokenizer.delta``; ``finish_reason``
+and the token counts pass through unchanged. A batch from the dynamic batcher holds one
+request per generator response; each request's tensors carry a batch dimension of 1.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+try:
+    import tritonllm  # noqa: F401
+except ImportError:  # not pip-installed: use the checkout that holds this repository
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from tritonllm.tokenization.detokenizer import Detokenizer
+from tritonllm.triton_config import model_parameters, resolve_model_path
+
+PASS_THROUGH = ("finish_reason", "num_input_tokens", "num_output_tokens", "cached_tokens")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from transformers import AutoTokenizer
+
+        path = resolve_model_path(model_parameters(args["model_config"]))
+        self.detokenizer = Detokenizer(AutoTokenizer.from_pretrained(path))
+
+    def _response(self, request):
+        def array(name):
+            return pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+
+        passed = {name: array(name) for name in PASS_THROUGH}
+        final = passed["finish_reason"].reshape(-1)[0] != b""
+        new_ids = array("output_ids").reshape(-1).tolist()
+        prefix_ids = array("prefix_ids").reshape(-1).tolist()
+        text = self.detokenizer.delta(prefix_ids, new_ids, final)
+        batch_shape = passed["finish_reason"].shape  # [1, 1]: batch dim + dims [1]
+        text_output = np.array([text.encode("utf-8")], dtype=np.object_).reshape(batch_shape)
+        outputs = [pb_utils.Tensor("text_output", text_output)]
+        outputs += [pb_utils.Tensor(name, value) for name, value in passed.items()]
+        return pb_utils.InferenceResponse(output_tensors=outputs)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                responses.append(self._response(request))
+            except Exception as exc:  # one malformed request must not fail the batch
+                error = pb_utils.TritonError(f"detokenizer: {exc}")
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+        return responses

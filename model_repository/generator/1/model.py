@@ -1,0 +1,211 @@
+"""Triton adapter of the engine: a decoupled model streaming each request's new token ids.
+
+``execute`` only validates and enqueues into the ``EngineThread``; the engine thread's callback
+puts outputs on a ``ResponseStreamer`` whose sender thread coalesces what piled up per request
+and sends the responses (several tokens per response under load). Control request: input
+``abort_request_id`` aborts that request id (its KV pages are freed at once) and is answered
+with one empty final response. Engine gauges are exported as ``tritonllm_*`` custom metrics.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+try:
+    import tritonllm  # noqa: F401
+except ImportError:  # not pip-installed: use the checkout that holds this repository
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from tritonllm.engine.engine import LLMEngine
+from tritonllm.engine.engine_thread import EngineThread
+from tritonllm.serving.inputs import SAMPLING_INPUTS, sampling_params, scalar
+from tritonllm.serving.metrics import ENGINE_GAUGES, GENERATED_TOKENS, gauge_values
+from tritonllm.serving.request_table import RequestTable
+from tritonllm.serving.response_streamer import ResponseStreamer
+from tritonllm.serving.stream_state import ResponseChunk, StreamState
+from tritonllm.triton_config import engine_config, model_parameters, serving_config
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# How often a live request's client is asked whether it cancelled (an IPC round trip each).
+CANCEL_CHECK_S = 0.2
+
+
+class _Entry:
+    """A live request: its response sender and stream bookkeeping."""
+
+    __slots__ = ("sender", "state", "cancelled", "checked_at")
+
+    def __init__(self, sender, stream):
+        self.sender = sender
+        self.state = StreamState(stream=stream)
+        self.cancelled = False
+        self.checked_at = time.monotonic()
+
+
+def _input(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _response(chunk):
+    """The ``generator`` outputs of one ``ResponseChunk``."""
+    if chunk.error is not None:
+        return pb_utils.InferenceResponse(
+            output_tensors=[], error=pb_utils.TritonError(f"generator: {chunk.error}")
+        )
+    counts = (chunk.num_input_tokens, chunk.num_output_tokens, chunk.cached_tokens)
+    names = ("num_input_tokens", "num_output_tokens", "cached_tokens")
+    tensors = [
+        pb_utils.Tensor("output_ids", np.asarray(chunk.output_ids, dtype=np.int32)),
+        pb_utils.Tensor("prefix_ids", np.asarray(chunk.prefix_ids, dtype=np.int32)),
+        pb_utils.Tensor("finish_reason", np.array([chunk.finish_reason.encode()], dtype=object)),
+    ]
+    tensors += [
+        pb_utils.Tensor(n, np.array([c], dtype=np.int32))
+        for n, c in zip(names, counts, strict=True)
+    ]
+    return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def _send_error(sender, message):
+    error = pb_utils.TritonError(f"generator: {message}")
+    sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
+
+
+class _Metrics:
+    """The ``tritonllm_*`` Triton custom metrics (``serving.metrics`` names them)."""
+
+    def __init__(self):
+        labels = {"model": "generator"}
+        # A family must outlive its metrics: keep references to both.
+        self.families, self.gauges = [], {}
+        for spec, _ in ENGINE_GAUGES:
+            family = pb_utils.MetricFamily(spec.name, spec.description, pb_utils.MetricFamily.GAUGE)
+            self.families.append(family)
+            self.gauges[spec.name] = family.Metric(labels=labels)
+        family = pb_utils.MetricFamily(
+            GENERATED_TOKENS.name, GENERATED_TOKENS.description, pb_utils.MetricFamily.COUNTER
+        )
+        self.families.append(family)
+        self.generated_tokens = family.Metric(labels=labels)
+
+    def update(self, stats, new_tokens):
+        for name, value in gauge_values(stats).items():
+            self.gauges[name].set(value)
+        if new_tokens:
+            self.generated_tokens.increment(new_tokens)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(args["model_config"])
+        self.logger = pb_utils.Logger
+        self.requests = RequestTable()
+        self.metrics = _Metrics()
+        self.new_tokens = 0
+        self.last_cancel_scan = time.monotonic()
+        self.engine_thread = EngineThread(LLMEngine(engine_config(params)))
+        serving = serving_config(params)
+        self.streamer = ResponseStreamer(
+            self._deliver,
+            self._tick,
+            interval_s=serving.metrics_interval_s,
+            on_error=self.logger.log_error,
+            max_responses_per_s=serving.max_responses_per_s,
+        ).start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._accept(request, sender)
+            except Exception as exc:  # a bad request fails alone
+                _send_error(sender, exc)
+        return None
+
+    def _accept(self, request, sender):
+        abort_id = _input(request, "abort_request_id")
+        if abort_id is not None:
+            for key in self.requests.abort(scalar(abort_id, "abort_request_id", str)):
+                self.engine_thread.abort(key)
+            sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+            return
+        input_ids = _input(request, "input_ids")
+        if input_ids is None:
+            raise ValueError("input_ids is required (or abort_request_id for a control request)")
+        params = sampling_params({name: _input(request, name) for name in SAMPLING_INPUTS})
+        stream = scalar(_input(request, "stream"), "stream", bool, default=True)
+        if self.requests.was_aborted(request.request_id()):  # its abort overtook it
+            chunk = ResponseChunk([], [], "abort", int(input_ids.size), 0, 0, final=True)
+            sender.send(_response(chunk), flags=FINAL)
+            return
+        key = self.requests.add(request.request_id(), _Entry(sender, stream))
+        try:
+            prompt_ids = input_ids.reshape(-1).tolist()
+            self.engine_thread.submit(key, prompt_ids, params, self.streamer.put)
+        except Exception:
+            self.requests.pop(key)
+            raise
+
+    # --- sender thread -------------------------------------------------------------------
+
+    def _cancelled(self, entry, now):
+        """Whether the client cancelled; asked at most every CANCEL_CHECK_S per request."""
+        if now - entry.checked_at < CANCEL_CHECK_S:
+            return False
+        entry.checked_at = now
+        return entry.sender.is_cancelled()
+
+    def _cancel(self, key, entry):
+        """Abort a cancelled request; its final flag is sent now (its engine output is ignored)."""
+        entry.cancelled = True
+        self.engine_thread.abort(key)
+        try:
+            entry.sender.send(flags=FINAL)
+        except Exception:  # the stream may already be gone
+            pass
+
+    def _deliver(self, outputs):
+        now = time.monotonic()
+        for output in outputs:
+            key = output.request_id
+            entry = self.requests.pop(key) if output.finished else self.requests.get(key)
+            self.new_tokens += len(output.new_token_ids)
+            if entry is None or entry.cancelled:
+                continue
+            chunk = entry.state.on_output(output)
+            if chunk is None:
+                continue
+            if not chunk.final and self._cancelled(entry, now):
+                self._cancel(key, entry)
+                continue
+            try:
+                entry.sender.send(_response(chunk), flags=FINAL if chunk.final else 0)
+            except Exception as exc:
+                self.logger.log_warn(f"generator: dropping request {key!r}: {exc}")
+                if not chunk.final:
+                    self._cancel(key, entry)
+
+    def _tick(self):
+        now = time.monotonic()
+        if now - self.last_cancel_scan >= CANCEL_CHECK_S:
+            # Requests that send nothing for a while (waiting for admission) are checked here.
+            self.last_cancel_scan = now
+            for key, entry in self.requests.items():
+                if not entry.cancelled and self._cancelled(entry, now):
+                    self._cancel(key, entry)
+        self.metrics.update(self.engine_thread.stats(), self.new_tokens)
+        self.new_tokens = 0
+
+    def finalize(self):
+        self.engine_thread.shutdown()
+        self.streamer.stop()
+        for _, entry in self.requests.items():
+            if not entry.cancelled:
+                try:
+                    _send_error(entry.sender, "the model is being unloaded")
+                except Exception:
+                    pass

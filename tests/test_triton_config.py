@@ -1,0 +1,89 @@
+"""``tritonllm.triton_config``: config.pbtxt parameters and TRITONLLM_* variables → configs."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tritonllm.config import EngineConfig
+from tritonllm.triton_config import (
+    DEFAULT_MODEL,
+    engine_config,
+    model_parameters,
+    resolve_model_path,
+    serving_config,
+)
+from tritonllm.triton_server import MODEL_REPOSITORY, REPO_ROOT
+
+
+def test_model_parameters_parse_the_triton_config_json():
+    config = {
+        "parameters": {"model": {"string_value": "models/x"}, "page_size": {"string_value": "32"}}
+    }
+    assert model_parameters(json.dumps(config)) == {"model": "models/x", "page_size": "32"}
+    assert model_parameters({}) == {}
+
+
+def test_model_path_env_beats_parameter_beats_default(tmp_path):
+    params = {"model": "some/dir"}
+    assert resolve_model_path(params, {"TRITONLLM_MODEL": str(tmp_path)}) == tmp_path
+    assert resolve_model_path(params, {}) == REPO_ROOT / "some/dir"  # relative to the project
+    assert resolve_model_path({}, {}) == REPO_ROOT / DEFAULT_MODEL
+    assert resolve_model_path({"model": " "}, {"TRITONLLM_MODEL": ""}) == REPO_ROOT / DEFAULT_MODEL
+
+
+def test_engine_config_reads_every_field_from_env_or_parameters(tmp_path):
+    env = {
+        "TRITONLLM_MODEL": str(tmp_path),
+        "TRITONLLM_DEVICE": "cpu",
+        "TRITONLLM_PAGE_SIZE": "8",
+        "TRITONLLM_ENABLE_PREFIX_CACHE": "false",
+        "TRITONLLM_MAX_MODEL_LEN": "none",
+        "TRITONLLM_GPU_MEMORY_UTILIZATION": "0.5",
+    }
+    params = {"page_size": "64", "num_pages": "100", "dtype": "float32"}
+    config = engine_config(params, env)
+    assert config == EngineConfig(
+        model=str(tmp_path),
+        device="cpu",
+        page_size=8,
+        num_pages=100,
+        dtype="float32",
+        enable_prefix_cache=False,
+        max_model_len=None,
+        gpu_memory_utilization=0.5,
+    )
+
+
+def test_engine_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="TRITONLLM_PAGE_SIZE"):
+        engine_config({}, {"TRITONLLM_PAGE_SIZE": "eight", "TRITONLLM_DEVICE": "cpu"})
+    with pytest.raises(ValueError, match="enable_prefix_cache"):
+        engine_config({}, {"TRITONLLM_ENABLE_PREFIX_CACHE": "maybe"})
+    with pytest.raises(ValueError, match="page_size"):
+        engine_config({}, {"TRITONLLM_PAGE_SIZE": "0", "TRITONLLM_DEVICE": "cpu"})
+
+
+def test_serving_config_interval():
+    assert serving_config({}, {}).metrics_interval_s == 0.05
+    assert serving_config({"max_responses_per_s": "10"}, {}).max_responses_per_s == 10.0
+    assert serving_config({}, {"TRITONLLM_METRICS_INTERVAL_MS": "20"}).metrics_interval_s == 0.02
+
+
+def test_every_engine_field_is_documented():
+    from dataclasses import fields
+
+    import tritonllm.triton_config as module
+
+    for field in fields(EngineConfig):
+        assert f"TRITONLLM_{field.name.upper()}" in module.__doc__, field.name
+
+
+def test_repository_parameters_name_the_default_model():
+    for model in ("tokenizer", "generator", "detokenizer"):
+        text = Path(MODEL_REPOSITORY, model, "config.pbtxt").read_text()
+        value = re.search(r'key: "model" value: \{ string_value: "([^"]*)" \}', text).group(1)
+        assert value == DEFAULT_MODEL

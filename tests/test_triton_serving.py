@@ -1,0 +1,231 @@
+"""The generator's Triton-agnostic response path: coalescing, stream state, request table,
+sender thread, request inputs and metric values (no tritonserver needed)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from tritonllm.engine.request import RequestOutput
+from tritonllm.sampling_params import SamplingParams
+from tritonllm.serving.coalesce import coalesce
+from tritonllm.serving.inputs import sampling_params, scalar
+from tritonllm.serving.metrics import ENGINE_GAUGES, gauge_values
+from tritonllm.serving.request_table import RequestTable
+from tritonllm.serving.response_streamer import ResponseStreamer
+from tritonllm.serving.stream_state import PREFIX_LEN, StreamState
+
+
+def out(rid: str, ids: list[int], n_out: int, reason: str | None = None) -> RequestOutput:
+    return RequestOutput(
+        rid,
+        ids,
+        reason is not None,
+        reason,
+        num_prompt_tokens=5,
+        num_output_tokens=n_out,
+        cached_tokens=2,
+    )
+
+
+def test_coalesce_merges_each_request_in_order_and_keeps_the_last_counts():
+    merged = coalesce(
+        [
+            out("a", [1], 1),
+            out("b", [7], 1),
+            out("a", [2], 2),
+            out("a", [3], 3, "length"),
+            out("b", [8], 2),
+        ]
+    )
+    assert [m.request_id for m in merged] == ["a", "b"]
+    a, b = merged
+    assert (a.new_token_ids, a.num_output_tokens, a.finished, a.finish_reason) == (
+        [1, 2, 3],
+        3,
+        True,
+        "length",
+    )
+    assert (b.new_token_ids, b.num_output_tokens, b.finished) == ([7, 8], 2, False)
+
+
+def test_coalesce_drops_outputs_after_a_final_one():
+    (merged,) = coalesce([out("a", [], 4, "abort"), out("a", [9], 5)])
+    assert merged.finish_reason == "abort" and merged.new_token_ids == []
+
+
+@pytest.mark.parametrize(
+    "chunks", [[[1], [2], [3]], [[1, 2, 3, 4, 5, 6, 7, 8, 9], [10]], [[i] for i in range(20)]]
+)
+def test_stream_state_prefix_is_the_previous_output_ids(chunks):
+    state, sent, seen = StreamState(stream=True), [], []
+    for i, ids in enumerate(chunks):
+        last = i == len(chunks) - 1
+        chunk = state.on_output(out("r", ids, len(seen) + len(ids), "stop" if last else None))
+        assert chunk.prefix_ids == seen[-PREFIX_LEN:]  # never prompt ids
+        assert chunk.final == last and chunk.finish_reason == ("stop" if last else "")
+        seen += ids
+        sent += chunk.output_ids
+    assert sent == seen
+
+
+def test_stream_false_sends_one_chunk_with_all_ids():
+    state = StreamState(stream=False)
+    assert state.on_output(out("r", [1], 1)) is None
+    assert state.on_output(out("r", [2, 3], 3)) is None
+    chunk = state.on_output(out("r", [4], 4, "length"))
+    assert (chunk.output_ids, chunk.prefix_ids, chunk.final) == ([1, 2, 3, 4], [], True)
+    assert (chunk.num_input_tokens, chunk.num_output_tokens, chunk.cached_tokens) == (5, 4, 2)
+
+
+def test_stream_state_reports_engine_errors():
+    failed = RequestOutput("r", [], True, "error", 5, 0, 0, error="engine error: boom")
+    assert StreamState().on_output(failed).error == "engine error: boom"
+
+
+def test_request_table_keys_are_unique_per_live_request():
+    table = RequestTable()
+    first = table.add("req", "A")
+    second = table.add("req", "B")
+    anonymous = table.add("", "C")
+    assert first == "req" and second != first and anonymous
+    assert sorted(table.keys_of("req")) == sorted([first, second])
+    assert table.pop(first) == "A" and table.get(first) is None
+    assert table.add("req", "D") == "req"  # free again once the first finished
+    assert len(table) == 3
+
+
+def test_streamer_coalesces_outputs_that_pile_up_while_sending():
+    delivered, release = [], threading.Event()
+    first_batch = threading.Event()
+
+    def deliver(batch):
+        delivered.append([(o.request_id, list(o.new_token_ids)) for o in batch])
+        first_batch.set()
+        release.wait(5)  # a slow response path
+
+    streamer = ResponseStreamer(deliver, tick=lambda: None, interval_s=0.01).start()
+    streamer.put(out("a", [1], 1))
+    assert first_batch.wait(5)
+    for token in (2, 3, 4):  # arrive while the sender is busy
+        streamer.put(out("a", [token], token))
+    streamer.put(out("b", [9], 1, "stop"))
+    release.set()
+    streamer.stop()
+    assert delivered == [[("a", [1])], [("a", [2, 3, 4]), ("b", [9])]]
+
+
+def test_streamer_ticks_after_a_finish_and_survives_errors():
+    ticks, errors = threading.Event(), []
+
+    def deliver(batch):
+        raise RuntimeError("send failed")
+
+    streamer = ResponseStreamer(deliver, tick=ticks.set, interval_s=60.0, on_error=errors.append)
+    streamer.start()
+    ticks.wait(5)
+    ticks.clear()
+    streamer.put(out("a", [1], 1, "length"))
+    assert ticks.wait(5)  # long before the 60 s interval
+    streamer.stop()
+    assert errors and "send failed" in errors[0]
+
+
+def test_sampling_params_from_inputs_matches_the_dataclass():
+    params = sampling_params(
+        {
+            "max_tokens": np.array([7], np.int32),
+            "temperature": np.array([0.5], np.float32),
+            "top_k": np.array([3], np.int32),
+            "seed": np.array([42], np.int64),
+            "stop_token_ids": np.array([1, 2], np.int32),
+            "ignore_eos": np.array([True]),
+            "repetition_penalty": np.array([1.1], np.float32),
+            "top_p": None,
+        }
+    )
+    assert params == SamplingParams(
+        max_tokens=7,
+        temperature=float(np.float32(0.5)),
+        top_k=3,
+        seed=42,
+        stop_token_ids=(1, 2),
+        ignore_eos=True,
+        repetition_penalty=float(np.float32(1.1)),
+    )
+    assert type(params.max_tokens) is int and type(params.seed) is int
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        {"temperature": np.array([-1.0], np.float32)},
+        {"max_tokens": np.array([0], np.int32)},
+        {"max_tokens": np.array([1, 2], np.int32)},
+    ],
+)
+def test_bad_sampling_inputs_raise_value_error(inputs):
+    with pytest.raises(ValueError):
+        sampling_params(inputs)
+
+
+def test_scalar_decodes_bytes_and_defaults():
+    assert scalar(np.array([b"abc"], dtype=object), "x", str) == "abc"
+    assert scalar(None, "stream", bool, default=True) is True
+
+
+def test_kv_pages_used_excludes_reclaimable_prefix_cache_pages():
+    stats = SimpleNamespace(
+        used_pages=10,
+        evictable_pages=4,
+        cached_pages=6,
+        total_pages=100,
+        num_running=1,
+        num_waiting=2,
+        max_batch_size_seen=3,
+    )
+    values = gauge_values(stats)
+    assert set(values) == {spec.name for spec, _ in ENGINE_GAUGES}
+    assert values["tritonllm_kv_pages_used"] == 6
+    assert values["tritonllm_kv_pages_total"] == 100
+    assert values["tritonllm_batch_size_max"] == 3
+
+
+def test_pacer_holds_tokens_until_the_request_is_due_and_never_delays_the_final():
+    from tritonllm.serving.pacer import ResponsePacer
+
+    pacer = ResponsePacer(max_responses_per_s=20.0)  # 2 live requests → one response per 0.1 s
+    assert [o.new_token_ids for o in pacer.admit([out("a", [1], 1), out("b", [5], 1)], 0.0)] == [
+        [1],
+        [5],
+    ]  # first responses go out at once (TTFT)
+    assert pacer.admit([out("a", [2], 2)], 0.05) == []
+    assert pacer.admit([out("a", [3], 3)], 0.06) == []
+    assert pacer.next_due() == pytest.approx(0.1)
+    (due,) = pacer.admit([], 0.1)
+    assert (due.new_token_ids, due.num_output_tokens) == ([2, 3], 3)  # coalesced
+    (final,) = pacer.admit([out("b", [6], 2, "stop")], 0.11)
+    assert final.finished and final.new_token_ids == [6]
+    assert pacer.next_due() is None
+
+
+def test_pacer_disabled_sends_everything():
+    from tritonllm.serving.pacer import ResponsePacer
+
+    pacer = ResponsePacer(max_responses_per_s=0)
+    for t in range(3):
+        assert len(pacer.admit([out("a", [t], t + 1)], 0.0)) == 1
+
+
+def test_an_abort_that_overtakes_its_request_is_remembered():
+    table = RequestTable(abort_ttl_s=60.0)
+    assert table.abort("early") == []
+    assert table.was_aborted("early") and not table.was_aborted("early")  # consumed
+    key = table.add("live", "entry")
+    assert table.abort("live") == [key] and not table.was_aborted("live")
+    expired = RequestTable(abort_ttl_s=0.0)
+    expired.abort("x")
+    assert not expired.was_aborted("x")

@@ -1,0 +1,1 @@
+"""Triton-agnostic helpers of the generator model's response path (coalescing, bookkeeping)."""

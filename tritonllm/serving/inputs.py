@@ -1,0 +1,65 @@
+"""Request inputs of the generator (numpy arrays by input name) → plain Python values."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+
+from tritonllm.sampling_params import SamplingParams
+
+# Optional sampling inputs of the generator and the llm ensemble (ARCHITECTURE.md), with the
+# Python type of their SamplingParams field; `stop_token_ids` is a list, the others scalars.
+SAMPLING_INPUTS: dict[str, type] = {
+    "max_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "seed": int,
+    "stop_token_ids": list,
+    "ignore_eos": bool,
+    "min_tokens": int,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "repetition_penalty": float,
+}
+_PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+def scalar(array: np.ndarray | None, name: str, kind: type, default: Any = None) -> Any:
+    """The single element of ``array`` as ``kind`` (``default`` when the input is absent).
+
+    Raises:
+        ValueError: the input does not hold exactly one element.
+    """
+    if array is None:
+        return default
+    flat = np.asarray(array).reshape(-1)
+    if flat.size != 1:
+        raise ValueError(f"input {name!r} must hold one value, got {flat.size}")
+    value = flat[0]
+    if kind is str:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    return kind(value)
+
+
+def sampling_params(inputs: Mapping[str, np.ndarray | None]) -> SamplingParams:
+    """``SamplingParams`` from the optional sampling inputs present in ``inputs``, validated.
+
+    Raises:
+        ValueError: an input with the wrong number of elements or a value out of range (the
+            message names the parameter).
+    """
+    kwargs: dict[str, Any] = {}
+    for name, kind in SAMPLING_INPUTS.items():
+        array = inputs.get(name)
+        if array is None or name not in _PARAM_FIELDS:
+            continue
+        if kind is list:
+            kwargs[name] = [int(t) for t in np.asarray(array).reshape(-1)]
+        else:
+            kwargs[name] = scalar(array, name, kind)
+    return SamplingParams(**kwargs).validate()

@@ -1,0 +1,97 @@
+"""The generator's sender thread: engine outputs → coalesced batches → Triton responses.
+
+The engine thread only enqueues (``put`` is its callback), so a slow response path never stalls
+a decode step. The sender drains everything that is queued, coalesces it per request (outputs
+that piled up while it was busy become one response), paces it (``ResponsePacer``: a budget of
+responses per second under load) and hands the batch to ``deliver``; ``tick`` runs at most
+every ``interval_s`` seconds and at once after a batch that finished a request (metrics,
+cancellation checks).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from tritonllm.serving.pacer import ResponsePacer
+
+_STOP = object()
+
+
+class ResponseStreamer:
+    """A daemon thread draining engine outputs into ``deliver``.
+
+    Args:
+        deliver: called on the sender thread with ``list[RequestOutput]``, one per request.
+        tick: called on the sender thread periodically (see module docstring).
+        interval_s: seconds between ticks.
+        on_error: called with a traceback string when ``deliver`` or ``tick`` raises (the
+            thread keeps running).
+        max_responses_per_s: the ``ResponsePacer`` budget; 0 sends every output at once.
+    """
+
+    def __init__(
+        self,
+        deliver: Callable[[list[Any]], None],
+        tick: Callable[[], None],
+        interval_s: float = 0.05,
+        on_error: Callable[[str], None] | None = None,
+        max_responses_per_s: float = 0.0,
+    ) -> None:
+        self._deliver = deliver
+        self._tick = tick
+        self._interval_s = interval_s
+        self._on_error = on_error or (lambda text: print(text, flush=True))
+        self._pacer = ResponsePacer(max_responses_per_s)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="tritonllm-sender", daemon=True)
+
+    def start(self) -> ResponseStreamer:
+        self._thread.start()
+        return self
+
+    def put(self, output: Any) -> None:
+        """Enqueue one ``RequestOutput`` (thread-safe, never blocks): the engine callback."""
+        self._queue.put(output)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Deliver what is queued, then end the thread."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+
+    def _drain(self, timeout: float) -> tuple[list[Any], bool]:
+        batch: list[Any] = []
+        try:
+            batch.append(self._queue.get(timeout=timeout))
+            while True:
+                batch.append(self._queue.get_nowait())
+        except queue.Empty:
+            pass
+        stopping = any(item is _STOP for item in batch)
+        return [item for item in batch if item is not _STOP], stopping
+
+    def _call(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:  # a failing response must not end the sender thread
+            self._on_error(traceback.format_exc())
+
+    def _run(self) -> None:
+        next_tick = time.monotonic()
+        while True:
+            due = self._pacer.next_due()
+            wake = next_tick if due is None else min(next_tick, due)
+            outputs, stopping = self._drain(max(0.0, wake - time.monotonic()))
+            merged = self._pacer.admit(outputs, time.monotonic())
+            if merged:
+                self._call(self._deliver, merged)
+            now = time.monotonic()
+            if now >= next_tick or any(o.finished for o in merged):
+                self._call(self._tick)
+                next_tick = now + self._interval_s
+            if stopping:
+                return

@@ -1,0 +1,77 @@
+"""Per-request response bookkeeping: which ids a generator response carries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Ids before a response's new ids that the stateless detokenizer gets as context: enough for a
+# UTF-8 character split over byte-level tokens (<= 4) plus a word boundary.
+PREFIX_LEN = 8
+
+
+@dataclass(frozen=True)
+class ResponseChunk:
+    """What one generator response carries (the ``generator`` outputs of ARCHITECTURE.md).
+
+    Attributes:
+        output_ids: new token ids of this response.
+        prefix_ids: up to ``PREFIX_LEN`` output ids generated before them (never prompt ids,
+            so the concatenated text equals ``decode(all_output_ids)``).
+        finish_reason: ``""`` while running, else ``"stop"`` | ``"length"`` | ``"abort"``.
+        num_input_tokens: prompt tokens.
+        num_output_tokens: output tokens generated so far.
+        cached_tokens: prompt tokens served from the prefix cache.
+        final: the last response of the request.
+        error: the engine's message when the request failed (finish_reason ``"error"``); the
+            generator answers it with a Triton error response.
+    """
+
+    output_ids: list[int]
+    prefix_ids: list[int]
+    finish_reason: str
+    num_input_tokens: int
+    num_output_tokens: int
+    cached_tokens: int
+    final: bool
+    error: str | None = None
+
+
+@dataclass
+class StreamState:
+    """Turns a request's (coalesced) engine outputs into response chunks.
+
+    Args:
+        stream: True: a chunk for every output with new ids and one for the finish;
+            False: exactly one chunk, at the finish, carrying all output ids.
+    """
+
+    stream: bool = True
+    _recent: list[int] = field(default_factory=list)
+    _pending: list[int] = field(default_factory=list)
+
+    def on_output(self, output: Any) -> ResponseChunk | None:
+        """The chunk to send for ``output`` (a ``RequestOutput``), or None if nothing is due."""
+        new_ids = [int(t) for t in output.new_token_ids]
+        if not self.stream:
+            self._pending.extend(new_ids)
+            if not output.finished:
+                return None
+            new_ids, prefix = self._pending, []
+        else:
+            if not new_ids and not output.finished:
+                return None
+            prefix = self._recent
+            self._recent = (self._recent + new_ids)[-PREFIX_LEN:]
+        return ResponseChunk(
+            output_ids=new_ids,
+            prefix_ids=list(prefix),
+            finish_reason=(output.finish_reason or "") if output.finished else "",
+            num_input_tokens=int(output.num_prompt_tokens),
+            num_output_tokens=int(output.num_output_tokens),
+            cached_tokens=int(output.cached_tokens),
+            final=bool(output.finished),
+            error=(getattr(output, "error", None) or "request failed")
+            if output.finished and output.finish_reason == "error"
+            else None,
+        )

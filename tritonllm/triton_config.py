@@ -1,0 +1,172 @@
+"""Configuration of the Triton models, from config.pbtxt parameters and ``TRITONLLM_*`` variables.
+
+This is the one place where the Triton model repository reads its settings. Every engine knob
+is a field of ``EngineConfig``; each can be set by the environment variable
+``TRITONLLM_<FIELD>`` or by the config.pbtxt parameter ``<field>`` (the environment wins, so
+``make serve``, the tests and the docker image can override the repository without editing it):
+
+=====================================  ===================================================
+``TRITONLLM_MODEL`` / ``model``        served Hugging Face directory (weights + tokenizer);
+                                       relative paths are relative to the project root;
+                                       default ``models/tiny-qwen3`` (``make serve`` builds it)
+``TRITONLLM_DEVICE`` / ``device``      ``cpu``, ``cuda`` or ``cuda:N``; default ``cuda`` when
+                                       torch sees a GPU, else ``cpu``
+``TRITONLLM_DTYPE``                    ``float32`` | ``bfloat16`` | ``float16``; default by device
+``TRITONLLM_PAGE_SIZE``                tokens per KV page
+``TRITONLLM_NUM_PAGES``                KV pages in the pool (default: derived by the engine)
+``TRITONLLM_MAX_RUNNING_REQUESTS``     most requests in one batch
+``TRITONLLM_MAX_PREFILL_TOKENS``       per-step token budget of a prefill batch
+``TRITONLLM_ENABLE_PREFIX_CACHE``      ``true``/``false``: radix prefix cache
+``TRITONLLM_ATTENTION_BACKEND``        ``torch`` | ``flashinfer`` | ``triton``
+``TRITONLLM_MAX_MODEL_LEN``            prompt + output limit in tokens (default: the model's)
+``TRITONLLM_SEED``                     sampler seed for requests without their own
+``TRITONLLM_GPU_MEMORY_UTILIZATION``   fraction of free GPU memory for the KV pool
+``TRITONLLM_CUDA_GRAPH``               ``true``/``false``: CUDA-graph decode (default: by device)
+``TRITONLLM_CUDA_GRAPH_MAX_BS``        largest decode batch captured as a CUDA graph
+``TRITONLLM_OVERLAP_SCHEDULE``         ``true``/``false``: overlap scheduling (default: by device)
+``TRITONLLM_METRICS_INTERVAL_MS``      generator: most ms between custom-metric updates (50)
+``TRITONLLM_MAX_RESPONSES_PER_S``      generator: response budget shared by all streaming
+                                       requests; under load several tokens go per response
+                                       (``serving/pacer.py``); 0 disables pacing (2000)
+=====================================  ===================================================
+
+Any other ``EngineConfig`` field is read the same way (``TRITONLLM_`` + its upper-case name).
+Empty values count as unset; ``none`` sets an optional field to None.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from tritonllm.triton_server import REPO_ROOT
+
+ENV_PREFIX = "TRITONLLM_"
+DEFAULT_MODEL = "models/tiny-qwen3"
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Knobs of the Triton generator's response path (not of the engine).
+
+    Attributes:
+        metrics_interval_s: most seconds between two updates of the ``tritonllm_*`` metrics
+            while requests run (they are also updated at once after a request finishes).
+        max_responses_per_s: response budget of ``tritonllm.serving.pacer.ResponsePacer``.
+    """
+
+    metrics_interval_s: float = 0.05
+    max_responses_per_s: float = 2000.0
+
+
+def model_parameters(model_config: str | Mapping[str, Any]) -> dict[str, str]:
+    """The ``parameters`` of a Triton model config as plain ``{key: string_value}``.
+
+    Args:
+        model_config: ``args["model_config"]`` of a Python model's ``initialize`` (a JSON
+            string) or the parsed dict.
+    """
+    config = json.loads(model_config) if isinstance(model_config, str) else model_config
+    params = config.get("parameters") or {}
+    return {key: str(value.get("string_value", "")) for key, value in params.items()}
+
+
+def _setting(name: str, params: Mapping[str, str], env: Mapping[str, str]) -> str | None:
+    """The raw value of setting ``name``: env ``TRITONLLM_<NAME>``, else parameter ``name``."""
+    for value in (env.get(ENV_PREFIX + name.upper()), params.get(name)):
+        if value is not None and value.strip() != "":
+            return value.strip()
+    return None
+
+
+def resolve_model_path(
+    params: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None
+) -> Path:
+    """The served model directory: ``TRITONLLM_MODEL``, parameter ``model``, or the default.
+
+    Relative paths are taken relative to the project root (``REPO_ROOT``), not to the working
+    directory of tritonserver. The directory is not checked here.
+    """
+    env = os.environ if env is None else env
+    path = Path(_setting("model", params or {}, env) or DEFAULT_MODEL).expanduser()
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def _parse(text: str, annotation: str, name: str) -> Any:
+    """Convert a setting's text by its dataclass annotation (``int``, ``float | None``, ...)."""
+    if "None" in annotation and text.lower() == "none":
+        return None
+    try:
+        if "bool" in annotation:
+            lowered = text.lower()
+            if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(text)
+            return lowered in ("1", "true", "yes", "on")
+        if "int" in annotation:
+            return int(text)
+        if "float" in annotation:
+            return float(text)
+    except ValueError:
+        raise ValueError(
+            f"setting {name!r} (env {ENV_PREFIX}{name.upper()}): bad value {text!r}"
+        ) from None
+    return text
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def engine_config(
+    params: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None
+) -> Any:
+    """Build the ``EngineConfig`` of the served model from parameters and the environment.
+
+    Args:
+        params: config.pbtxt parameters (see ``model_parameters``).
+        env: environment (default ``os.environ``).
+    Returns:
+        ``tritonllm.config.EngineConfig``.
+    Raises:
+        ValueError: a setting that does not parse, or that ``EngineConfig`` rejects.
+    """
+    from tritonllm.config import EngineConfig
+
+    params = params or {}
+    env = os.environ if env is None else env
+    kwargs: dict[str, Any] = {"model": str(resolve_model_path(params, env))}
+    for field in fields(EngineConfig):
+        if field.name == "model":
+            continue
+        text = _setting(field.name, params, env)
+        if text is not None:
+            kwargs[field.name] = _parse(text, str(field.type), field.name)
+        elif field.name == "device":
+            kwargs["device"] = _default_device()
+    return EngineConfig(**kwargs)
+
+
+def serving_config(
+    params: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None
+) -> ServingConfig:
+    """The generator's ``ServingConfig`` (``TRITONLLM_METRICS_INTERVAL_MS``,
+    ``TRITONLLM_MAX_RESPONSES_PER_S``).
+
+    Raises:
+        ValueError: a value that is not a number.
+    """
+    env = os.environ if env is None else env
+    kwargs: dict[str, float] = {}
+    interval = _setting("metrics_interval_ms", params or {}, env)
+    if interval is not None:
+        kwargs["metrics_interval_s"] = _parse(interval, "float", "metrics_interval_ms") / 1e3
+    budget = _setting("max_responses_per_s", params or {}, env)
+    if budget is not None:
+        kwargs["max_responses_per_s"] = _parse(budget, "float", "max_responses_per_s")
+    return ServingConfig(**kwargs)
