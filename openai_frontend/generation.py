@@ -1,4 +1,4 @@
-"""One OpenAI request's generation: the Triton stream, stop strings, usage, abort on early exit.
+"""One OpenAI request's generation: the Triton stream, usage, abort on early exit.
 
 ``Generation.start()`` waits for the first Triton response, so errors the backend finds in the
 request (prompt longer than the context, invalid sampling values) surface as ``OpenAIError``
@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 
 from .errors import OpenAIError
 from .protocol import PromptTokensDetails, Usage
-from .stop_strings import StopStringMatcher
 from .triton_client import InputValue, LLMChunk, ResponseStream, TritonClient, TritonError
 
 _CONTEXT_HINTS = ("context", "too long", "max_model_len", "maximum model length", "exceeds")
@@ -52,7 +51,6 @@ class Generation:
         client: the shared Triton client.
         request_id: Triton request id == OpenAI completion id.
         inputs: ensemble inputs (see ``sampling.py``).
-        stop: stop strings applied here (the ensemble stops on token ids only).
         prompt_param: the request field named by prompt errors (``messages`` or ``prompt``).
     """
 
@@ -61,13 +59,11 @@ class Generation:
         client: TritonClient,
         request_id: str,
         inputs: Mapping[str, InputValue],
-        stop: Sequence[str] = (),
         prompt_param: str = "messages",
     ) -> None:
         self.client, self.request_id, self.inputs = client, request_id, inputs
         self.prompt_param = prompt_param
         self.finish_reason: str | None = None
-        self._matcher = StopStringMatcher(stop)
         self._stream: ResponseStream | None = None
         self._first: LLMChunk | None = None
         self._last: LLMChunk | None = None
@@ -105,15 +101,11 @@ class Generation:
         """
         chunk, self._first = self._first, None
         while chunk is not None:
-            text, stopped = self._matcher.feed(chunk.text)
-            if stopped:
-                self.finish_reason = "stop"
-                yield text, "stop"
-                return
+            text = chunk.text
             if chunk.finish_reason:
                 self._backend_finished = True
                 self.finish_reason = chunk.finish_reason
-                yield text + self._matcher.flush(), chunk.finish_reason
+                yield text, chunk.finish_reason
                 await self._drain()
                 return
             if text:

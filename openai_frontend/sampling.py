@@ -61,6 +61,8 @@ def sampling_inputs(
         )
     inputs: dict[str, InputValue] = {}
     _put(inputs, specs, "max_tokens", max_tokens, None)
+    # Stop strings are applied in the engine, which stops at once and frees the KV cache.
+    _put(inputs, specs, "stop", list(req.stop_strings), None)
     for name, noop in _OPTIONAL_FIELDS.items():
         _put(inputs, specs, name, getattr(req, name), noop)
     if "stream" in specs:

@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from frontend_fixtures import sidecar  # noqa: F401  (the OpenAI sidecar fixture)
 
 

@@ -72,13 +72,12 @@ def test_multi_token_stop_string_ends_output_before_it(engine, tokenizer, greedy
 
 def test_stop_string_inside_one_token(engine, tokenizer, greedy):
     prompt, ids, text = greedy
-    # Find a generated token with at least 3 characters; stop on its last 2 characters.
-    for i, t in enumerate(ids):
-        piece = tokenizer.decode([t])
-        if len(piece.strip()) >= 3:
-            break
-    else:
+    # A generated token with at least 3 characters; stop on its last 2 characters.
+    pieces = [tokenizer.decode([t]) for t in ids]
+    i = next((k for k, p in enumerate(pieces) if len(p.strip()) >= 3), None)
+    if i is None:
         pytest.skip("no multi-character token in the greedy continuation")
+    piece = pieces[i]
     prefix = tokenizer.decode(ids[:i], skip_special_tokens=True)
     stop = piece[-2:]
     expected = text[: text.find(stop)]

@@ -118,6 +118,12 @@ def test_stop_strings_cut_before_the_match(client, sidecar):
     response = client.chat.completions.create(**kwargs, stop=[stop])
     assert response.choices[0].finish_reason == "stop"
     assert response.choices[0].message.content == full[: full.index(stop)]
+    # The engine stopped at the match instead of running on to max_tokens.
+    assert response.usage.completion_tokens < 16
+    # Streaming gives the same text and never shows part of the stop string.
+    _, streamed = _stream(client, sidecar.model_name, messages=MESSAGES, max_tokens=16,
+                          temperature=0, stop=[stop])
+    assert streamed == full[: full.index(stop)]
 
 
 def test_enable_thinking_false_changes_the_prompt(client, sidecar):

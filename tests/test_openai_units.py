@@ -8,8 +8,6 @@ import json
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from tritonclient.grpc import InferInput
 
 from openai_frontend import create_app
@@ -17,36 +15,8 @@ from openai_frontend.errors import OpenAIError
 from openai_frontend.generation import to_openai_error
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.sampling import chat_inputs, completion_inputs
-from openai_frontend.stop_strings import StopStringMatcher
 from openai_frontend.triton_client import InputSpec, TritonError, encode_tensor
 from tritonllm.triton_server import free_port
-
-ALPHABET = "ab\n"
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    text=st.text(ALPHABET, max_size=30),
-    stops=st.lists(st.text(ALPHABET, min_size=1, max_size=4), max_size=3),
-    cuts=st.lists(st.integers(0, 30), max_size=8),
-)
-def test_stop_strings_emit_text_up_to_earliest_match(text, stops, cuts):
-    """Whatever the delta boundaries, the output is the text before the first stop string
-    (OpenAI semantics), and no emitted prefix ever runs past it."""
-    matcher = StopStringMatcher(stops)
-    bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
-    emitted, stopped = "", False
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        out, stopped = matcher.feed(text[lo:hi])
-        emitted += out
-        if stopped:
-            break
-    if not stopped:
-        emitted += matcher.flush()
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    expected = text[: min(hits)] if hits else text
-    assert emitted == expected
-    assert stopped == bool(hits)
 
 
 @pytest.mark.parametrize(

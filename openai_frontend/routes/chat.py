@@ -36,11 +36,8 @@ async def create_chat_completion(
     state = get_state(request)
     check_model(state, body.model)
     specs = await state.input_specs("messages")
-    # Stop strings are matched here, so the backend must stream for an early stop to end it.
-    inputs = chat_inputs(body, specs, backend_stream=body.stream or bool(body.stop_strings))
-    gen = Generation(
-        state.client, f"chatcmpl-{uuid.uuid4().hex}", inputs, body.stop_strings, "messages"
-    )
+    inputs = chat_inputs(body, specs, backend_stream=body.stream)
+    gen = Generation(state.client, f"chatcmpl-{uuid.uuid4().hex}", inputs, "messages")
     try:
         await unless_disconnected(request, gen.start())
         if body.stream:

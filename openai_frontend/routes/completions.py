@@ -28,8 +28,8 @@ async def create_completion(
     state = get_state(request)
     check_model(state, body.model)
     specs = await state.input_specs("prompt")
-    inputs = completion_inputs(body, specs, backend_stream=body.stream or bool(body.stop_strings))
-    gen = Generation(state.client, f"cmpl-{uuid.uuid4().hex}", inputs, body.stop_strings, "prompt")
+    inputs = completion_inputs(body, specs, backend_stream=body.stream)
+    gen = Generation(state.client, f"cmpl-{uuid.uuid4().hex}", inputs, "prompt")
     try:
         await unless_disconnected(request, gen.start())
         if body.stream:

@@ -1,24 +1,52 @@
-"""Turns a `ScheduledBatch` into model inputs, runs the forward pass and samples."""
+"""Turns a `ScheduledBatch` into model inputs, runs the forward pass and samples.
+
+`launch(batch)` only enqueues device work: the batch's metadata travels in two pinned,
+non-blocking host-to-device copies (one int64, one int32 buffer; the tensors of
+`AttentionMetadata` are views into them), decode batches of up to `cuda_graph_max_bs` sequences
+replay a CUDA graph (`engine.cuda_graph`), and the sampled ids stay on the device (see
+`engine.overlap`). Nothing here reads a device value on the host.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from tritonllm.attention import get_attention_backend
 from tritonllm.attention.base import AttentionMetadata
 from tritonllm.config import EngineConfig
 from tritonllm.engine.kv_cache import KVCache, derive_num_pages
+from tritonllm.engine.overlap import FutureMap, LaunchedStep
 from tritonllm.engine.request import Request
 from tritonllm.engine.sampler import Sampler, SamplerOutput
 from tritonllm.engine.scheduler import ScheduledBatch
 from tritonllm.models import load_model
 
 
-class ModelRunner:
-    """Owns the model, the KV cache, the attention backend and the sampler.
+@dataclass
+class ForwardInputs:
+    """A batch flattened for the model.
 
-    Construction loads the weights, then sizes the KV pool (`derive_num_pages`: on CUDA it
-    uses the memory left after the weights).
+    input_ids: `[T]` int64 (placeholders already resolved on the device); positions: `[T]`
+    int64; meta: the attention metadata; logits_indices: `[S]` int64 (last new token of each
+    sampling request); sample_reqs: those S requests, in order.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_reqs: list[Request]
+
+
+class ModelRunner:
+    """Owns the model, the KV cache, the attention backend, the sampler and the CUDA graphs.
+
+    Construction loads the weights (straight onto the device), sizes the KV pool
+    (`derive_num_pages`: on CUDA it uses the memory left after the weights), then captures the
+    decode graphs when `config.use_cuda_graph` and the backend supports them.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -41,77 +69,146 @@ class ModelRunner:
         self.backend = backend_cls(self.model_config, self.kv_cache, self.device)
         self.model.set_attention_backend(self.backend)
         self.sampler = Sampler(self.device, config.seed)
+        self.future = FutureMap(config.max_running_requests, self.device)
+        self._is_cuda = self.device.type == "cuda"
+        # Set after each backend plan: the next plan waits for it, because FlashInfer stages
+        # its plan in one pinned host buffer per wrapper (see `_plan_fence`).
+        self._plan_done: torch.cuda.Event | None = None
+        self.graph_runner = None
+        if config.use_cuda_graph and hasattr(self.backend, "init_cuda_graph"):
+            from tritonllm.engine.cuda_graph import CudaGraphRunner
 
-    def build_metadata(
-        self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Request]]:
-        """Flatten the batch.
+            self.graph_runner = CudaGraphRunner(
+                self.model,
+                self.backend,
+                config.cuda_graph_batch_sizes,
+                config.max_pages_per_seq,
+                self.model_config.vocab_size,
+                self.device,
+            )
 
-        Returns:
-            input_ids `[T]` int64, positions `[T]` int64, the attention metadata,
-            logits_indices `[S]` int64 (last new token of each sampling request) and those
-            S requests, in order.
-        """
+    # ---- inputs -----------------------------------------------------------------------------
+    def _upload(self, values: np.ndarray) -> torch.Tensor:
+        """One host array → device, through pinned memory without blocking on CUDA."""
+        host = torch.from_numpy(values)
+        if not self._is_cuda:
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def build_inputs(self, batch: ScheduledBatch) -> ForwardInputs:
+        """Flatten `batch` (before its requests' `num_computed` advance) into model inputs."""
         ps = self.page_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        out_loc: list[int] = []
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sample_reqs: list[Request] = []
-        for i, (req, ext) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
-            start = req.num_computed
-            end = start + ext
-            input_ids.extend(req.token_ids[start:end])
-            positions.extend(range(start, end))
-            pages = req.pages
-            out_loc.extend(pages[p // ps] * ps + p % ps for p in range(start, end))
-            seq_lens.append(end)
-            if batch.samples(i):
-                logits_indices.append(len(input_ids) - 1)
-                sample_reqs.append(req)
-        max_pages = max(-(-s // ps) for s in seq_lens)
-        table = [
-            r.pages[:max_pages] + [0] * (max_pages - len(r.pages[:max_pages])) for r in batch.reqs
-        ]
-        cu = [0]
-        for ext in batch.extend_lens:
-            cu.append(cu[-1] + ext)
-
-        def dev(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        seq_t = dev(seq_lens, torch.int32)
-        ext_t = dev(batch.extend_lens, torch.int32)
+        reqs, exts = batch.reqs, batch.extend_lens
+        num_seqs = len(reqs)
+        sample_rows = [i for i in range(num_seqs) if batch.samples(i)]
+        seq_lens = [r.num_computed + e for r, e in zip(reqs, exts, strict=True)]
+        if batch.is_decode:
+            positions = [r.num_computed for r in reqs]
+            ids = [r.token_ids[p] for r, p in zip(reqs, positions, strict=True)]
+            out_loc = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, positions, strict=True)]
+            logits_idx = sample_rows
+            cu = list(range(num_seqs + 1))
+        else:
+            ids, positions, out_loc = [], [], []
+            cu = [0]
+            for r, ext in zip(reqs, exts, strict=True):
+                start = r.num_computed
+                pos = np.arange(start, start + ext)
+                ids.extend(r.token_ids[start : start + ext])
+                positions.append(pos)
+                out_loc.append(np.asarray(r.pages, dtype=np.int64)[pos // ps] * ps + pos % ps)
+                cu.append(cu[-1] + ext)
+            positions = np.concatenate(positions)
+            out_loc = np.concatenate(out_loc)
+            logits_idx = [cu[i + 1] - 1 for i in sample_rows]
+        num_tokens = len(ids)
+        if not logits_idx:  # only prompt chunks: the forward still wants one row to project
+            logits_idx = [0]
+        width = max(-(-s // ps) for s in seq_lens)
+        int64 = np.empty(3 * num_tokens + len(logits_idx), dtype=np.int64)
+        int64[:num_tokens] = ids
+        int64[num_tokens : 2 * num_tokens] = positions
+        int64[2 * num_tokens : 3 * num_tokens] = out_loc
+        int64[3 * num_tokens :] = logits_idx
+        int32 = np.zeros(4 * num_seqs + 1 + num_seqs * width, dtype=np.int32)
+        int32[:num_seqs] = seq_lens
+        int32[num_seqs : 2 * num_seqs] = exts
+        int32[2 * num_seqs : 3 * num_seqs] = int32[:num_seqs] - int32[num_seqs : 2 * num_seqs]
+        int32[3 * num_seqs : 4 * num_seqs + 1] = cu
+        table = int32[4 * num_seqs + 1 :].reshape(num_seqs, width)
+        for i, r in enumerate(reqs):
+            n = min(len(r.pages), width)
+            table[i, :n] = r.pages[:n]
+        d64, d32 = self._upload(int64), self._upload(int32)
+        input_ids = d64[:num_tokens]
+        if min(ids) < 0:  # placeholders of a step whose ids are still on the device
+            input_ids = self.future.resolve(input_ids)
         meta = AttentionMetadata(
-            num_seqs=len(batch.reqs),
+            num_seqs=num_seqs,
             is_decode=batch.is_decode,
-            seq_lens=seq_t,
-            extend_lens=ext_t,
-            prefix_lens=seq_t - ext_t,
-            cu_extend_lens=dev(cu, torch.int32),
-            page_table=dev(table, torch.int32),
-            out_cache_loc=dev(out_loc, torch.int64),
+            seq_lens=d32[:num_seqs],
+            extend_lens=d32[num_seqs : 2 * num_seqs],
+            prefix_lens=d32[2 * num_seqs : 3 * num_seqs],
+            cu_extend_lens=d32[3 * num_seqs : 4 * num_seqs + 1],
+            page_table=d32[4 * num_seqs + 1 :].view(num_seqs, width),
+            out_cache_loc=d64[2 * num_tokens : 3 * num_tokens],
             seq_lens_cpu=seq_lens,
-            extend_lens_cpu=list(batch.extend_lens),
+            extend_lens_cpu=list(exts),
         )
-        return (
-            dev(input_ids, torch.int64),
-            dev(positions, torch.int64),
+        return ForwardInputs(
+            input_ids,
+            d64[num_tokens : 2 * num_tokens],
             meta,
-            dev(logits_indices, torch.int64),
-            sample_reqs,
+            d64[3 * num_tokens :],
+            [reqs[i] for i in sample_rows],
         )
+
+    def ids_to_device(self, ids: list[int]) -> torch.Tensor:
+        """A request's token ids → `[N]` int64 device tensor of real ids (for penalties)."""
+        dev = self._upload(np.asarray(ids, dtype=np.int64))
+        return self.future.resolve(dev) if ids and min(ids) < 0 else dev
+
+    # ---- forward ----------------------------------------------------------------------------
+    def _plan_fence(self) -> None:
+        # FlashInfer's plan() writes a pinned host buffer and copies it to the device
+        # asynchronously; the next plan must not overwrite that buffer before the copy ran.
+        # Under overlap scheduling the previous plan's copy is right behind work the engine has
+        # already waited for, so this wait is short.
+        if self._plan_done is not None:
+            self._plan_done.synchronize()
+
+    def _planned(self) -> None:
+        if self._is_cuda:
+            if self._plan_done is None:
+                self._plan_done = torch.cuda.Event()
+            self._plan_done.record()
+
+    def forward(self, fwd: ForwardInputs) -> torch.Tensor:
+        """Logits `[S, vocab]` float32 of the batch (one row if nothing samples)."""
+        meta = fwd.meta
+        graphs = self.graph_runner
+        self._plan_fence()
+        if graphs is not None and graphs.can_run(meta):
+            bs = graphs.prepare(fwd.input_ids, fwd.positions, meta)
+            self._planned()
+            return graphs.replay(bs, meta.num_seqs)
+        self.backend.prepare(meta)
+        self._planned()
+        return self.model(fwd.input_ids, fwd.positions, meta, fwd.logits_indices)
 
     @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Enqueue the forward and sampling of `batch`; no host sync (see `LaunchedStep`)."""
+        fwd = self.build_inputs(batch)
+        logits = self.forward(fwd)
+        if not fwd.sample_reqs:
+            return LaunchedStep(batch, [])
+        samples = self.sampler.sample_device(logits, fwd.sample_reqs, self.ids_to_device)
+        slots = self.future.store(samples.token_ids)
+        return LaunchedStep.from_samples(batch, fwd.sample_reqs, samples, slots)
+
     def run(self, batch: ScheduledBatch) -> tuple[list[Request], SamplerOutput | None]:
-        """One forward over `batch`; returns the requests that sampled and their samples."""
-        input_ids, positions, meta, logits_indices, sample_reqs = self.build_metadata(batch)
-        self.backend.prepare(meta)
-        if not sample_reqs:
-            # Only prompt chunks: run the forward for its KV; one dummy row of logits.
-            logits_indices = logits_indices.new_zeros(1)
-            self.model(input_ids, positions, meta, logits_indices)
-            return [], None
-        logits = self.model(input_ids, positions, meta, logits_indices)
-        return sample_reqs, self.sampler.sample(logits, sample_reqs)
+        """One forward over `batch`, waited for; returns the requests that sampled and their
+        samples. Does not advance the requests (the engine's `LaunchedStep.commit` does)."""
+        step = self.launch(batch)
+        return step.sample_reqs, step.result()

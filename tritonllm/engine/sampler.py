@@ -1,4 +1,4 @@
-"""Batched token sampling with per-request `SamplingParams`.
+"""Batched token sampling with per-request `SamplingParams`, on the logits' device.
 
 Order of logit processing (vLLM's): repetition penalty (prompt + output tokens; positive logits
 divided, negative multiplied, as in CTRL, Keskar et al. 2019) → presence/frequency penalties
@@ -10,10 +10,16 @@ the most likely token) → sample.
 Sampling draws `argmax(p / E)` with `E ~ Exp(1)` i.i.d. (the exponential-race form of
 sampling from a categorical, as used by vLLM/SGLang). Seeded requests draw `E` from their own
 `torch.Generator`, so their tokens do not depend on the rest of the batch.
+
+`sample_device` never reads a device value on the host: parameters go to the device in pinned,
+non-blocking copies and the result stays on the device (`DeviceSamples`), so the model runner can
+copy it back asynchronously. Greedy, temperature, top-k/top-p/min-p are one vectorised pass over
+the batch; only penalties and seeded generators loop over their (few) rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +35,57 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]
+
+
+@dataclass
+class DeviceSamples:
+    """One step's samples, still on the device.
+
+    Attributes:
+        token_ids: `[B]` int64.
+        logprobs: `[B]` float32 logprob of each sampled token, or None if no row asked.
+        top_ids, top_vals: `[B, K]` int64 / float32, the K = max requested most likely tokens
+            and their logprobs, or None.
+        num_top: per row, None (no logprobs) or how many of the K to report.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_vals: torch.Tensor | None
+    num_top: list[int | None]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The device tensors to copy back to the host, token ids first."""
+        extra = [self.logprobs, self.top_ids, self.top_vals]
+        return [self.token_ids] + [t for t in extra if t is not None]
+
+    @staticmethod
+    def to_output(host: list[torch.Tensor], num_top: list[int | None]) -> SamplerOutput:
+        """Build the `SamplerOutput` from host copies of `tensors()` (same order)."""
+        token_list = host[0].tolist()
+        batch = len(token_list)
+        out_lp: list[float | None] = [None] * batch
+        out_top: list[dict[int, float] | None] = [None] * batch
+        if len(host) > 1:
+            lps, top_ids, top_vals = host[1].tolist(), host[2].tolist(), host[3].tolist()
+            for i, k in enumerate(num_top):
+                if k is None:
+                    continue
+                out_lp[i] = lps[i]
+                out_top[i] = dict(zip(top_ids[i][:k], top_vals[i][:k], strict=True))
+        return SamplerOutput(token_list, out_lp, out_top)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor; on CUDA through pinned memory, non-blocking (no sync)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+# token ids (host list, may hold not-yet-known ids) → `[N]` int64 device tensor of real ids
+IdsToDevice = Callable[[list[int]], torch.Tensor]
 
 
 class Sampler:
@@ -47,79 +104,105 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        """Sample the next token of each request.
+        """Sample the next token of each request and return host results (syncs).
 
         Args:
             logits: `[B, vocab]` float32 (modified in place).
             reqs: the B requests, for their params, token history and generators.
+        """
+        samples = self.sample_device(logits, reqs)
+        return DeviceSamples.to_output([t.cpu() for t in samples.tensors()], samples.num_top)
+
+    @torch.inference_mode()
+    def sample_device(
+        self, logits: torch.Tensor, reqs: list[Request], ids_to_device: IdsToDevice | None = None
+    ) -> DeviceSamples:
+        """Sample the next token of each request without a host sync.
+
+        Args:
+            logits: `[B, vocab]` float32 (modified in place).
+            reqs: the B requests, for their params, token history and generators.
+            ids_to_device: maps a request's token ids to a device tensor (the model runner's
+                version resolves ids that are still on the device under overlap scheduling);
+                default: a plain copy.
 
         Returns:
-            the sampled ids and the requested logprobs.
+            the samples, on the device.
         """
-        batch = len(reqs)
-        self._apply_penalties(logits, reqs)
+        device = logits.device
+        if ids_to_device is None:
+            ids_to_device = lambda ids: to_device(ids, torch.int64, device)  # noqa: E731
         params = [r.params for r in reqs]
-        temps = torch.tensor(
-            [p.temperature if p.temperature > 0 else 1.0 for p in params],
-            dtype=torch.float32,
-            device=logits.device,
-        )
-        logits.div_(temps[:, None])
-        want_logprobs = [p.logprobs is not None for p in params]
-        logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        self._apply_penalties(logits, reqs, ids_to_device)
+        if any(p.temperature > 0 and p.temperature != 1.0 for p in params):
+            temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+            logits.div_(to_device(temps, torch.float32, device)[:, None])
+        num_top = [p.logprobs for p in params]
+        logprobs = None
+        if any(k is not None for k in num_top):
+            logprobs = torch.log_softmax(logits, dim=-1)
 
-        greedy = [p.is_greedy for p in params]
         tokens = logits.argmax(dim=-1)
-        sampled_rows = [i for i in range(batch) if not greedy[i]]
+        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
-            sub = _filter(logits[rows], [params[i] for i in sampled_rows])
+            all_rows = len(sampled_rows) == len(reqs)
+            rows = None if all_rows else to_device(sampled_rows, torch.int64, device)
+            sub = _filter(logits if all_rows else logits[rows], [params[i] for i in sampled_rows])
             probs = torch.softmax(sub, dim=-1)
-            noise = torch.empty_like(probs)
-            unseeded = [j for j, i in enumerate(sampled_rows) if reqs[i].generator is None]
-            if unseeded:
-                noise[unseeded] = torch.empty(
-                    (len(unseeded), probs.shape[1]), device=probs.device
-                ).exponential_(generator=self.generator)
-            for j, i in enumerate(sampled_rows):
-                if reqs[i].generator is not None:
-                    noise[j].exponential_(generator=reqs[i].generator)
-            tokens[rows] = (probs / noise).argmax(dim=-1)
+            noise = self._noise(probs, [reqs[i] for i in sampled_rows])
+            picked = (probs / noise).argmax(dim=-1)
+            if all_rows:
+                tokens = picked
+            else:
+                tokens[rows] = picked
 
-        token_list = tokens.tolist()
-        out_lp: list[float | None] = [None] * batch
-        out_top: list[dict[int, float] | None] = [None] * batch
+        lp = top_ids = top_vals = None
         if logprobs is not None:
-            for i in range(batch):
-                if not want_logprobs[i]:
-                    continue
-                out_lp[i] = float(logprobs[i, token_list[i]])
-                k = params[i].logprobs
-                if k:
-                    vals, ids = logprobs[i].topk(k)
-                    out_top[i] = dict(zip(ids.tolist(), vals.tolist(), strict=True))
-                else:
-                    out_top[i] = {}
-        return SamplerOutput(token_list, out_lp, out_top)
+            lp = logprobs.gather(1, tokens[:, None]).squeeze(1)
+            k = max(max(k for k in num_top if k is not None), 1)
+            top_vals, top_ids = logprobs.topk(k, dim=-1)
+        return DeviceSamples(tokens, lp, top_ids, top_vals, num_top)
+
+    def _noise(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """`Exp(1)` noise `[N, vocab]`: rows of seeded requests from their own generator (one
+        draw of a whole row each, so independent of the batch), the rest from the shared one."""
+        seeded = [j for j, r in enumerate(reqs) if r.generator is not None]
+        if not seeded:
+            return torch.empty_like(probs).exponential_(generator=self.generator)
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, r in enumerate(reqs) if r.generator is None]
+        if unseeded:
+            idx = to_device(unseeded, torch.int64, probs.device)
+            noise[idx] = torch.empty(
+                (len(unseeded), probs.shape[1]), device=probs.device
+            ).exponential_(generator=self.generator)
+        for j in seeded:
+            noise[j].exponential_(generator=reqs[j].generator)
+        return noise
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
+    def _apply_penalties(
+        logits: torch.Tensor, reqs: list[Request], ids_to_device: IdsToDevice
+    ) -> None:
         vocab = logits.shape[1]
+        device = logits.device
         for i, req in enumerate(reqs):
             p = req.params
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(req.token_ids)), device=logits.device)
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(
-                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+                seen[ids_to_device(req.token_ids)] = True
+                row = logits[i]
+                penalised = torch.where(
+                    row > 0, row / p.repetition_penalty, row * p.repetition_penalty
                 )
+                logits[i] = torch.where(seen, penalised, row)
             if (p.presence_penalty or p.frequency_penalty) and req.num_output_tokens:
-                out = torch.tensor(req.output_ids, device=logits.device)
+                out = ids_to_device(req.output_ids)
                 counts = torch.bincount(out, minlength=vocab)[:vocab].float()
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
             if req.num_output_tokens < p.min_tokens and req.stop_ids:
-                stop = torch.tensor(sorted(req.stop_ids), device=logits.device)
-                logits[i, stop[stop < vocab]] = float("-inf")
+                stop = [t for t in sorted(req.stop_ids) if t < vocab]
+                logits[i, to_device(stop, torch.int64, device)] = float("-inf")
 
 
 def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
@@ -133,17 +216,17 @@ def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
     if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_vals, sorted_idx = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)
-        k_t = torch.tensor(top_k, device=device)
+        k_t = to_device(top_k, torch.int64, device)
         sorted_vals = sorted_vals.masked_fill(ranks[None, :] >= k_t[:, None], float("-inf"))
         probs = torch.softmax(sorted_vals, dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first always stays).
         mass_before = probs.cumsum(dim=-1) - probs
-        p_t = torch.tensor(top_p, device=device, dtype=probs.dtype)
+        p_t = to_device(top_p, probs.dtype, device)
         sorted_vals = sorted_vals.masked_fill(mass_before >= p_t[:, None], float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter_(1, sorted_idx, sorted_vals)
     if any(m > 0 for m in min_p):
         probs = torch.softmax(logits, dim=-1)
-        m_t = torch.tensor(min_p, device=device, dtype=probs.dtype)
+        m_t = to_device(min_p, probs.dtype, device)
         threshold = probs.max(dim=-1, keepdim=True).values * m_t[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits

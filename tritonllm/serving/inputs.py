@@ -11,7 +11,8 @@ import numpy as np
 from tritonllm.sampling_params import SamplingParams
 
 # Optional sampling inputs of the generator and the llm ensemble (ARCHITECTURE.md), with the
-# Python type of their SamplingParams field; `stop_token_ids` is a list, the others scalars.
+# Python type of their SamplingParams field; `stop_token_ids` (ints) and `stop` (strings) are
+# lists, the others scalars.
 SAMPLING_INPUTS: dict[str, type] = {
     "max_tokens": int,
     "temperature": float,
@@ -20,6 +21,7 @@ SAMPLING_INPUTS: dict[str, type] = {
     "min_p": float,
     "seed": int,
     "stop_token_ids": list,
+    "stop": str,
     "ignore_eos": bool,
     "min_tokens": int,
     "presence_penalty": float,
@@ -46,6 +48,10 @@ def scalar(array: np.ndarray | None, name: str, kind: type, default: Any = None)
     return kind(value)
 
 
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
 def sampling_params(inputs: Mapping[str, np.ndarray | None]) -> SamplingParams:
     """``SamplingParams`` from the optional sampling inputs present in ``inputs``, validated.
 
@@ -60,6 +66,8 @@ def sampling_params(inputs: Mapping[str, np.ndarray | None]) -> SamplingParams:
             continue
         if kind is list:
             kwargs[name] = [int(t) for t in np.asarray(array).reshape(-1)]
+        elif name == "stop":  # a list of strings
+            kwargs[name] = [_text(t) for t in np.asarray(array).reshape(-1)]
         else:
             kwargs[name] = scalar(array, name, kind)
     return SamplingParams(**kwargs).validate()

@@ -23,6 +23,8 @@ class ResponseChunk:
         num_output_tokens: output tokens generated so far.
         cached_tokens: prompt tokens served from the prefix cache.
         final: the last response of the request.
+        trim_chars: characters the detokenizer drops from the end of this response's text (a
+            matched stop string; see ``RequestOutput.trim_chars``).
         error: the engine's message when the request failed (finish_reason ``"error"``); the
             generator answers it with a Triton error response.
     """
@@ -35,6 +37,7 @@ class ResponseChunk:
     cached_tokens: int
     final: bool
     error: str | None = None
+    trim_chars: int = 0
 
 
 @dataclass
@@ -71,6 +74,7 @@ class StreamState:
             num_output_tokens=int(output.num_output_tokens),
             cached_tokens=int(output.cached_tokens),
             final=bool(output.finished),
+            trim_chars=int(getattr(output, "trim_chars", 0)),
             error=(getattr(output, "error", None) or "request failed")
             if output.finished and output.finish_reason == "error"
             else None,

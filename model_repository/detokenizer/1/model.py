@@ -1,6 +1,7 @@
 """Triton adapter: ``output_ids`` + ``prefix_ids`` → ``text_output`` (stateless, batched).
 
-The text delta is ``tritonllm.tokenization.detokenizer.Detokenizer.delta``; ``finish_reason``
+The text delta is ``tritonllm.tokenization.detokenizer.Detokenizer.delta``, less ``trim_chars``
+trailing characters (a matched stop string, see ``tritonllm/engine/stop_strings.py``); ``finish_reason``
 and the token counts pass through unchanged. A batch from the dynamic batcher holds one
 request per generator response; each request's tensors carry a batch dimension of 1.
 """
@@ -16,6 +17,7 @@ try:
 except ImportError:  # not pip-installed: use the checkout that holds this repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from tritonllm.engine.stop_strings import apply_trim
 from tritonllm.tokenization.detokenizer import Detokenizer
 from tritonllm.triton_config import model_parameters, resolve_model_path
 
@@ -38,6 +40,7 @@ class TritonPythonModel:
         new_ids = array("output_ids").reshape(-1).tolist()
         prefix_ids = array("prefix_ids").reshape(-1).tolist()
         text = self.detokenizer.delta(prefix_ids, new_ids, final)
+        text = apply_trim(text, int(array("trim_chars").reshape(-1)[0]))
         batch_shape = passed["finish_reason"].shape  # [1, 1]: batch dim + dims [1]
         text_output = np.array([text.encode("utf-8")], dtype=np.object_).reshape(batch_shape)
         outputs = [pb_utils.Tensor("text_output", text_output)]

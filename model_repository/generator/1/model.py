@@ -57,7 +57,8 @@ def _response(chunk):
             output_tensors=[], error=pb_utils.TritonError(f"generator: {chunk.error}")
         )
     counts = (chunk.num_input_tokens, chunk.num_output_tokens, chunk.cached_tokens)
-    names = ("num_input_tokens", "num_output_tokens", "cached_tokens")
+    counts += (chunk.trim_chars,)
+    names = ("num_input_tokens", "num_output_tokens", "cached_tokens", "trim_chars")
     tensors = [
         pb_utils.Tensor("output_ids", np.asarray(chunk.output_ids, dtype=np.int32)),
         pb_utils.Tensor("prefix_ids", np.asarray(chunk.prefix_ids, dtype=np.int32)),

@@ -1,0 +1,168 @@
+"""Smoke tests of the benchmarks on the tiny CPU model: the workload, the bandwidth bound and the
+token accounting of each benchmark are checked; speeds never are."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import bandwidth, common, offline, online
+
+
+def test_workload_reproduces_the_published_token_totals():
+    # DESIGN.md / nano-vllm's bench.py: 142,827 prompt and 133,966 output tokens for seed 0.
+    w = common.random_workload(256)
+    assert (w.num_prompt_tokens, w.num_output_tokens) == (142_827, 133_966)
+    assert all(100 <= len(p) <= 1024 for p in w.prompts)
+    assert all(0 <= t <= 10_000 for p in w.prompts for t in p)
+
+
+def test_qwen3_0_6b_bound_matches_design_yardstick():
+    # DESIGN.md: 1.192 GB of weights per decode step, 114,688 B of KV per token, bound ~3.56 s
+    # and ~37.7k output tok/s at 4.24 TB/s. Weights counted by transformers' own model.
+    from transformers import AutoModelForCausalLM
+
+    from tritonllm.build_model import make_config
+    from tritonllm.config import ModelConfig
+
+    hf_config = make_config("qwen3-0.6b")
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_config)
+    weight_bytes = sum(p.numel() for p in hf.parameters()) * 2
+    kv_per_token = ModelConfig.from_dict(hf_config.to_dict()).kv_bytes_per_token * 2
+    assert kv_per_token == 114_688
+    assert weight_bytes == pytest.approx(1.192e9, rel=1e-3)
+    w = common.random_workload(256)
+    traffic = bandwidth.decode_bytes(
+        [len(p) for p in w.prompts], w.output_lens, weight_bytes, kv_per_token
+    )
+    seconds = traffic.bound_seconds(4.24e12)
+    assert seconds == pytest.approx(3.56, abs=0.01)
+    assert w.num_output_tokens / seconds == pytest.approx(37_700, rel=0.005)
+    assert traffic.total_bytes == pytest.approx(15.09e12, rel=0.005)
+
+
+def test_decode_schedule_sums_prompt_plus_generated_tokens():
+    prompts, outputs = [5, 7, 3], [4, 1, 2]
+    # Closed form with all admitted at once: the step emitting token j + 1 reads p + j tokens.
+    expected_kv = sum(p + j for p, o in zip(prompts, outputs, strict=True) for j in range(1, o))
+    traffic = bandwidth.decode_bytes(prompts, outputs, weight_bytes=100, kv_bytes_per_token=2)
+    assert traffic.decode_steps == max(outputs) - 1
+    assert traffic.kv_bytes == 2 * expected_kv
+    assert traffic.weight_bytes == 100 * (max(outputs) - 1)
+    # One at a time: every request's decode steps run alone, the KV read is the same.
+    serial = bandwidth.decode_bytes(prompts, outputs, 100, 2, max_running=1)
+    assert serial.decode_steps == sum(o - 1 for o in outputs)
+    assert serial.kv_bytes == traffic.kv_bytes
+
+
+def test_checkpoint_weight_bytes_counts_each_parameter_once(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    numel = sum(p.numel() for p in hf.parameters())  # a tied embedding is one parameter
+    assert bandwidth.checkpoint_weight_bytes(tiny_model_dir, 2) == 2 * numel
+
+
+def test_copy_bandwidth_is_positive_on_cpu():
+    assert bandwidth.measure_copy_bandwidth("cpu", nbytes=1 << 20, repeats=2) > 0
+
+
+def test_percentile_matches_numpy():
+    import numpy as np
+
+    values = [3.0, 1.0, 4.0, 1.5, 9.0, 2.6]
+    for q in (0, 50, 99, 100):
+        assert common.percentile(values, q) == pytest.approx(np.percentile(values, q))
+    assert common.percentile([], 50) is None
+
+
+def test_append_section_writes_header_once_and_dated_sections(tmp_path):
+    path = tmp_path / "BENCHMARKS.md"
+    table = common.markdown_table(["system", "tok/s"], [["engine", "1,000"]])
+    for _ in range(2):
+        common.append_section(common.format_section("Offline", "cpu", table, ["a note"]), path)
+    text = path.read_text()
+    assert text.startswith("# Benchmarks") and text.count("# Benchmarks\n") == 1
+    assert text.count("## Offline (") == 2
+    assert "- command: `python" in text and "git commit: `" in text and "CPU" in text
+    assert "| engine | 1,000 |" in text and "- a note" in text
+
+
+def test_offline_benchmark_generates_exactly_the_workload(tiny_model_dir):
+    res = offline.main(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--num-requests",
+            "4",
+            "--min-len",
+            "8",
+            "--max-input-len",
+            "40",
+            "--max-output-len",
+            "12",
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch",
+            "--hf-subset",
+            "2",
+            "--no-append",
+        ]
+    )
+    w = res.workload
+    assert len(w) == 4 and all(8 <= len(p) <= 40 for p in w.prompts)
+    assert res.engine.output_tokens == w.num_output_tokens
+    assert res.engine.prompt_tokens == w.num_prompt_tokens
+    assert res.engine.seconds > 0
+    assert res.traffic.decode_steps == max(w.output_lens) - 1
+    assert res.copy_bandwidth > 0 and res.bound_seconds > 0
+    # HF's padded batch runs every row to the longest output of the subset.
+    assert res.hf.output_tokens == sum(w.output_lens[:2])
+    assert res.hf.generated_tokens == 2 * max(w.output_lens[:2])
+
+
+def test_online_benchmark_streams_exact_token_counts(tiny_model_dir, triton_server, tokenizer):
+    from tritonllm.tokenization.chat import render_prompt
+
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--concurrency",
+        "1,2",
+        "--num-prompts-per-level",
+        "4",
+        "--min-len",
+        "8",
+        "--max-input-len",
+        "24",
+        "--min-output-len",
+        "4",
+        "--max-output-len",
+        "10",
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch",
+        "--triton-url",
+        triton_server.grpc_url,
+        "--no-append",
+    ]
+    results, offline_tps = online.main(args)
+    assert set(results) == {1, 2} and set(offline_tps) == {1, 2}
+    inputs = online.level_workloads(online.parse_args(args), tokenizer)
+    for c, level in results.items():
+        texts, workload = inputs[c]
+        assert [r.error for r in level.records] == [None] * 4
+        # ignore_eos + max_tokens: usage reports exactly the requested length.
+        assert [r.completion_tokens for r in level.records] == workload.output_lens
+        expected_prompt = [
+            len(render_prompt(tokenizer, messages=[{"role": "user", "content": t}])) for t in texts
+        ]
+        assert [r.prompt_tokens for r in level.records] == expected_prompt
+        assert level.output_tokens == workload.num_output_tokens
+        for r in level.records:
+            assert r.start < r.chunk_times[0] <= r.chunk_times[-1] <= r.end
+            assert len(r.chunk_times) <= r.completion_tokens
+        assert offline_tps[c] > 0
