@@ -1,0 +1,268 @@
+"""Shared pieces of the benchmarks: the workload, the default checkpoint, result tables and the
+dated sections appended to BENCHMARKS.md.
+
+The workload is the one nano-vllm's `bench.py` and mini-sglang publish (DESIGN.md, "Performance
+yardsticks"): `random.seed(0)`, then every prompt's token ids, then every output length, each
+length uniform in [100, 1024]. Drawing in that order is what reproduces their token totals.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import random
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS_MD = REPO_ROOT / "BENCHMARKS.md"
+DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "qwen3-0.6b"
+
+# Token totals of the published workload for 256 requests (DESIGN.md).
+PUBLISHED_PROMPT_TOKENS = 142_827
+PUBLISHED_OUTPUT_TOKENS = 133_966
+
+BENCHMARKS_HEADER = """\
+# Benchmarks
+
+Each section below is one run, appended by `python -m benchmarks.offline` or
+`python -m benchmarks.online`, with its command line, hardware, date and git commit. On the
+offline GPU host (DESIGN.md): `source .devpack/activate.sh`, then both commands; building the
+checkpoint there needs `qwen.tiktoken` (the `dashscope` package, or a copy of its `resources/`
+folder on `PYTHONPATH` as `dashscope/resources/qwen.tiktoken`).
+
+Methodology:
+
+- **Checkpoint.** Qwen3-0.6B's exact shape with seeded random weights
+  (`tritonllm.build_model`, shape `qwen3-0.6b`); random weights cost the same compute as real
+  ones. bf16 on GPU, float32 on CPU.
+- **Offline workload** (nano-vllm / mini-sglang's): `random.seed(0)`; 256 prompts of
+  `randint(100, 1024)` ids drawn from `randint(0, 10000)`, then 256 output lengths
+  `randint(100, 1024)`; `ignore_eos`, so every request emits exactly its output length
+  (142,827 prompt and 133,966 output tokens). Temperature 0.6 like nano-vllm (sampling does not
+  change the token counts). One short warm-up request, then all requests are submitted at once
+  and timed to the last token (`torch.cuda.synchronize` on both ends).
+- **Bandwidth bound.** Device-to-device copy bandwidth is measured in the same run (bytes read
+  plus written over time, best of several). With all requests admitted at once, every decode
+  step reads the weights once plus the K and V of every live sequence's cached tokens; the sum
+  over the decode schedule divided by the copy bandwidth is the least time any engine can take.
+  Results are reported as a fraction of that bound. Prefill is not counted (it is compute-bound).
+- **Hugging Face peer.** `transformers` `generate` on the same checkpoint and device on a subset
+  of the requests, as one left-padded batch that runs to the longest output length; its
+  throughput counts the workload's tokens (padding and overrun excluded).
+- **Online.** tritonserver + the OpenAI sidecar on local ports; closed-loop streaming chat
+  clients at each concurrency level with fixed output lengths (`ignore_eos`, `max_tokens`).
+  TTFT is the time to the first content chunk; TPOT is (last - first chunk) / (completion tokens
+  - 1) per request; chunk ITL is the gap between content chunks (a chunk may carry several
+  tokens). The offline engine runs the same prompts with the same concurrency cap in the same
+  run, as the ceiling the serving path is compared with.
+"""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A list of requests: prompt token ids and the exact number of tokens each must generate.
+
+    Attributes:
+        prompts: one list of token ids per request.
+        output_lens: tokens to generate per request (with `ignore_eos`).
+    """
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def subset(self, n: int) -> Workload:
+        """The first `n` requests."""
+        return Workload(self.prompts[:n], self.output_lens[:n])
+
+
+def random_workload(
+    num_requests: int = 256,
+    min_len: int = 100,
+    max_input_len: int = 1024,
+    max_output_len: int = 1024,
+    max_token_id: int = 10_000,
+    seed: int = 0,
+    min_output_len: int | None = None,
+) -> Workload:
+    """The nano-vllm benchmark workload (prompt ids first, then output lengths; see module doc).
+
+    Seeds the global `random` module, as nano-vllm does. For the defaults and 256 requests the
+    totals are 142,827 prompt and 133,966 output tokens.
+    """
+    random.seed(seed)
+    prompts = [
+        [random.randint(0, max_token_id) for _ in range(random.randint(min_len, max_input_len))]
+        for _ in range(num_requests)
+    ]
+    low = min_len if min_output_len is None else min_output_len
+    output_lens = [random.randint(low, max_output_len) for _ in range(num_requests)]
+    return Workload(prompts, output_lens)
+
+
+def ensure_model(model: str | None, shape: str = "qwen3-0.6b") -> Path:
+    """The checkpoint to benchmark: `model` if given, else `models/<shape>`, built when missing.
+
+    Raises:
+        FileNotFoundError: `model` was given but has no config.json.
+    """
+    if model is not None:
+        path = Path(model)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+        return path
+    from tritonllm.build_model import build_model, is_complete_model_dir
+
+    path = REPO_ROOT / "models" / shape
+    if not is_complete_model_dir(path):
+        print(f"building random-weight checkpoint {shape} into {path} ...", flush=True)
+    return build_model(path, shape=shape)
+
+
+def log(message: str) -> None:
+    """Progress on stderr (flushed), so a run cut short still shows how far it got."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def synchronize(device: str) -> None:
+    """Wait for queued GPU work (no-op on CPU), so wall-clock timings cover it."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def hardware(device: str) -> str:
+    """A one-line description: the GPU name (when `device` is CUDA) and the CPU model."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cpu = f"{cpu} ({os.cpu_count()} cores)"
+    if device.startswith("cuda"):
+        import torch
+
+        index = torch.device(device).index or 0
+        return f"{torch.cuda.get_device_name(index)}; CPU {cpu}"
+    return f"CPU only; {cpu}"
+
+
+def git_commit() -> str:
+    """The short commit of the checkout (+ `-dirty` with local changes); `$TRITONLLM_GIT_COMMIT`
+    where there is no git repository (a copied working tree); else `unknown`."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("TRITONLLM_GIT_COMMIT", "unknown")
+
+
+def command_line() -> str:
+    """This process' command line as one would type it (`python -m benchmarks.X ...`)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
+    return shlex.join(head + sys.argv[1:])
+
+
+def fmt(value: float | int | None, digits: int = 1) -> str:
+    """A table cell: thousands separators for ints, `digits` decimals for floats, `-` for None."""
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:,.{digits}f}"
+
+
+def fmt_bytes(n: float, suffix: str = "B") -> str:
+    """Bytes (or bytes/s with `suffix="B/s"`) in decimal units: `15.07 TB`, `1.192 GB`."""
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.4g} {unit}{suffix}"
+    return f"{n:.4g} {suffix}"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub markdown table: the first column left-aligned (labels), the rest right-aligned."""
+    align = ["---"] + ["---:"] * (len(headers) - 1)
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def format_section(title: str, device: str, table: str, notes: Sequence[str] = ()) -> str:
+    """A dated BENCHMARKS.md section: title, command line, hardware, date, commit, table, notes."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [
+        f"## {title} ({now})",
+        "",
+        f"- command: `{command_line()}`",
+        f"- hardware: {hardware(device)}",
+        f"- date: {now}; git commit: `{git_commit()}`",
+        "",
+        table,
+    ]
+    if notes:
+        parts += [""] + [f"- {n}" for n in notes]
+    return "\n".join(parts) + "\n"
+
+
+def append_section(section: str, path: Path | str = BENCHMARKS_MD) -> Path:
+    """Append `section` to `path`, creating the file with the methodology header first."""
+    path = Path(path)
+    if not path.exists():
+        path.write_text(BENCHMARKS_HEADER)
+    with path.open("a") as f:
+        f.write("\n" + section)
+    return path
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The `q`-th percentile (0-100, linear interpolation, as numpy's default); None if empty."""
+    if not values:
+        return None
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)

@@ -1,0 +1,388 @@
+"""Offline engine throughput on the nano-vllm workload, against its bandwidth bound and HF.
+
+    python -m benchmarks.offline [--model DIR] [--num-requests 256] [--device cuda]
+        [--attention-backend flashinfer] [--hf-subset 16] [--no-append]
+
+Without `--model` the random-weight `qwen3-0.6b` checkpoint is built into `models/qwen3-0.6b`.
+One table: the engine (all requests submitted at once), the bandwidth bound of the workload
+measured in the same run (`benchmarks.bandwidth`), and Hugging Face `generate` on a subset.
+Methodology: BENCHMARKS.md's header (`benchmarks.common.BENCHMARKS_HEADER`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import bandwidth, common
+from benchmarks.common import Workload, fmt, fmt_bytes, log
+
+
+@dataclass(frozen=True)
+class ThroughputRun:
+    """One timed generation run.
+
+    Attributes:
+        num_requests: requests run.
+        prompt_tokens, output_tokens: tokens of the workload actually processed / generated.
+        seconds: wall time from the first submission to the last token (GPU synchronized).
+        generated_tokens: tokens computed, padding/overrun included (HF's padded batch);
+            equals `output_tokens` for the engine.
+    """
+
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    seconds: float
+    generated_tokens: int = 0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.seconds
+
+
+def engine_config(
+    model: Path | str,
+    device: str,
+    attention_backend: str,
+    max_running_requests: int = 256,
+    max_model_len: int = 4096,
+    engine_args: dict[str, str] | None = None,
+) -> Any:
+    """The `EngineConfig` of a benchmark engine; `engine_args` are extra `EngineConfig` fields
+    as strings, parsed as the Triton model's `TRITONLLM_*` settings are (`triton_config`)."""
+    from tritonllm.triton_config import engine_config as parse_engine_config
+
+    params = {
+        "model": str(Path(model).resolve()),
+        "device": device,
+        "attention_backend": attention_backend,
+        "max_running_requests": str(max_running_requests),
+        "max_model_len": str(max_model_len),
+        **(engine_args or {}),
+    }
+    return parse_engine_config(params, env={})
+
+
+def make_engine(config: Any) -> Any:
+    """An `LLMEngine` for `config` (an `EngineConfig`)."""
+    from tritonllm.engine.engine import LLMEngine
+
+    return LLMEngine(config)
+
+
+def sampling_params(max_tokens: int, temperature: float) -> Any:
+    """`ignore_eos` params with a fixed output length, so every request emits `max_tokens`."""
+    from tritonllm.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+
+
+def warm_up(engine: Any, device: str) -> None:
+    """One short request: first-use kernel compilation and allocations happen outside timing."""
+    run_engine(engine, Workload([list(range(1000, 1032))], [8]), device, tag="warmup")
+
+
+def run_engine(
+    engine: Any,
+    workload: Workload,
+    device: str,
+    temperature: float = 0.6,
+    concurrency: int | None = None,
+    tag: str = "bench",
+) -> ThroughputRun:
+    """Run `workload` through `engine.add_request` / `engine.step` and time it.
+
+    With `concurrency` None every request is submitted at once (the offline benchmark); else at
+    most `concurrency` are in flight and the next is submitted when one finishes (the closed
+    loop the online clients run), so the two are compared on equal terms.
+
+    Raises:
+        RuntimeError: a request finished with a token count other than its output length.
+    """
+    n = len(workload)
+    limit = concurrency or n
+    pending = deque(range(n))
+    produced = [0] * n
+    in_flight = 0
+    common.synchronize(device)
+    start = time.perf_counter()
+    while pending or in_flight:
+        while pending and in_flight < limit:
+            i = pending.popleft()
+            engine.add_request(
+                f"{tag}-{i}",
+                workload.prompts[i],
+                sampling_params(workload.output_lens[i], temperature),
+            )
+            in_flight += 1
+        for out in engine.step():
+            i = int(out.request_id.rsplit("-", 1)[1])
+            produced[i] += len(out.new_token_ids)
+            if out.finished:
+                in_flight -= 1
+                if produced[i] != workload.output_lens[i]:
+                    raise RuntimeError(
+                        f"request {i} produced {produced[i]} tokens, expected "
+                        f"{workload.output_lens[i]} (finish_reason {out.finish_reason})"
+                    )
+    common.synchronize(device)
+    seconds = time.perf_counter() - start
+    return ThroughputRun(n, workload.num_prompt_tokens, sum(produced), seconds, sum(produced))
+
+
+def run_levels(
+    model: str,
+    device: str,
+    attention_backend: str,
+    workloads: dict[int, Workload],
+    temperature: float = 0.0,
+    engine_args: dict[str, str] | None = None,
+) -> dict[int, ThroughputRun]:
+    """The offline engine on each concurrency level's workload (one engine, closed loop).
+
+    Used by `benchmarks.online` in a subprocess so the engine's GPU memory is freed before the
+    server starts.
+    """
+    engine = make_engine(
+        engine_config(model, device, attention_backend, max(workloads), engine_args=engine_args)
+    )
+    warm_up(engine, device)
+    runs = {}
+    for c, w in workloads.items():
+        runs[c] = run_engine(engine, w, device, temperature, concurrency=c, tag=f"c{c}")
+        log(f"offline engine, concurrency {c}: {runs[c].output_tokens_per_s:,.0f} tok/s")
+    return runs
+
+
+def hf_generate(model: Path | str, workload: Workload, device: str) -> ThroughputRun:
+    """Hugging Face `generate` on `workload` as one left-padded batch, greedy, without EOS stop.
+
+    All rows run to the longest output length (`min_new_tokens = max_new_tokens`); the run
+    counts the workload's own output tokens, `generated_tokens` counts all of them.
+    """
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+    width = max(len(p) for p in workload.prompts)
+    ids = torch.zeros(len(workload), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(workload.prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    new_tokens = max(workload.output_lens)
+    kwargs = dict(
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=0,
+    )
+    with torch.inference_mode():
+        hf.generate(ids[:1, -8:], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
+        common.synchronize(device)
+        start = time.perf_counter()
+        out = hf.generate(ids, **kwargs)
+        common.synchronize(device)
+        seconds = time.perf_counter() - start
+    generated = out[:, width:].numel()
+    del hf
+    return ThroughputRun(
+        len(workload), workload.num_prompt_tokens, workload.num_output_tokens, seconds, generated
+    )
+
+
+@dataclass(frozen=True)
+class OfflineResult:
+    """Everything one offline benchmark run measured."""
+
+    workload: Workload
+    engine: ThroughputRun
+    copy_bandwidth: float  # bytes/s
+    traffic: bandwidth.DecodeTraffic
+    hf: ThroughputRun | None
+    weight_bytes: int
+    kv_bytes_per_token: int
+
+    @property
+    def bound_seconds(self) -> float:
+        return self.traffic.bound_seconds(self.copy_bandwidth)
+
+
+def workload_bound(
+    model: Path | str, workload: Workload, itemsize: int, max_running: int | None = None
+) -> tuple[bandwidth.DecodeTraffic, int, int]:
+    """(decode traffic, weight bytes per step, KV bytes per token) of `workload` on `model`."""
+    from tritonllm.config import ModelConfig
+
+    config = ModelConfig.from_pretrained(str(model))
+    weight_bytes = bandwidth.checkpoint_weight_bytes(model, itemsize)
+    kv_per_token = config.kv_bytes_per_token * itemsize
+    traffic = bandwidth.decode_bytes(
+        [len(p) for p in workload.prompts],
+        workload.output_lens,
+        weight_bytes,
+        kv_per_token,
+        max_running,
+    )
+    return traffic, weight_bytes, kv_per_token
+
+
+def run(args: argparse.Namespace) -> OfflineResult:
+    """Build/find the checkpoint, run engine, bound and HF peer as `args` say."""
+    model = common.ensure_model(args.model)
+    log(f"model {model}; measuring copy bandwidth, then the engine")
+    workload = common.random_workload(
+        args.num_requests, args.min_len, args.max_input_len, args.max_output_len
+    )
+    if (args.num_requests, args.min_len, args.max_input_len, args.max_output_len) == (
+        256,
+        100,
+        1024,
+        1024,
+    ):
+        assert (workload.num_prompt_tokens, workload.num_output_tokens) == (
+            common.PUBLISHED_PROMPT_TOKENS,
+            common.PUBLISHED_OUTPUT_TOKENS,
+        ), "workload drifted"
+    # Bandwidth first, while the GPU is empty (the engine's KV pool takes most of its memory).
+    copy_bw = bandwidth.measure_copy_bandwidth(args.device)
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    config = engine_config(
+        model,
+        args.device,
+        args.attention_backend,
+        args.num_requests,
+        engine_args=dict(kv.split("=", 1) for kv in args.engine_arg),
+    )
+    engine = make_engine(config)
+    warm_up(engine, args.device)
+    result = run_engine(engine, workload, args.device, args.temperature)
+    log(f"engine: {result.output_tokens:,} tokens in {result.seconds:.2f} s")
+    del engine
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    traffic, weight_bytes, kv_per_token = workload_bound(
+        model, workload, config.torch_dtype.itemsize
+    )
+    hf = None
+    if args.hf_subset > 0:
+        hf = hf_generate(model, workload.subset(args.hf_subset), args.device)
+    return OfflineResult(workload, result, copy_bw, traffic, hf, weight_bytes, kv_per_token)
+
+
+def report(res: OfflineResult, args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The markdown table and the notes of one run."""
+    bound_s = res.bound_seconds
+    w = res.workload
+    headers = [
+        "system",
+        "requests",
+        "prompt tokens",
+        "output tokens",
+        "time (s)",
+        "output tok/s",
+        "total tok/s",
+        "of bound",
+    ]
+
+    def row(name: str, r: ThroughputRun, of_bound: str) -> list[str]:
+        return [
+            name,
+            fmt(r.num_requests),
+            fmt(r.prompt_tokens),
+            fmt(r.output_tokens),
+            fmt(r.seconds, 2),
+            fmt(r.output_tokens_per_s, 0),
+            fmt(r.total_tokens_per_s, 0),
+            of_bound,
+        ]
+
+    bound = ThroughputRun(len(w), w.num_prompt_tokens, w.num_output_tokens, bound_s)
+    rows = [
+        row(
+            f"tritonllm engine ({args.attention_backend})",
+            res.engine,
+            f"{bound_s / res.engine.seconds:.1%}",
+        ),
+        row(f"bandwidth bound ({fmt_bytes(res.copy_bandwidth, 'B/s')} copy)", bound, "100%"),
+    ]
+    if res.hf is not None:
+        rows.append(
+            row(f"HF transformers generate (batch {res.hf.num_requests}, padded)", res.hf, "-")
+        )
+    notes = [
+        f"engine: device {args.device}, temperature {args.temperature} (nano-vllm uses 0.6; "
+        "ignore_eos fixes the output lengths), all requests submitted at once",
+        f"bound: {res.traffic.decode_steps:,} decode steps x {fmt_bytes(res.weight_bytes)} "
+        f"weights + {res.kv_bytes_per_token:,} B KV per live token per step = "
+        f"{fmt_bytes(res.traffic.total_bytes)} over {fmt_bytes(res.copy_bandwidth, 'B/s')} "
+        "measured device-to-device copy bandwidth (read + written)",
+    ]
+    if res.hf is not None:
+        notes.append(
+            f"HF: first {res.hf.num_requests} requests as one left-padded batch, greedy, "
+            f"{res.hf.generated_tokens:,} tokens generated in all "
+            f"({res.hf.generated_tokens / res.hf.seconds:,.0f} tok/s raw); the row counts the "
+            "workload's tokens only"
+        )
+    return common.markdown_table(headers, rows), notes
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    device = common.default_device()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="HF model directory (default: build models/qwen3-0.6b)")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100, help="shortest prompt and output")
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--device", default=device)
+    p.add_argument(
+        "--attention-backend", default="flashinfer" if device.startswith("cuda") else "torch"
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="extra EngineConfig field, e.g. page_size=32 (repeatable)",
+    )
+    p.add_argument("--hf-subset", type=int, default=16, help="requests for the HF peer (0: skip)")
+    p.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    p.add_argument("--benchmarks-md", default=str(common.BENCHMARKS_MD))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> OfflineResult:
+    args = parse_args(argv)
+    res = run(args)
+    table, notes = report(res, args)
+    print(table)
+    for note in notes:
+        print(f"- {note}")
+    if not args.no_append:
+        section = common.format_section("Offline engine throughput", args.device, table, notes)
+        print(f"appended to {common.append_section(section, args.benchmarks_md)}")
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

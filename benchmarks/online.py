@@ -1,0 +1,361 @@
+"""Serving benchmark: streaming OpenAI chat clients against tritonserver + the sidecar.
+
+    python -m benchmarks.online [--model DIR] [--concurrency 1,16,64,256]
+        [--num-prompts-per-level N] [--device cuda] [--no-append]
+
+For each concurrency level, `c` closed-loop clients stream chat completions (a client sends its
+next request when the last one finished) with random prompts and fixed output lengths
+(`ignore_eos`, `max_tokens`). Reported: TTFT, TPOT, chunk ITL, output tokens/s, and the offline
+engine's tokens/s on the very same prompt ids with the same concurrency cap, measured first in
+a subprocess (so its GPU memory is freed before the server starts), in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+from benchmarks.common import Workload, fmt, log, percentile
+from benchmarks.streaming_client import LevelResult, run_level, served_model_name
+
+
+def level_texts(tokenizer: Any, workload: Workload) -> list[str]:
+    """Prompt texts: each prompt's random ids decoded (re-encoding gives about as many)."""
+    return [tokenizer.decode(p, skip_special_tokens=True) for p in workload.prompts]
+
+
+def level_workloads(
+    args: argparse.Namespace, tokenizer: Any
+) -> dict[int, tuple[list[str], Workload]]:
+    """Per level: the prompt texts and the workload of the ids the server will see for them.
+
+    Each level draws its own prompts (seed = the level's index), so the prefix cache never
+    serves a later level from an earlier one's prompts.
+    """
+    from tritonllm.tokenization.chat import render_prompt
+
+    out = {}
+    for index, c in enumerate(args.concurrency):
+        n = args.num_prompts_per_level or max(8, 2 * c)
+        raw = common.random_workload(
+            n,
+            args.min_len,
+            args.max_input_len,
+            args.max_output_len,
+            seed=index,
+            min_output_len=args.min_output_len,
+        )
+        texts = level_texts(tokenizer, raw)
+        if args.endpoint == "chat":
+            ids = [
+                render_prompt(tokenizer, messages=[{"role": "user", "content": t}]) for t in texts
+            ]
+        else:
+            ids = [render_prompt(tokenizer, text_input=t) for t in texts]
+        out[c] = (texts, Workload(ids, raw.output_lens))
+    return out
+
+
+def _offline_worker(queue: Any, kwargs: dict[str, Any]) -> None:
+    try:
+        from benchmarks.offline import run_levels
+
+        runs = run_levels(**kwargs)
+        queue.put({c: r.output_tokens_per_s for c, r in runs.items()})
+    except BaseException as exc:  # noqa: BLE001 (reported to the parent)
+        queue.put(f"{type(exc).__name__}: {exc}")
+
+
+def offline_tokens_per_s(
+    args: argparse.Namespace, model: Path, workloads: dict[int, Workload]
+) -> dict[int, float]:
+    """The offline engine's output tokens/s per level, run in a spawned subprocess.
+
+    Raises:
+        RuntimeError: the subprocess failed (its error message).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    kwargs = dict(
+        model=str(model),
+        device=args.device,
+        attention_backend=args.attention_backend,
+        workloads=workloads,
+        temperature=args.temperature,
+        engine_args=engine_args(args),
+    )
+    proc = ctx.Process(target=_offline_worker, args=(queue, kwargs))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    if isinstance(result, str):
+        raise RuntimeError(f"offline engine run failed: {result}")
+    return result
+
+
+def engine_args(args: argparse.Namespace) -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in args.engine_arg)
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Poll `url` until it answers 200. Raises RuntimeError on timeout or if `proc` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} was up")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"{url} not up after {timeout:.0f} s")
+
+
+class Sidecar:
+    """The OpenAI sidecar (`python -m openai_frontend`) on a free local port; a context manager
+    that stops the process group it started."""
+
+    def __init__(self, triton_url: str, log_path: Path | None = None) -> None:
+        from tritonllm.triton_server import free_port
+
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path or Path(tempfile.mkstemp(prefix="sidecar-", suffix=".log")[1])
+        cmd = [
+            sys.executable,
+            "-m",
+            "openai_frontend",
+            "--triton-url",
+            triton_url,
+            "--port",
+            str(self.port),
+        ]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=common.REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def __enter__(self) -> Sidecar:
+        try:
+            wait_http(f"{self.base_url}/v1/models", 120, self.proc)
+        except RuntimeError as exc:
+            self.stop()
+            log = self.log_path.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"{exc}\n{log}") from exc
+        return self
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+async def run_levels_online(
+    base_url: str,
+    level_inputs: dict[int, tuple[list[str], Workload]],
+    temperature: float,
+    endpoint: str,
+) -> dict[int, LevelResult]:
+    """Warm up with one short request, then run each level in order."""
+    model = served_model_name(base_url)
+    warm = await run_level(base_url, model, ["warm up " * 8], [8], 1, temperature, endpoint)
+    if warm.records[0].error:
+        raise RuntimeError(f"warm-up request failed: {warm.records[0].error}")
+    results = {}
+    for c, (texts, workload) in level_inputs.items():
+        results[c] = res = await run_level(
+            base_url, model, texts, workload.output_lens, c, temperature, endpoint
+        )
+        failed = len(res.records) - len(res.ok)
+        log(f"online, concurrency {c}: {res.output_tokens_per_s:,.0f} tok/s, {failed} failed")
+    return results
+
+
+def serve_and_run(
+    args: argparse.Namespace, model: Path, level_inputs: dict[int, tuple[list[str], Workload]]
+) -> dict[int, LevelResult]:
+    """Start what `args` does not point at (tritonserver, sidecar), run the levels, stop them."""
+
+    def go(base_url: str) -> dict[int, LevelResult]:
+        return asyncio.run(
+            run_levels_online(base_url, level_inputs, args.temperature, args.endpoint)
+        )
+
+    if args.openai_url:
+        return go(args.openai_url)
+    if args.triton_url:
+        with Sidecar(args.triton_url) as sidecar:
+            return go(sidecar.base_url)
+    from tritonllm.triton_server import TritonServer
+
+    env = {
+        "TRITONLLM_DEVICE": args.device,
+        "TRITONLLM_ATTENTION_BACKEND": args.attention_backend,
+        "TRITONLLM_MAX_RUNNING_REQUESTS": str(max(args.concurrency)),
+        "TRITONLLM_MAX_MODEL_LEN": "4096",
+    }
+    env.update({f"TRITONLLM_{k.upper()}": v for k, v in engine_args(args).items()})
+    log_path = Path(args.server_log) if args.server_log else None
+    server = TritonServer(model_path=model, env=env, log_path=log_path)
+    log(f"starting tritonserver ({env})")
+    try:
+        server.start(timeout=600)
+        log(f"tritonserver ready on {server.grpc_url}; starting the sidecar")
+        with Sidecar(server.grpc_url) as sidecar:
+            return go(sidecar.base_url)
+    except RuntimeError:
+        print(server.log_tail(), file=sys.stderr)
+        raise
+    finally:
+        server.stop()
+
+
+def ms_pair(values: list[float]) -> str:
+    p50, p99 = percentile(values, 50), percentile(values, 99)
+    if p50 is None:
+        return "-"
+    return f"{p50 * 1e3:,.1f} / {p99 * 1e3:,.1f}"
+
+
+def report(results: dict[int, LevelResult], offline: dict[int, float] | None) -> str:
+    """The markdown table: one row per concurrency level."""
+    headers = [
+        "concurrency",
+        "requests (failed)",
+        "mean prompt tok",
+        "output tokens",
+        "TTFT p50 / p99 (ms)",
+        "TPOT p50 / p99 (ms)",
+        "chunk ITL p50 / p99 (ms)",
+        "tok/chunk",
+        "output tok/s",
+        "offline engine tok/s",
+        "online / offline",
+    ]
+    rows = []
+    for c, res in results.items():
+        ok = res.ok
+        prompt = sum(r.prompt_tokens for r in ok) / len(ok) if ok else None
+        engine = (offline or {}).get(c)
+        ratio = f"{res.output_tokens_per_s / engine:.1%}" if engine else "-"
+        rows.append(
+            [
+                str(c),
+                f"{len(res.records)} ({len(res.records) - len(ok)})",
+                fmt(prompt, 0),
+                fmt(res.output_tokens),
+                ms_pair([r.ttft for r in ok if r.ttft is not None]),
+                ms_pair([r.tpot for r in ok if r.tpot is not None]),
+                ms_pair([g for r in ok for g in r.chunk_gaps]),
+                fmt(res.tokens_per_chunk, 2),
+                fmt(res.output_tokens_per_s, 0),
+                fmt(engine, 0),
+                ratio,
+            ]
+        )
+    return common.markdown_table(headers, rows)
+
+
+def run(args: argparse.Namespace) -> tuple[dict[int, LevelResult], dict[int, float] | None]:
+    """Offline engine per level (subprocess) first, then the served stack per level."""
+    from transformers import AutoTokenizer
+
+    model = common.ensure_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    level_inputs = level_workloads(args, tokenizer)
+    offline: dict[int, float] | None = None
+    if args.offline_tokens_per_s:
+        values = [float(v) for v in args.offline_tokens_per_s.split(",")]
+        values = values * len(args.concurrency) if len(values) == 1 else values
+        offline = dict(zip(args.concurrency, values, strict=True))
+    elif not args.no_offline:
+        offline = offline_tokens_per_s(args, model, {c: w for c, (_, w) in level_inputs.items()})
+    return serve_and_run(args, model, level_inputs), offline
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    device = common.default_device()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="HF model directory (default: build models/qwen3-0.6b)")
+    p.add_argument(
+        "--concurrency", default="1,16,64,256", type=lambda s: [int(c) for c in s.split(",")]
+    )
+    p.add_argument(
+        "--num-prompts-per-level",
+        type=int,
+        default=None,
+        help="requests per level (default: max(8, 2 x concurrency))",
+    )
+    p.add_argument("--min-len", type=int, default=100, help="shortest prompt (ids drawn)")
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--min-output-len", type=int, default=100)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    p.add_argument("--device", default=device)
+    p.add_argument(
+        "--attention-backend", default="flashinfer" if device.startswith("cuda") else "torch"
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="extra EngineConfig field for both engines, e.g. page_size=32",
+    )
+    p.add_argument("--offline-tokens-per-s", help="skip the offline run: tok/s (one or per level)")
+    p.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
+    p.add_argument("--triton-url", help="use a running tritonserver (gRPC HOST:PORT)")
+    p.add_argument("--openai-url", help="use a running sidecar (http://HOST:PORT)")
+    p.add_argument("--server-log", help="tritonserver log file (default: a temp file)")
+    p.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    p.add_argument("--benchmarks-md", default=str(common.BENCHMARKS_MD))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> tuple[dict[int, LevelResult], dict[int, float] | None]:
+    args = parse_args(argv)
+    results, offline = run(args)
+    table = report(results, offline)
+    notes = [
+        f"{args.endpoint} completions, streamed, closed loop; prompts: random ids in "
+        f"[{args.min_len}, {args.max_input_len}] decoded to text (+ chat template); outputs "
+        f"[{args.min_output_len}, {args.max_output_len}] tokens with ignore_eos; temperature "
+        f"{args.temperature}; device {args.device}, attention {args.attention_backend}",
+        "offline engine: the same prompt ids, same concurrency cap (closed loop), same run",
+    ]
+    print(table)
+    for note in notes:
+        print(f"- {note}")
+    if not args.no_append:
+        section = common.format_section("Online serving", args.device, table, notes)
+        print(f"appended to {common.append_section(section, args.benchmarks_md)}")
+    return results, offline
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,175 @@
+"""Closed-loop streaming OpenAI clients and their per-request timings (TTFT, TPOT, chunk ITL).
+
+Clients speak plain HTTP + server-sent events through `httpx` (lighter per chunk than the
+`openai` package, so the client is not what limits a 256-way level). Token counts come from the
+final `usage` chunk (`stream_options.include_usage`); chunks may carry several tokens, so TPOT is
+per request, `(last chunk - first chunk) / (completion tokens - 1)`, and chunk ITL is the raw gap
+between text-carrying chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestRecord:
+    """Client-side timings of one streamed request (seconds, `time.perf_counter`).
+
+    Attributes:
+        chunk_times: arrival of each chunk that carried text.
+        completion_tokens, prompt_tokens: from the final `usage` chunk.
+    """
+
+    max_tokens: int
+    start: float = 0.0
+    end: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.start if self.chunk_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        """(last chunk - first chunk) / (completion tokens - 1): time per output token."""
+        if len(self.chunk_times) < 2 or self.completion_tokens < 2:
+            return None
+        return (self.chunk_times[-1] - self.chunk_times[0]) / (self.completion_tokens - 1)
+
+    @property
+    def chunk_gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times[:-1], self.chunk_times[1:], strict=True)]
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    """One concurrency level: its records and the level's wall time (first send to last end)."""
+
+    concurrency: int
+    records: list[RequestRecord]
+    seconds: float
+
+    @property
+    def ok(self) -> list[RequestRecord]:
+        return [r for r in self.records if r.error is None]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.completion_tokens for r in self.ok)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def tokens_per_chunk(self) -> float | None:
+        chunks = sum(len(r.chunk_times) for r in self.ok)
+        return self.output_tokens / chunks if chunks else None
+
+
+def chunk_text(event: dict[str, Any]) -> str:
+    """The text an SSE event adds (chat `delta.content` or completions `text`); "" if none."""
+    choices = event.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+    return text or ""
+
+
+async def stream_request(
+    client: Any, url: str, body: dict[str, Any], record: RequestRecord
+) -> RequestRecord:
+    """POST one streaming request and fill `record` from its server-sent events.
+
+    Chunks with no text (the role-only first chat chunk, the usage chunk) carry no token time.
+    """
+    record.start = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                record.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return record
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    record.error = str(event["error"])[:200]
+                    break
+                if chunk_text(event):
+                    record.chunk_times.append(time.perf_counter())
+                usage = event.get("usage")
+                if usage:
+                    record.completion_tokens = usage["completion_tokens"]
+                    record.prompt_tokens = usage["prompt_tokens"]
+    except Exception as exc:  # noqa: BLE001 (a failed request is counted, not fatal)
+        record.error = f"{type(exc).__name__}: {exc}"
+    record.end = time.perf_counter()
+    if record.error is None and record.completion_tokens != record.max_tokens:
+        record.error = f"{record.completion_tokens} completion tokens, expected {record.max_tokens}"
+    return record
+
+
+def request_body(
+    model: str, text: str, max_tokens: int, temperature: float, endpoint: str
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    return body
+
+
+async def run_level(
+    base_url: str,
+    model: str,
+    texts: list[str],
+    output_lens: list[int],
+    concurrency: int,
+    temperature: float = 0.6,
+    endpoint: str = "chat",
+) -> LevelResult:
+    """`concurrency` closed-loop clients stream the requests in order; all are awaited."""
+    import httpx
+
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    records = [RequestRecord(max_tokens=n) for n in output_lens]
+    next_index = iter(range(len(texts)))
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=1800) as client:
+
+        async def client_loop() -> None:
+            for i in next_index:  # a shared iterator: each index is taken by one client
+                body = request_body(model, texts[i], output_lens[i], temperature, endpoint)
+                await stream_request(client, path, body, records[i])
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+    return LevelResult(concurrency, records, seconds)
+
+
+def served_model_name(base_url: str) -> str:
+    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=10) as r:
+        return json.load(r)["data"][0]["id"]
