@@ -23,11 +23,14 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kernels.decode_attention import _decode_reduce_kernel, _decode_stage1_kernel  # noqa: E402
 from kernels.extend_attention import _extend_kernel  # noqa: E402
+from kernels.rmsnorm import _rmsnorm_kernel  # noqa: E402
+from kernels.rotary import _rotary_kernel  # noqa: E402
+from kernels.silu_mul import _silu_mul_kernel  # noqa: E402
 from kernels.store_kv import _store_kv_kernel  # noqa: E402
 
 # Shared memory per block (bytes, opt-in maximum) of each target.
 TARGETS = {80: 166912, 90: 232448}
-FLOAT_ARGS = {"sm_scale_log2"}
+FLOAT_ARGS = {"sm_scale_log2", "eps"}
 
 
 def _signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
@@ -111,12 +114,42 @@ def _configs(quick: bool):
             )
 
 
+def _layer_configs(quick: bool):
+    """The layers' kernels (RMSNorm, rotary, SiLU-mul) at Qwen3-0.6B-like sizes."""
+    for dt in ("bf16", "fp32") if quick else ("bf16", "fp16", "fp32"):
+        for block_d, warps in ((128, 1), (1024, 4), (4096, 8)):
+            yield (
+                _rmsnorm_kernel,
+                {"x_ptr": dt, "w_ptr": dt, "out_ptr": dt},
+                dict(BLOCK_D=block_d),
+                warps,
+                3,
+            )
+        yield (
+            _rotary_kernel,
+            {
+                "q_ptr": dt,
+                "k_ptr": dt,
+                "q_out_ptr": dt,
+                "k_out_ptr": dt,
+                "pos_ptr": "i64",
+                "cos_ptr": "fp32",
+                "sin_ptr": "fp32",
+            },
+            dict(BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64),
+            4,
+            3,
+        )
+        yield (_silu_mul_kernel, {"x_ptr": dt, "out_ptr": dt}, dict(BLOCK=1024), 4, 3)
+
+
 def main(argv: list[str] | None = None) -> int:
     quick = "--quick" in (sys.argv[1:] if argv is None else argv)
     targets = {90: TARGETS[90]} if quick else TARGETS
     failures = []
     count = 0
-    for fn, pointers, constexprs, warps, stages in _configs(quick):
+    configs = list(_configs(quick)) + list(_layer_configs(quick))
+    for fn, pointers, constexprs, warps, stages in configs:
         sig = _signature(fn, {k: "*" + v for k, v in pointers.items()}, constexprs)
         for arch, smem_limit in targets.items():
             count += 1

@@ -172,7 +172,9 @@ class EngineConfig:
         max_prefill_tokens: the per-step token budget of a prefill/extend batch (chunked
             prefill splits longer prompts across steps).
         enable_prefix_cache: reuse KV pages of earlier prompts through the radix cache.
-        attention_backend: a key of `tritonllm.attention.ATTENTION_BACKENDS`.
+        attention_backend: a key of `tritonllm.attention.ATTENTION_BACKENDS`, or "auto": on
+            CUDA "flashinfer" (bf16/fp16, when installed), else "triton" (when installed), else
+            "torch"; always "torch" on CPU. `resolved_attention_backend` gives the choice.
         max_model_len: prompt + output limit in tokens; None → the model's
             max_position_embeddings.
         seed: seed of the sampler's generator for requests without their own seed.
@@ -195,7 +197,7 @@ class EngineConfig:
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192
     enable_prefix_cache: bool = True
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
     gpu_memory_utilization: float = 0.85
@@ -238,7 +240,20 @@ class EngineConfig:
         """Whether decode steps replay CUDA graphs (never on CPU; see `cuda_graph`)."""
         if self.torch_device.type != "cuda":
             return False
-        return self.cuda_graph is not False and self.attention_backend != "torch"
+        return self.cuda_graph is not False and self.resolved_attention_backend != "torch"
+
+    @cached_property
+    def resolved_attention_backend(self) -> str:
+        """The attention backend name after resolving "auto" (see `attention_backend`)."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        if self.torch_device.type != "cuda":
+            return "torch"
+        import importlib.util
+
+        if self.torch_dtype != torch.float32 and importlib.util.find_spec("flashinfer"):
+            return "flashinfer"
+        return "triton" if importlib.util.find_spec("triton") else "torch"
 
     @property
     def use_overlap_schedule(self) -> bool:

@@ -17,7 +17,7 @@ is a field of ``EngineConfig``; each can be set by the environment variable
 ``TRITONLLM_MAX_RUNNING_REQUESTS``     most requests in one batch
 ``TRITONLLM_MAX_PREFILL_TOKENS``       per-step token budget of a prefill batch
 ``TRITONLLM_ENABLE_PREFIX_CACHE``      ``true``/``false``: radix prefix cache
-``TRITONLLM_ATTENTION_BACKEND``        ``torch`` | ``flashinfer`` | ``triton``
+``TRITONLLM_ATTENTION_BACKEND``        ``auto`` (default) | ``torch`` | ``flashinfer`` | ``triton``
 ``TRITONLLM_MAX_MODEL_LEN``            prompt + output limit in tokens (default: the model's)
 ``TRITONLLM_SEED``                     sampler seed for requests without their own
 ``TRITONLLM_GPU_MEMORY_UTILIZATION``   fraction of free GPU memory for the KV pool

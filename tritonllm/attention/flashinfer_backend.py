@@ -60,8 +60,9 @@ def paged_kv_args(page_table: torch.Tensor, seq_lens_cpu: list[int], page_size: 
     for n in num_pages:
         indptr.append(indptr[-1] + n)
     dev = page_table.device
-    counts = torch.tensor(num_pages, dtype=torch.int64).to(dev, non_blocking=True)
-    starts = torch.tensor(indptr[:-1], dtype=torch.int64).to(dev, non_blocking=True)
+    # One pinned host buffer, one non-blocking copy (a pageable copy could block on the stream).
+    host = torch.tensor([num_pages, indptr[:-1]], dtype=torch.int64, pin_memory=dev.type == "cuda")
+    counts, starts = host.to(dev, non_blocking=True)
     rows = torch.repeat_interleave(
         torch.arange(len(num_pages), device=dev), counts, output_size=indptr[-1]
     )
@@ -89,12 +90,19 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     Raises:
         ImportError: flashinfer is not installed (`pip install 'tritonllm[gpu]'`).
+        ValueError: a float32 KV cache (FlashInfer has no float32 kernels).
     """
 
     def __init__(self, model_config, kv_cache, device: torch.device) -> None:
         if flashinfer is None:
             raise ImportError("the flashinfer backend needs flashinfer-python (tritonllm[gpu])")
         super().__init__(model_config, kv_cache, device)
+        if kv_cache.k_cache(0).dtype == torch.float32:
+            # FlashInfer's JIT dtype table has half, bfloat16 and fp8 only.
+            raise ValueError(
+                "FlashInfer has no float32 attention; use bfloat16/float16 or "
+                "attention_backend 'triton'/'torch'"
+            )
         self.num_q_heads = model_config.num_heads
         self.num_kv_heads = model_config.num_kv_heads
         self.head_dim = model_config.head_dim

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from tritonllm.config import EngineConfig
 from tritonllm.engine.kv_cache import PageAllocator
 from tritonllm.engine.model_runner import ModelRunner
+from tritonllm.engine.overlap import LaunchedStep, num_unknown_tail
 from tritonllm.engine.radix_cache import RadixCache
 from tritonllm.engine.request import Request, RequestOutput, RequestStatus
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
@@ -84,6 +85,8 @@ class LLMEngine:
         self._gen_ids = itertools.count()
         self._num_steps = 0
         self._max_batch = 0
+        self._overlap = config.use_overlap_schedule
+        self._in_flight: LaunchedStep | None = None  # overlap: launched, not yet processed
         self._detok: Detokenizer | None = None
 
     # ---- requests ------------------------------------------------------------------------
@@ -173,6 +176,7 @@ class LLMEngine:
 
     def abort_all(self, error: str) -> list[RequestOutput]:
         """Fail every request (after an engine error); returns their final outputs."""
+        self._in_flight = None
         for req in list(self._requests.values()):
             self._finish(req, "error", release=True, error=error)
         self._children.clear()
@@ -192,34 +196,52 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step (a prefill or a decode batch); return the outputs it made,
-        plus final outputs of requests aborted since the last step."""
+        plus final outputs of requests aborted since the last step.
+
+        With overlap scheduling the step launches batch N+1 and then reports the tokens of
+        batch N (see `engine.overlap`): outputs arrive one step late, otherwise identical.
+        """
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
-        if batch is None:
-            if self._requests and not outputs:
-                raise RuntimeError("scheduler stalled: requests pending but nothing runnable")
-            return outputs
-        if batch.is_decode:
-            self._max_batch = max(self._max_batch, len(batch.reqs))
-        sample_reqs, samples = self.runner.run(batch)
-        self._num_steps += 1
-        for req, ext in zip(batch.reqs, batch.extend_lens, strict=True):
-            req.num_computed += ext
-        if samples is not None:
-            for j, req in enumerate(sample_reqs):
-                outputs.append(self._append_token(req, batch, j, samples))
+        launched = None
+        if batch is not None:
+            if batch.is_decode:
+                self._max_batch = max(self._max_batch, len(batch.reqs))
+            launched = self.runner.run(batch)
+            launched.commit()
+            self._num_steps += 1
+        previous, self._in_flight = self._in_flight, launched
+        if not self._overlap:
+            previous, self._in_flight = launched, None
+        if previous is not None:
+            outputs.extend(self._process(previous))
+        elif batch is None and self._requests and not outputs:
+            raise RuntimeError("scheduler stalled: requests pending but nothing runnable")
         return outputs
 
-    def _append_token(self, req: Request, batch: ScheduledBatch, j: int, samples) -> RequestOutput:
-        token = samples.token_ids[j]
-        req.token_ids.append(token)
+    def _process(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Fill in the sampled tokens of a finished step; stop checks; outputs."""
+        samples = step.result()
+        outputs = []
+        for j, (req, pos) in enumerate(zip(step.sample_reqs, step.token_pos, strict=True)):
+            if self._requests.get(req.request_id) is not req:
+                continue  # finished (overlap: its extra token is discarded) or aborted
+            req.token_ids[pos] = samples.token_ids[j]
+            outputs.append(self._append_token(req, step.batch, pos, j, samples))
+        return outputs
+
+    def _append_token(
+        self, req: Request, batch: ScheduledBatch, pos: int, j: int, samples
+    ) -> RequestOutput:
+        token = req.token_ids[pos]
         if not batch.is_decode:
             self.scheduler.cache_prefix(req)
         p = req.params
+        num_out = pos + 1 - req.num_prompt_tokens
         reason = None
-        if token in req.stop_ids and req.num_output_tokens >= p.min_tokens:
+        if token in req.stop_ids and num_out >= p.min_tokens:
             reason = "stop"
-        elif req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
+        elif num_out >= p.max_tokens or pos + 1 >= self.max_model_len:
             reason = "length"
         lp = None if samples.logprobs[j] is None else [samples.logprobs[j]]
         top = None if samples.top_logprobs[j] is None else [samples.top_logprobs[j]]
@@ -229,8 +251,9 @@ class LLMEngine:
             if stopped:
                 reason = "stop"
         if reason is not None:
+            del req.token_ids[pos + 1 :]  # overlap: a token computed after the finish
             req.finish_reason = reason
-            self.scheduler.finish(req)
+            self.scheduler.abort(req)  # running (pages released) or preempted (dequeued)
             del self._requests[req.request_id]
         out = self._output(req, released, lp, top)
         out.trim_chars = trim
@@ -265,7 +288,7 @@ class LLMEngine:
             finished=finished,
             finish_reason=req.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
+            num_output_tokens=req.num_output_tokens - num_unknown_tail(req.token_ids),
             cached_tokens=req.cached_tokens,
             logprobs=lp,
             top_logprobs=top,

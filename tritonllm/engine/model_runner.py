@@ -1,6 +1,6 @@
 """Turns a `ScheduledBatch` into model inputs, runs the forward pass and samples.
 
-`launch(batch)` only enqueues device work: the batch's metadata travels in two pinned,
+`run(batch)` only enqueues device work: the batch's metadata travels in two pinned,
 non-blocking host-to-device copies (one int64, one int32 buffer; the tensors of
 `AttentionMetadata` are views into them), decode batches of up to `cuda_graph_max_bs` sequences
 replay a CUDA graph (`engine.cuda_graph`), and the sampled ids stay on the device (see
@@ -20,7 +20,7 @@ from tritonllm.config import EngineConfig
 from tritonllm.engine.kv_cache import KVCache, derive_num_pages
 from tritonllm.engine.overlap import FutureMap, LaunchedStep
 from tritonllm.engine.request import Request
-from tritonllm.engine.sampler import Sampler, SamplerOutput
+from tritonllm.engine.sampler import Sampler
 from tritonllm.engine.scheduler import ScheduledBatch
 from tritonllm.models import load_model
 
@@ -65,7 +65,7 @@ class ModelRunner:
         self.kv_cache = KVCache(
             self.model_config, self.num_pages, config.page_size, config.torch_dtype, self.device
         )
-        backend_cls = get_attention_backend(config.attention_backend)
+        backend_cls = get_attention_backend(config.resolved_attention_backend)
         self.backend = backend_cls(self.model_config, self.kv_cache, self.device)
         self.model.set_attention_backend(self.backend)
         self.sampler = Sampler(self.device, config.seed)
@@ -163,6 +163,13 @@ class ModelRunner:
             [reqs[i] for i in sample_rows],
         )
 
+    def build_metadata(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Request]]:
+        """`build_inputs` as a tuple: (input_ids, positions, meta, logits_indices, reqs)."""
+        f = self.build_inputs(batch)
+        return f.input_ids, f.positions, f.meta, f.logits_indices, f.sample_reqs
+
     def ids_to_device(self, ids: list[int]) -> torch.Tensor:
         """A request's token ids → `[N]` int64 device tensor of real ids (for penalties)."""
         dev = self._upload(np.asarray(ids, dtype=np.int64))
@@ -197,8 +204,9 @@ class ModelRunner:
         return self.model(fwd.input_ids, fwd.positions, meta, fwd.logits_indices)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
-        """Enqueue the forward and sampling of `batch`; no host sync (see `LaunchedStep`)."""
+    def run(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Enqueue the forward and sampling of `batch`; no host sync. The engine commits the
+        returned step and later takes its samples with `LaunchedStep.result()`."""
         fwd = self.build_inputs(batch)
         logits = self.forward(fwd)
         if not fwd.sample_reqs:
@@ -206,9 +214,3 @@ class ModelRunner:
         samples = self.sampler.sample_device(logits, fwd.sample_reqs, self.ids_to_device)
         slots = self.future.store(samples.token_ids)
         return LaunchedStep.from_samples(batch, fwd.sample_reqs, samples, slots)
-
-    def run(self, batch: ScheduledBatch) -> tuple[list[Request], SamplerOutput | None]:
-        """One forward over `batch`, waited for; returns the requests that sampled and their
-        samples. Does not advance the requests (the engine's `LaunchedStep.commit` does)."""
-        step = self.launch(batch)
-        return step.sample_reqs, step.result()

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tritonllm.layers.fused import use_fused
+
 
 class SwiGLUMLP(nn.Module):
     """`down(silu(gate(x)) * up(x))`; `gate_up_proj` holds [gate; up] stacked on the output dim.
@@ -20,5 +22,10 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if use_fused(gate_up) and gate_up.dim() == 2:
+            from kernels.silu_mul import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tritonllm.config import RopeScaling
+from tritonllm.layers.fused import use_fused
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -39,7 +40,8 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to q and k from a cos/sin cache indexed by position.
 
     The cache holds `[max_positions, head_dim // 2]` float32 cos and sin; rows are gathered per
-    token, so positions need not be contiguous (prefix caching, batched sequences).
+    token, so positions need not be contiguous (prefix caching, batched sequences). The rotation
+    rounds like transformers: cos/sin in the activations' dtype, products and sums rounded to it.
     """
 
     def __init__(
@@ -66,13 +68,21 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions `[T]` int64; q `[T, Hq, D]`, k `[T, Hkv, D]` → rotated q, k (same dtype)."""
+        """positions `[T]` int64; q `[T, Hq, D]`, k `[T, Hkv, D]` → rotated q, k (same dtype).
+
+        On CUDA one Triton kernel (`kernels.rotary`) rotates q and k together."""
+        if use_fused(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+            from kernels.rotary import rotary
+
+            return rotary(positions, q, k, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2] float32
         sin = self.sin_cache[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    # Hugging Face's rounding: cos/sin cast to x's dtype, each product and the sum rounded to
+    # it (exact float32 math for float32 models; bit-equal to transformers in bf16 too).
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

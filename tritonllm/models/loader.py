@@ -74,7 +74,8 @@ def load_model(
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
+        # Tensors are read straight into device memory (no host copy of the model).
+        with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():
                 if _IGNORED.search(name):
                     continue
