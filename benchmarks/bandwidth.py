@@ -94,6 +94,7 @@ class DecodeTraffic:
 
     @property
     def total_bytes(self) -> int:
+        """Weight plus KV bytes (bytes)."""
         return self.weight_bytes + self.kv_bytes
 
     def bound_seconds(self, bandwidth: float) -> float:

@@ -8,6 +8,7 @@ length uniform in [100, 1024]. Drawing in that order is what reproduces their to
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -79,10 +80,12 @@ class Workload:
 
     @property
     def num_prompt_tokens(self) -> int:
+        """Prompt tokens over all requests."""
         return sum(len(p) for p in self.prompts)
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens over all requests."""
         return sum(self.output_lens)
 
     def __len__(self) -> int:
@@ -142,6 +145,7 @@ def log(message: str) -> None:
 
 
 def default_device() -> str:
+    """`cuda` when torch sees a GPU, else `cpu`."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -174,24 +178,18 @@ def hardware(device: str) -> str:
     return f"CPU only; {cpu}"
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
 def git_commit() -> str:
     """The short commit of the checkout (+ `-dirty` with local changes); `$TRITONLLM_GIT_COMMIT`
     where there is no git repository (a copied working tree); else `unknown`."""
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        commit = _git("rev-parse", "--short", "HEAD")
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("TRITONLLM_GIT_COMMIT", "unknown")
@@ -254,6 +252,43 @@ def append_section(section: str, path: Path | str = BENCHMARKS_MD) -> Path:
         path.write_text(BENCHMARKS_HEADER)
     with path.open("a") as f:
         f.write("\n" + section)
+    return path
+
+
+def argument_parser(description: str, engine_arg_help: str) -> argparse.ArgumentParser:
+    """A parser with the flags both benchmarks take: model, device, attention backend, extra
+    engine fields, temperature and where the results go."""
+    device = default_device()
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", help="HF model directory (default: build models/qwen3-0.6b)")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--device", default=device)
+    p.add_argument(
+        "--attention-backend", default="flashinfer" if device.startswith("cuda") else "torch"
+    )
+    p.add_argument(
+        "--engine-arg", action="append", default=[], metavar="FIELD=VALUE", help=engine_arg_help
+    )
+    p.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    p.add_argument("--benchmarks-md", default=str(BENCHMARKS_MD))
+    return p
+
+
+def engine_args(args: argparse.Namespace) -> dict[str, str]:
+    """The `--engine-arg FIELD=VALUE` flags as `{field: value}` (strings, as `TRITONLLM_*`)."""
+    return dict(kv.split("=", 1) for kv in args.engine_arg)
+
+
+def publish(title: str, table: str, notes: Sequence[str], args: argparse.Namespace) -> Path | None:
+    """Print `table` and `notes`; append them as a dated section to `args.benchmarks_md`
+    unless `args.no_append`. Returns the file appended to, if any."""
+    print(table)
+    for note in notes:
+        print(f"- {note}")
+    if args.no_append:
+        return None
+    path = append_section(format_section(title, args.device, table, notes), args.benchmarks_md)
+    print(f"appended to {path}")
     return path
 
 

@@ -46,10 +46,12 @@ class ThroughputRun:
 
     @property
     def output_tokens_per_s(self) -> float:
+        """Output tokens per second of wall time."""
         return self.output_tokens / self.seconds
 
     @property
     def total_tokens_per_s(self) -> float:
+        """Prompt plus output tokens per second of wall time."""
         return (self.prompt_tokens + self.output_tokens) / self.seconds
 
 
@@ -220,6 +222,7 @@ class OfflineResult:
 
     @property
     def bound_seconds(self) -> float:
+        """The least decode time of the workload (seconds) at the measured copy bandwidth."""
         return self.traffic.bound_seconds(self.copy_bandwidth)
 
 
@@ -249,12 +252,8 @@ def run(args: argparse.Namespace) -> OfflineResult:
     workload = common.random_workload(
         args.num_requests, args.min_len, args.max_input_len, args.max_output_len
     )
-    if (args.num_requests, args.min_len, args.max_input_len, args.max_output_len) == (
-        256,
-        100,
-        1024,
-        1024,
-    ):
+    published = (256, 100, 1024, 1024)  # the workload nano-vllm and mini-sglang publish
+    if (args.num_requests, args.min_len, args.max_input_len, args.max_output_len) == published:
         assert (workload.num_prompt_tokens, workload.num_output_tokens) == (
             common.PUBLISHED_PROMPT_TOKENS,
             common.PUBLISHED_OUTPUT_TOKENS,
@@ -268,7 +267,7 @@ def run(args: argparse.Namespace) -> OfflineResult:
         args.device,
         args.attention_backend,
         args.num_requests,
-        engine_args=dict(kv.split("=", 1) for kv in args.engine_arg),
+        engine_args=common.engine_args(args),
     )
     engine = make_engine(config)
     warm_up(engine, args.device)
@@ -346,41 +345,24 @@ def report(res: OfflineResult, args: argparse.Namespace) -> tuple[str, list[str]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    device = common.default_device()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="HF model directory (default: build models/qwen3-0.6b)")
+    """The benchmark's flags (see the module doc); exits with usage on bad flags."""
+    p = common.argument_parser(
+        __doc__.splitlines()[0], "extra EngineConfig field, e.g. page_size=32 (repeatable)"
+    )
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--min-len", type=int, default=100, help="shortest prompt and output")
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--device", default=device)
-    p.add_argument(
-        "--attention-backend", default="flashinfer" if device.startswith("cuda") else "torch"
-    )
-    p.add_argument(
-        "--engine-arg",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="extra EngineConfig field, e.g. page_size=32 (repeatable)",
-    )
     p.add_argument("--hf-subset", type=int, default=16, help="requests for the HF peer (0: skip)")
-    p.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
-    p.add_argument("--benchmarks-md", default=str(common.BENCHMARKS_MD))
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> OfflineResult:
+    """Run the benchmark, print its table, append it to BENCHMARKS.md (unless `--no-append`)."""
     args = parse_args(argv)
     res = run(args)
     table, notes = report(res, args)
-    print(table)
-    for note in notes:
-        print(f"- {note}")
-    if not args.no_append:
-        section = common.format_section("Offline engine throughput", args.device, table, notes)
-        print(f"appended to {common.append_section(section, args.benchmarks_md)}")
+    common.publish("Offline engine throughput", table, notes, args)
     return res
 
 

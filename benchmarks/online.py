@@ -15,19 +15,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
-import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from benchmarks import common
 from benchmarks.common import Workload, fmt, log, percentile
 from benchmarks.streaming_client import LevelResult, run_level, served_model_name
+from tritonllm.launch import sidecar_command
+from tritonllm.triton_server import (
+    TritonServer,
+    free_port,
+    start_process_group,
+    stop_process_group,
+    wait_http_ok,
+)
 
 
 def level_texts(tokenizer: Any, workload: Workload) -> list[str]:
@@ -93,7 +97,7 @@ def offline_tokens_per_s(
         attention_backend=args.attention_backend,
         workloads=workloads,
         temperature=args.temperature,
-        engine_args=engine_args(args),
+        engine_args=common.engine_args(args),
     )
     proc = ctx.Process(target=_offline_worker, args=(queue, kwargs))
     proc.start()
@@ -104,57 +108,24 @@ def offline_tokens_per_s(
     return result
 
 
-def engine_args(args: argparse.Namespace) -> dict[str, str]:
-    return dict(kv.split("=", 1) for kv in args.engine_arg)
-
-
-def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    """Poll `url` until it answers 200. Raises RuntimeError on timeout or if `proc` exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} was up")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"{url} not up after {timeout:.0f} s")
-
-
 class Sidecar:
-    """The OpenAI sidecar (`python -m openai_frontend`) on a free local port; a context manager
-    that stops the process group it started."""
+    """The OpenAI sidecar (`python -m openai_frontend`) on a free local port, in front of the
+    tritonserver gRPC endpoint `triton_url`. A context manager: entering starts it and waits
+    until `/health` answers (RuntimeError with its log tail after 120 s); leaving stops its
+    process group."""
 
     def __init__(self, triton_url: str, log_path: Path | None = None) -> None:
-        from tritonllm.triton_server import free_port
-
+        self.triton_url = triton_url
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path or Path(tempfile.mkstemp(prefix="sidecar-", suffix=".log")[1])
-        cmd = [
-            sys.executable,
-            "-m",
-            "openai_frontend",
-            "--triton-url",
-            triton_url,
-            "--port",
-            str(self.port),
-        ]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                cmd,
-                cwd=common.REPO_ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Sidecar:
+        command = sidecar_command(self.triton_url, self.port)
+        self.proc = start_process_group(command, self.log_path, cwd=common.REPO_ROOT)
         try:
-            wait_http(f"{self.base_url}/v1/models", 120, self.proc)
+            wait_http_ok(f"{self.base_url}/health", 120, self.proc, "sidecar")
         except RuntimeError as exc:
             self.stop()
             log = self.log_path.read_text(errors="replace")[-4000:]
@@ -162,13 +133,8 @@ class Sidecar:
         return self
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        """SIGTERM its process group, SIGKILL after 20 s."""
+        stop_process_group(self.proc, 20.0)
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -210,15 +176,13 @@ def serve_and_run(
     if args.triton_url:
         with Sidecar(args.triton_url) as sidecar:
             return go(sidecar.base_url)
-    from tritonllm.triton_server import TritonServer
-
     env = {
         "TRITONLLM_DEVICE": args.device,
         "TRITONLLM_ATTENTION_BACKEND": args.attention_backend,
         "TRITONLLM_MAX_RUNNING_REQUESTS": str(max(args.concurrency)),
         "TRITONLLM_MAX_MODEL_LEN": "4096",
     }
-    env.update({f"TRITONLLM_{k.upper()}": v for k, v in engine_args(args).items()})
+    env.update({f"TRITONLLM_{k.upper()}": v for k, v in common.engine_args(args).items()})
     log_path = Path(args.server_log) if args.server_log else None
     server = TritonServer(model_path=model, env=env, log_path=log_path)
     log(f"starting tritonserver ({env})")
@@ -235,6 +199,7 @@ def serve_and_run(
 
 
 def ms_pair(values: list[float]) -> str:
+    """`p50 / p99` of `values` (seconds) in milliseconds; `-` when empty."""
     p50, p99 = percentile(values, 50), percentile(values, 99)
     if p50 is None:
         return "-"
@@ -298,9 +263,10 @@ def run(args: argparse.Namespace) -> tuple[dict[int, LevelResult], dict[int, flo
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    device = common.default_device()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="HF model directory (default: build models/qwen3-0.6b)")
+    """The benchmark's flags (see the module doc); exits with usage on bad flags."""
+    p = common.argument_parser(
+        __doc__.splitlines()[0], "extra EngineConfig field for both engines, e.g. page_size=32"
+    )
     p.add_argument(
         "--concurrency", default="1,16,64,256", type=lambda s: [int(c) for c in s.split(",")]
     )
@@ -314,33 +280,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--min-output-len", type=int, default=100)
     p.add_argument("--max-output-len", type=int, default=1024)
-    p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
-    p.add_argument("--device", default=device)
-    p.add_argument(
-        "--attention-backend", default="flashinfer" if device.startswith("cuda") else "torch"
-    )
-    p.add_argument(
-        "--engine-arg",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="extra EngineConfig field for both engines, e.g. page_size=32",
-    )
     p.add_argument("--offline-tokens-per-s", help="skip the offline run: tok/s (one or per level)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
     p.add_argument("--triton-url", help="use a running tritonserver (gRPC HOST:PORT)")
     p.add_argument("--openai-url", help="use a running sidecar (http://HOST:PORT)")
     p.add_argument("--server-log", help="tritonserver log file (default: a temp file)")
-    p.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
-    p.add_argument("--benchmarks-md", default=str(common.BENCHMARKS_MD))
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> tuple[dict[int, LevelResult], dict[int, float] | None]:
+    """Run the benchmark, print its table, append it to BENCHMARKS.md (unless `--no-append`).
+
+    Returns:
+        the online results per concurrency level, and the offline engine's output tokens/s per
+        level (None when skipped).
+    """
     args = parse_args(argv)
     results, offline = run(args)
-    table = report(results, offline)
     notes = [
         f"{args.endpoint} completions, streamed, closed loop; prompts: random ids in "
         f"[{args.min_len}, {args.max_input_len}] decoded to text (+ chat template); outputs "
@@ -348,12 +305,7 @@ def main(argv: list[str] | None = None) -> tuple[dict[int, LevelResult], dict[in
         f"{args.temperature}; device {args.device}, attention {args.attention_backend}",
         "offline engine: the same prompt ids, same concurrency cap (closed loop), same run",
     ]
-    print(table)
-    for note in notes:
-        print(f"- {note}")
-    if not args.no_append:
-        section = common.format_section("Online serving", args.device, table, notes)
-        print(f"appended to {common.append_section(section, args.benchmarks_md)}")
+    common.publish("Online serving", report(results, offline), notes, args)
     return results, offline
 
 

@@ -36,6 +36,7 @@ class RequestRecord:
 
     @property
     def ttft(self) -> float | None:
+        """Time to the first text chunk (seconds); None without one."""
         return self.chunk_times[0] - self.start if self.chunk_times else None
 
     @property
@@ -47,6 +48,7 @@ class RequestRecord:
 
     @property
     def chunk_gaps(self) -> list[float]:
+        """Gaps between consecutive text chunks (seconds): chunk ITL."""
         return [b - a for a, b in zip(self.chunk_times[:-1], self.chunk_times[1:], strict=True)]
 
 
@@ -60,18 +62,22 @@ class LevelResult:
 
     @property
     def ok(self) -> list[RequestRecord]:
+        """The requests that succeeded."""
         return [r for r in self.records if r.error is None]
 
     @property
     def output_tokens(self) -> int:
+        """Completion tokens of the successful requests."""
         return sum(r.completion_tokens for r in self.ok)
 
     @property
     def output_tokens_per_s(self) -> float:
+        """`output_tokens` per second of the level's wall time."""
         return self.output_tokens / self.seconds
 
     @property
     def tokens_per_chunk(self) -> float | None:
+        """Mean completion tokens per text chunk; None without chunks."""
         chunks = sum(len(r.chunk_times) for r in self.ok)
         return self.output_tokens / chunks if chunks else None
 
@@ -126,6 +132,8 @@ async def stream_request(
 def request_body(
     model: str, text: str, max_tokens: int, temperature: float, endpoint: str
 ) -> dict[str, Any]:
+    """The JSON body of one streamed request (`endpoint` `chat` or `completions`) that must
+    generate exactly `max_tokens` tokens (`ignore_eos`), with a final usage chunk."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": max_tokens,
@@ -171,5 +179,6 @@ async def run_level(
 
 
 def served_model_name(base_url: str) -> str:
+    """The first model `GET /v1/models` lists. Raises: OSError when the sidecar is unreachable."""
     with urllib.request.urlopen(f"{base_url}/v1/models", timeout=10) as r:
         return json.load(r)["data"][0]["id"]

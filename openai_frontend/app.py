@@ -58,6 +58,7 @@ def default_model_name(model: str | None) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The sidecar's flags; exits with usage on bad flags."""
     p = argparse.ArgumentParser(prog="python -m openai_frontend", description=__doc__)
     p.add_argument("--triton-url", default="127.0.0.1:8001", help="tritonserver gRPC host:port")
     p.add_argument(

@@ -46,6 +46,7 @@ class OpenAIError(Exception):
         )
 
     def body(self) -> dict:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
         return {
             "error": {
                 "message": self.message,
@@ -56,6 +57,7 @@ class OpenAIError(Exception):
         }
 
     def response(self) -> JSONResponse:
+        """``body()`` with ``status`` as the HTTP status."""
         return JSONResponse(self.body(), status_code=self.status)
 
 

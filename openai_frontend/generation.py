@@ -124,7 +124,11 @@ class Generation:
             pass
 
     async def collect(self) -> str:
-        """The whole completion text (non-streaming requests)."""
+        """The whole completion text (non-streaming requests).
+
+        Raises:
+            OpenAIError: as ``deltas``.
+        """
         return "".join([text async for text, _ in self.deltas()])
 
     @property

@@ -12,13 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    model_serializer,
-)
+from pydantic import BaseModel, ConfigDict, Field
 
 # Limits of the ensemble's INT32 / INT64 inputs: larger values are invalid requests, not crashes.
 INT32_MAX = 2**31 - 1
@@ -26,11 +20,17 @@ INT64_MAX = 2**63 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
+def _now() -> int:
+    return int(time.time())
+
+
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(_Lenient):
+    """``stream_options``: ``include_usage`` adds a usage-only chunk before ``[DONE]``."""
+
     include_usage: bool = False
 
 
@@ -59,10 +59,12 @@ class SamplingFields(_Lenient):
 
     @property
     def include_usage(self) -> bool:
+        """``stream_options.include_usage`` (False when ``stream_options`` is absent)."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple of non-empty strings (OpenAI ignores empty ones)."""
         if self.stop is None:
             return ()
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -70,16 +72,23 @@ class SamplingFields(_Lenient):
 
 
 class ContentPart(_Lenient):
+    """One part of a message's ``content`` list; only ``{"type": "text"}`` parts are served."""
+
     type: str
     text: str | None = None
 
 
 class ChatMessage(_Lenient):
+    """One chat message; ``content`` is a string or a list of content parts."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
+    """The body of ``POST /v1/chat/completions``; ``max_completion_tokens`` (tokens) wins over
+    ``max_tokens``."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
@@ -90,6 +99,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    """The body of ``POST /v1/completions``; only a single string prompt is served."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
@@ -101,10 +112,14 @@ class CompletionRequest(SamplingFields):
 
 
 class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens served from the prefix cache."""
+
     cached_tokens: int = 0
 
 
 class Usage(BaseModel):
+    """Token counts of one request (tokens, not characters)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -112,78 +127,92 @@ class Usage(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """The generated message of a non-streamed chat completion."""
+
     role: Literal["assistant"] = "assistant"
     content: str
 
 
 class ChatChoice(BaseModel):
+    """The one choice of a chat completion (``n`` is always 1)."""
+
     index: int = 0
     message: AssistantMessage
     logprobs: None = None
     finish_reason: str | None
 
 
-class ChatCompletion(BaseModel):
+class _Response(BaseModel):
+    """The fields every completion, and every streamed chunk, opens with (in this order)."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    object: str
+    created: int = Field(default_factory=_now)  # Unix time, seconds
     model: str
+
+
+class ChatCompletion(_Response):
+    """A non-streamed chat completion."""
+
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
 
 
 class DeltaMessage(BaseModel):
-    """A streamed message delta; unset fields are left out (the last chunk's delta is ``{}``)."""
+    """A streamed message delta. On the wire unset fields are left out: the first chunk's delta
+    is ``{"role": "assistant", "content": ""}``, then ``{"content": ...}``, the last ``{}``
+    (``routes/chat.py`` writes them)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
 
 class ChatChunkChoice(BaseModel):
+    """The one choice of a streamed chat chunk."""
+
     index: int = 0
     delta: DeltaMessage
     logprobs: None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response):
+    """A streamed chat chunk (``usage`` only on the last chunk, with ``include_usage``)."""
+
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
 
 class CompletionChoice(BaseModel):
+    """The one choice of a text completion or of one of its streamed chunks."""
+
     index: int = 0
     text: str
     logprobs: None = None
     finish_reason: str | None = None
 
 
-class Completion(BaseModel):
+class Completion(_Response):
     """A text completion; also the shape of each streamed chunk (``usage`` null until the end)."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
 
 class ModelCard(BaseModel):
+    """The served model, as ``GET /v1/models`` lists it."""
+
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_now)
     owned_by: str = "tritonllm"
 
 
 class ModelList(BaseModel):
+    """``GET /v1/models``: the one served model."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]

@@ -1,7 +1,8 @@
 """How a request reaches Triton: gRPC streams to the ``llm`` ensemble and aborts to ``generator``.
 
-Built on ``grpc.aio`` with tritonclient's protobuf service (``tritonclient.grpc.service_pb2*``) and
-its ``InferResult`` for reading outputs. The raw stub is used rather than
+Built on ``grpc.aio`` with tritonclient's protobuf service (``tritonclient.grpc.service_pb2*``);
+responses are read straight from their raw output bytes (once per streamed chunk, so without
+building numpy arrays). The raw stub is used rather than
 ``tritonclient.grpc.aio.InferenceServerClient.stream_infer`` because every stream here sets the
 reserved request parameter ``triton_enable_empty_final_response``: the empty final response marks
 the end of a decoupled request (the generator answers an abort with exactly that), and that
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import numpy as np
-from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import serialize_byte_tensor, triton_to_np_dtype
 
 log = logging.getLogger(__name__)
@@ -99,21 +101,52 @@ def encode_tensor(name: str, value: InputValue, spec: InputSpec) -> tuple[Any, b
     return tensor, raw
 
 
-def _scalar(result: InferResult, name: str, default: Any) -> Any:
-    array = result.as_numpy(name)
-    return default if array is None or array.size == 0 else array.reshape(-1)[0]
+# A BYTES element is a 4-byte little-endian length, then the bytes; integer outputs are
+# little-endian. ``_Outputs``: output name -> (datatype, raw bytes) of one response.
+_BYTES_LEN = struct.Struct("<I")
+_INT_FORMATS = {"INT32": "<i", "INT64": "<q", "UINT32": "<I", "UINT64": "<Q"}
+_Outputs = dict[str, tuple[str, bytes]]
 
 
-def parse_chunk(result: InferResult) -> LLMChunk:
-    """The ``llm`` ensemble's outputs of one response as an ``LLMChunk``."""
-    text = _scalar(result, "text_output", b"")
-    reason = _scalar(result, "finish_reason", b"")
+def _first_text(outputs: _Outputs, name: str) -> str:
+    raw = outputs[name][1] if name in outputs else b""
+    if len(raw) < _BYTES_LEN.size:
+        return ""
+    (size,) = _BYTES_LEN.unpack_from(raw)
+    return raw[_BYTES_LEN.size : _BYTES_LEN.size + size].decode("utf-8", errors="replace")
+
+
+def _first_int(outputs: _Outputs, name: str) -> int:
+    if name not in outputs:
+        return 0
+    datatype, raw = outputs[name]
+    fmt = _INT_FORMATS.get(datatype)
+    if fmt is None:
+        raise TritonError(f"output {name}: unexpected datatype {datatype}")
+    return struct.unpack_from(fmt, raw)[0] if len(raw) >= struct.calcsize(fmt) else 0
+
+
+def parse_chunk(response: service_pb2.ModelInferResponse) -> LLMChunk:
+    """The ``llm`` ensemble's outputs of one response as an ``LLMChunk``.
+
+    Reads the first element of each output from ``raw_output_contents`` (where Triton's gRPC
+    endpoint puts every output); a missing or empty output reads as ``""`` or 0.
+
+    Raises:
+        TritonError: outputs without raw contents, or a token count of a non-integer datatype.
+    """
+    if len(response.raw_output_contents) != len(response.outputs):
+        raise TritonError("response outputs without raw_output_contents")
+    outputs = {
+        o.name: (o.datatype, raw)
+        for o, raw in zip(response.outputs, response.raw_output_contents, strict=True)
+    }
     return LLMChunk(
-        text=text.decode("utf-8", errors="replace") if isinstance(text, bytes) else str(text),
-        finish_reason=reason.decode() if isinstance(reason, bytes) else str(reason),
-        num_input_tokens=int(_scalar(result, "num_input_tokens", 0)),
-        num_output_tokens=int(_scalar(result, "num_output_tokens", 0)),
-        cached_tokens=int(_scalar(result, "cached_tokens", 0)),
+        text=_first_text(outputs, "text_output"),
+        finish_reason=_first_text(outputs, "finish_reason"),
+        num_input_tokens=_first_int(outputs, "num_input_tokens"),
+        num_output_tokens=_first_int(outputs, "num_output_tokens"),
+        cached_tokens=_first_int(outputs, "cached_tokens"),
     )
 
 
@@ -147,10 +180,11 @@ class ResponseStream:
             final = infer.parameters["triton_final_response"].bool_param
             self.done = final
             if infer.outputs:
-                return parse_chunk(InferResult(infer))
+                return parse_chunk(infer)
         return None
 
     def cancel(self) -> None:
+        """Cancel the gRPC stream; later reads return None."""
         self.done = True
         self._call.cancel()
 
@@ -173,12 +207,13 @@ class TritonClient:
         self._background: set[asyncio.Task] = set()
 
     async def close(self) -> None:
+        """Wait for scheduled aborts, then close the gRPC channel."""
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self._channel.close()
 
     async def is_ready(self, timeout: float = 2.0) -> bool:
-        """True when the server and the ``llm`` model are ready."""
+        """True when the server and the ``llm`` model are ready (``timeout`` s per call)."""
         try:
             server = await self._stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=timeout)
             if not server.ready:

@@ -8,14 +8,15 @@ import json
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from tritonclient.grpc import InferInput
+from tritonclient.grpc import InferInput, InferResult, service_pb2
+from tritonclient.utils import serialize_byte_tensor
 
 from openai_frontend import create_app
 from openai_frontend.errors import OpenAIError
 from openai_frontend.generation import to_openai_error
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.sampling import chat_inputs, completion_inputs
-from openai_frontend.triton_client import InputSpec, TritonError, encode_tensor
+from openai_frontend.triton_client import InputSpec, TritonError, encode_tensor, parse_chunk
 from tritonllm.triton_server import free_port
 
 
@@ -49,6 +50,33 @@ def test_encode_tensor_matches_tritonclient(value, spec, dtype):
     assert raw == reference._get_content()
     assert list(tensor.shape) == list(reference.shape())
     assert tensor.datatype == dtype
+
+
+@pytest.mark.parametrize("count_dtype", [np.int32, np.int64])
+def test_parse_chunk_matches_tritonclient_infer_result(count_dtype):
+    """Each output's first element reads as tritonclient's InferResult.as_numpy reads it."""
+    response = service_pb2.ModelInferResponse()
+    outputs = {
+        "text_output": np.array(["héllo €".encode()], dtype=np.object_),
+        "finish_reason": np.array([b"stop"], dtype=np.object_),
+        "num_input_tokens": np.array([17], dtype=count_dtype),
+        "num_output_tokens": np.array([3], dtype=count_dtype),
+        "cached_tokens": np.array([16], dtype=count_dtype),
+    }
+    for name, array in outputs.items():
+        dtype = "BYTES" if array.dtype == np.object_ else str(array.dtype).upper()
+        response.outputs.add(name=name, datatype=dtype, shape=[1])
+        raw = serialize_byte_tensor(array).item() if dtype == "BYTES" else array.tobytes()
+        response.raw_output_contents.append(raw)
+    chunk = parse_chunk(response)
+    reference = InferResult(response)
+    assert chunk.text == reference.as_numpy("text_output")[0].decode()
+    assert chunk.finish_reason == reference.as_numpy("finish_reason")[0].decode()
+    for name in ("num_input_tokens", "num_output_tokens", "cached_tokens"):
+        assert getattr(chunk, name) == int(reference.as_numpy(name)[0])
+    # An ensemble response without outputs (the empty final one) reads as nothing at all.
+    empty = parse_chunk(service_pb2.ModelInferResponse())
+    assert (empty.text, empty.finish_reason, empty.num_output_tokens) == ("", "", 0)
 
 
 FULL_SPECS = {

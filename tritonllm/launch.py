@@ -12,24 +12,37 @@ sidecar first and tritonserver (with its Python stubs) second: no orphan process
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .triton_server import MODEL_REPOSITORY, REPO_ROOT, TritonServer
+from .triton_server import (
+    MODEL_REPOSITORY,
+    REPO_ROOT,
+    TritonServer,
+    start_process_group,
+    stop_process_group,
+    wait_http_ok,
+)
 
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "tiny-qwen3"
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """What to serve and where (ports are TCP ports on the given host / localhost)."""
+    """What to serve and where.
+
+    Attributes:
+        model: HF model directory or hub id (None: the built-in tiny checkpoint).
+        model_name: the name clients use in ``model`` (None: ``served_name(model)``).
+        host, port: the sidecar's bind address and TCP port (the OpenAI API).
+        grpc_port, http_port, metrics_port: tritonserver's TCP ports on 127.0.0.1.
+        startup_timeout_s: seconds each server may take to become ready.
+        triton_log: tritonserver's log file (None: a temp file).
+    """
 
     model: str | None = None
     model_name: str | None = None
@@ -43,6 +56,7 @@ class LaunchConfig:
 
     @property
     def base_url(self) -> str:
+        """The OpenAI base URL clients use (``http://HOST:PORT/v1``; a wildcard bind as local)."""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         return f"http://{host}:{self.port}/v1"
 
@@ -68,44 +82,16 @@ def served_name(model: str) -> str:
     return path.name if path.is_absolute() and path.exists() else model
 
 
-def _sidecar_command(cfg: LaunchConfig, model_name: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "openai_frontend",
-        f"--triton-url=127.0.0.1:{cfg.grpc_port}",
-        f"--model-name={model_name}",
-        f"--host={cfg.host}",
-        f"--port={cfg.port}",
-    ]
-
-
-def _wait_http_ok(url: str, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"sidecar exited early with code {process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
-
-
-def _stop(process: subprocess.Popen | None, timeout_s: float = 15.0) -> None:
-    """SIGTERM the process group of ``process``, SIGKILL after ``timeout_s`` seconds."""
-    if process is None or process.poll() is not None:
-        return
-    pgid = os.getpgid(process.pid)
-    os.killpg(pgid, signal.SIGTERM)
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(pgid, signal.SIGKILL)
-        process.wait()
+def sidecar_command(
+    grpc_url: str, port: int, host: str = "127.0.0.1", model_name: str | None = None
+) -> list[str]:
+    """The command line of the OpenAI sidecar (``python -m openai_frontend``): it calls the
+    tritonserver gRPC endpoint ``grpc_url`` (``HOST:PORT``) and listens on ``host`` / ``port``;
+    ``model_name`` None leaves the sidecar's default served name."""
+    command = [sys.executable, "-m", "openai_frontend", f"--triton-url={grpc_url}"]
+    if model_name is not None:
+        command.append(f"--model-name={model_name}")
+    return command + [f"--host={host}", f"--port={port}"]
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
@@ -136,12 +122,11 @@ def serve(cfg: LaunchConfig) -> int:
         print(f"starting tritonserver (model {model}) ...", flush=True)
         triton.start(timeout=cfg.startup_timeout_s)
         print(f"tritonserver pid {triton.process.pid}, log {triton.log_path}", flush=True)
-        sidecar = subprocess.Popen(
-            _sidecar_command(cfg, model_name), cwd=REPO_ROOT, start_new_session=True
-        )
+        command = sidecar_command(triton.grpc_url, cfg.port, cfg.host, model_name)
+        sidecar = start_process_group(command, cwd=REPO_ROOT)
         print(f"sidecar pid {sidecar.pid}", flush=True)
         health = cfg.base_url.removesuffix("/v1") + "/health"
-        _wait_http_ok(health, sidecar, cfg.startup_timeout_s)
+        wait_http_ok(health, cfg.startup_timeout_s, sidecar, "sidecar")
         print(_banner(cfg, model_name), flush=True)
         while triton.process.poll() is None and sidecar.poll() is None:
             time.sleep(0.5)
@@ -157,7 +142,7 @@ def serve(cfg: LaunchConfig) -> int:
         # Ignore further Ctrl-C while stopping, so the children are always reaped.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _stop(sidecar)
+        stop_process_group(sidecar, 15.0)
         triton.stop()
         print("stopped", flush=True)
 
@@ -173,6 +158,7 @@ def _banner(cfg: LaunchConfig, model_name: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> LaunchConfig:
+    """The launcher's command line as a ``LaunchConfig``; exits with usage on bad flags."""
     p = argparse.ArgumentParser(prog="python -m tritonllm.launch", description=__doc__)
     p.add_argument("--model", default=None, help="HF model directory or hub id (default: tiny)")
     p.add_argument("--model-name", default=None, help="served name (default: dir basename)")
@@ -198,6 +184,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Serve until interrupted; exits with ``serve``'s status."""
     sys.exit(serve(parse_args(argv)))
 
 

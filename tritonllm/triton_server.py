@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import sysconfig
 import time
+import urllib.request
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,6 +103,77 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_process_group(
+    command: Sequence[str],
+    log_path: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.Popen:
+    """Start ``command`` in a new session (its own process group), so that
+    ``stop_process_group`` reaches the children it spawns and a terminal's Ctrl-C does not.
+
+    Args:
+        log_path: file for stdout and stderr (truncated); None inherits this process' streams.
+        env: the full environment (None: this process' environment).
+        cwd: working directory (None: this process').
+    Raises:
+        OSError: the command cannot be executed or the log cannot be opened.
+    """
+    if log_path is None:
+        return subprocess.Popen(command, env=env, cwd=cwd, start_new_session=True)
+    # The child holds its own copy of the descriptor; ours is closed once it is started.
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+
+
+def stop_process_group(process: subprocess.Popen | None, timeout_s: float = 20.0) -> None:
+    """SIGTERM the process group of ``process`` (started by ``start_process_group``), SIGKILL
+    after ``timeout_s`` seconds, and reap it. No-op when it is None or already exited."""
+    if process is None or process.poll() is not None:
+        return
+    pgid = os.getpgid(process.pid)
+    os.killpg(pgid, signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(pgid, signal.SIGKILL)
+        process.wait()
+
+
+def wait_http_ok(
+    url: str,
+    timeout_s: float,
+    process: subprocess.Popen | None = None,
+    name: str = "server",
+    poll_s: float = 0.25,
+) -> None:
+    """Poll ``url`` every ``poll_s`` seconds until it answers HTTP 200.
+
+    Raises:
+        RuntimeError: ``process`` (the server behind ``url``) exited first, or no 200 came
+            within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{name} exited early with code {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:  # refused, reset, timed out, or an HTTP error status (503 while loading)
+            pass
+        time.sleep(poll_s)
+    raise RuntimeError(f"{name} not ready after {timeout_s:.0f} s ({url})")
+
+
 @dataclass
 class TritonServer:
     """A running tritonserver process on localhost ports; use as a context manager.
@@ -133,6 +207,7 @@ class TritonServer:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def command(self, install: TritonInstall) -> list[str]:
+        """The ``tritonserver`` command line (metrics on, verbose logging off)."""
         return [
             str(install.binary),
             f"--model-repository={self.model_repository}",
@@ -145,6 +220,8 @@ class TritonServer:
         ]
 
     def environment(self, install: TritonInstall) -> dict[str, str]:
+        """This environment plus the interpreter's ``bin/`` first on PATH (see the module doc),
+        the install's libraries on LD_LIBRARY_PATH, ``TRITONLLM_MODEL`` and ``self.env``."""
         env = dict(os.environ)
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         lib_paths = [str(p) for p in install.library_paths]
@@ -169,53 +246,35 @@ class TritonServer:
             import tempfile
 
             self.log_path = Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
-        log = open(self.log_path, "wb")  # noqa: SIM115 (kept open for the process' lifetime)
-        self.process = subprocess.Popen(
-            self.command(install),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.environment(install),
-            start_new_session=True,
+        self.process = start_process_group(
+            self.command(install), self.log_path, self.environment(install)
         )
         self.wait_ready(timeout)
         return self
 
     def wait_ready(self, timeout: float) -> None:
-        import urllib.error
-        import urllib.request
+        """Wait until ``/v2/health/ready`` answers 200.
 
-        deadline = time.monotonic() + timeout
-        url = f"http://{self.http_url}/v2/health/ready"
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"tritonserver exited early:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"tritonserver not ready after {timeout:.0f} s:\n{self.log_tail()}")
+        Raises:
+            RuntimeError: the process exited or was not ready within ``timeout`` seconds; the
+                message carries the tail of the server log.
+        """
+        try:
+            wait_http_ok(
+                f"http://{self.http_url}/v2/health/ready", timeout, self.process, "tritonserver"
+            )
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}:\n{self.log_tail()}") from None
 
     def log_tail(self, n_chars: int = 6000) -> str:
+        """The last ``n_chars`` characters of the server log ("" before there is one)."""
         if self.log_path is None or not Path(self.log_path).exists():
             return ""
         return Path(self.log_path).read_text(errors="replace")[-n_chars:]
 
     def stop(self, timeout: float = 20.0) -> None:
         """Stop the server (SIGTERM to its process group, SIGKILL after ``timeout`` s)."""
-        import signal
-
-        if self.process is None or self.process.poll() is not None:
-            return
-        pgid = os.getpgid(self.process.pid)
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.process.wait()
+        stop_process_group(self.process, timeout)
 
     def __enter__(self) -> TritonServer:
         if self.process is None:

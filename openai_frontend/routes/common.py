@@ -1,21 +1,24 @@
-"""What the routes share: server state, the served-model check, SSE framing, disconnect watch."""
+"""What the routes share: server state, the served-model check, the disconnect watch and a
+generation's lifecycle (``start_generation``, then ``collect_text`` or ``sse.stream_response``)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
 
 from ..errors import OpenAIError
-from ..generation import to_openai_error
-from ..triton_client import InputSpec, TritonClient, TritonError
+from ..generation import Generation, to_openai_error
+from ..protocol import SamplingFields
+from ..triton_client import InputSpec, InputValue, TritonClient, TritonError
 
 T = TypeVar("T")
+RequestT = TypeVar("RequestT", bound=SamplingFields)
 
-SSE_DONE = "data: [DONE]\n\n"
 # Starts, ends and aborts of requests whose client went away are not answered; nginx's code.
 CLIENT_CLOSED_REQUEST = 499
 
@@ -36,6 +39,7 @@ class ServerState:
 
 
 def get_state(request: Request) -> ServerState:
+    """The app's ``ServerState`` (set by ``create_app``'s lifespan)."""
     return request.app.state.server
 
 
@@ -47,13 +51,9 @@ def check_model(state: ServerState, model: str | None) -> None:
         )
 
 
-def sse(payload: str) -> str:
-    """One server-sent event carrying ``payload`` (a JSON document)."""
-    return f"data: {payload}\n\n"
-
-
 async def unless_disconnected(request: Request, awaitable: Awaitable[T], poll_s: float = 0.5) -> T:
-    """Await ``awaitable``, cancelling it if the HTTP client disconnects meanwhile.
+    """Await ``awaitable``, cancelling it if the HTTP client disconnects meanwhile (checked
+    every ``poll_s`` seconds).
 
     Starlette cancels streaming bodies on disconnect, but not plain handlers; this gives the
     waits before the first byte (and whole non-streaming requests) the same behaviour.
@@ -72,3 +72,50 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T], poll_s:
     finally:
         if not task.done():
             task.cancel()
+
+
+async def start_generation(
+    request: Request,
+    body: RequestT,
+    id_prefix: str,
+    prompt_param: str,
+    build_inputs: Callable[[RequestT, Mapping[str, InputSpec], bool], dict[str, InputValue]],
+) -> Generation:
+    """Check ``body``, send it to the ensemble and wait for its first response.
+
+    The caller owns the returned generation and must end it with ``collect_text`` or
+    ``sse.stream_response``, which close it (abort in the backend if unfinished).
+
+    Args:
+        id_prefix: ``chatcmpl`` or ``cmpl``; the completion id (= Triton request id) is
+            ``{id_prefix}-{uuid4 hex}``.
+        prompt_param: the request field prompt errors name (``messages`` or ``prompt``).
+        build_inputs: ``(body, ensemble input specs, backend_stream)`` -> ensemble inputs.
+    Raises:
+        OpenAIError: 404 for another model; 400 for invalid or unsupported fields or a prompt
+            the backend rejects (e.g. longer than the context); 503 when Triton is
+            unavailable; 499 when the client went away first.
+    """
+    state = get_state(request)
+    check_model(state, body.model)
+    specs = await state.input_specs(prompt_param)
+    inputs = build_inputs(body, specs, body.stream)
+    gen = Generation(state.client, f"{id_prefix}-{uuid.uuid4().hex}", inputs, prompt_param)
+    try:
+        await unless_disconnected(request, gen.start())
+    except BaseException:
+        gen.close()
+        raise
+    return gen
+
+
+async def collect_text(request: Request, gen: Generation) -> str:
+    """The whole text of a started, non-streamed generation, which is closed afterwards.
+
+    Raises:
+        OpenAIError: a backend error (see ``Generation.deltas``); 499 if the client went away.
+    """
+    try:
+        return await unless_disconnected(request, gen.collect())
+    finally:
+        gen.close()

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from starlette.background import BackgroundTask
 
-from ..errors import OpenAIError
 from ..generation import Generation
 from ..protocol import Completion, CompletionChoice, CompletionRequest
 from ..sampling import completion_inputs
-from .common import SSE_DONE, check_model, get_state, sse, unless_disconnected
+from .common import collect_text, get_state, start_generation
+from .sse import ChunkEncoder, stream_response
 
 router = APIRouter()
 
@@ -24,53 +20,28 @@ router = APIRouter()
 async def create_completion(
     body: CompletionRequest, request: Request
 ) -> Completion | StreamingResponse:
-    """Continue the raw prompt (no chat template); stream SSE chunks when ``stream`` is true."""
-    state = get_state(request)
-    check_model(state, body.model)
-    specs = await state.input_specs("prompt")
-    inputs = completion_inputs(body, specs, backend_stream=body.stream)
-    gen = Generation(state.client, f"cmpl-{uuid.uuid4().hex}", inputs, "prompt")
-    try:
-        await unless_disconnected(request, gen.start())
-        if body.stream:
-            return StreamingResponse(
-                _chunks(gen, state.model_name, body.include_usage),
-                media_type="text/event-stream",
-                background=BackgroundTask(gen.close),
-            )
-        text = await unless_disconnected(request, gen.collect())
-    except BaseException:
-        gen.close()
-        raise
-    gen.close()
+    """Continue the raw prompt (no chat template); stream SSE chunks when ``stream`` is true.
+
+    Raises:
+        OpenAIError: before the first byte (see ``start_generation``); later errors of a
+            stream are sent in-band.
+    """
+    gen = await start_generation(request, body, "cmpl", "prompt", completion_inputs)
+    model = get_state(request).model_name
+    if body.stream:
+        template = Completion(id=gen.request_id, model=model, choices=[CompletionChoice(text="")])
+        encoder = ChunkEncoder(template, body.include_usage)
+        return stream_response(gen, _events(gen, encoder), encoder)
+    text = await collect_text(request, gen)
     return Completion(
         id=gen.request_id,
-        model=state.model_name,
+        model=model,
         choices=[CompletionChoice(text=text, finish_reason=gen.finish_reason)],
         usage=gen.usage,
     )
 
 
-async def _chunks(gen: Generation, model: str, include_usage: bool) -> AsyncIterator[str]:
-    created = int(time.time())
-    skip = None if include_usage else {"usage"}
-
-    def chunk(text: str, finish_reason: str | None = None) -> str:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
-        body = Completion(id=gen.request_id, created=created, model=model, choices=[choice])
-        return sse(body.model_dump_json(exclude=skip))
-
-    try:
-        async for text, finish_reason in gen.deltas():
-            if text or finish_reason:
-                yield chunk(text, finish_reason)
-        if include_usage:
-            usage = Completion(
-                id=gen.request_id, created=created, model=model, choices=[], usage=gen.usage
-            )
-            yield sse(usage.model_dump_json())
-    except OpenAIError as exc:  # after the 200: report in-band, as OpenAI-compatible servers do
-        yield sse(json.dumps(exc.body()))
-    finally:
-        gen.close()
-    yield SSE_DONE
+async def _events(gen: Generation, encoder: ChunkEncoder) -> AsyncIterator[str]:
+    # Every delta carries text, except possibly the last, which carries finish_reason.
+    async for text, finish_reason in gen.deltas():
+        yield encoder.event(finish_reason, text=text)
