@@ -169,3 +169,21 @@ def test_online_benchmark_streams_exact_token_counts(tiny_model_dir, triton_serv
             assert all(r.start < t <= r.end for t in r.chunk_times)
             assert r.chunk_times == sorted(r.chunk_times)
         assert offline_tps[c] > 0
+
+
+def test_decode_step_bytes_are_weights_plus_live_kv(tiny_model_dir):
+    """The decode-step bound counts every weight once plus K/V of each live token."""
+    from benchmarks.decode_step import time_decode_step
+    from tritonllm.config import ModelConfig
+
+    batch, prompt, steps = 3, 20, 4
+    seconds, nbytes = time_decode_step(
+        str(tiny_model_dir), "cpu", "torch", batch, "eager", prompt, steps, {}
+    )
+    cfg = ModelConfig.from_pretrained(str(tiny_model_dir))
+    weights = bandwidth.checkpoint_weight_bytes(tiny_model_dir, 4)
+    # After prefill, 4 warm-up steps and `steps` timed ones, each live sequence holds K/V for
+    # its prompt plus every token fed back (the last sampled one is not yet in the cache).
+    live = batch * (prompt + 4 + steps)
+    assert seconds > 0
+    assert nbytes == weights + live * cfg.kv_bytes_per_token * 4
