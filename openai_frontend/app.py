@@ -12,16 +12,24 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
-from .errors import install_error_handlers
+from .errors import OpenAIError, install_error_handlers
 from .routes import chat, completions, models
 from .routes.common import ServerState
 from .triton_client import TritonClient
 
+# Largest request body accepted (bytes). Far above any prompt a 128k-token context can take, and
+# small enough that tokenizing a rejected giant prompt cannot stall other requests for seconds.
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+
 
 def create_app(
-    triton_url: str, model_name: str, triton_model: str = "llm", generator_model: str = "generator"
+    triton_url: str,
+    model_name: str,
+    triton_model: str = "llm",
+    generator_model: str = "generator",
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """An OpenAI-compatible app in front of the Triton ensemble at ``triton_url`` (gRPC).
 
@@ -29,6 +37,7 @@ def create_app(
         triton_url: ``host:port`` of tritonserver's gRPC endpoint.
         model_name: the name clients use in ``model`` (others get 404 ``model_not_found``).
         triton_model: the ensemble to call; ``generator_model``: the model that takes aborts.
+        max_request_bytes: larger bodies (by Content-Length) get a 413 OpenAI error.
     """
 
     @asynccontextmanager
@@ -43,6 +52,19 @@ def create_app(
 
     app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
     install_error_handlers(app)
+
+    @app.middleware("http")
+    async def limit_body_size(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_request_bytes:
+            return OpenAIError(
+                f"request body of {int(length)} bytes exceeds the limit of "
+                f"{max_request_bytes} bytes",
+                status=413,
+                code="request_too_large",
+            ).response()
+        return await call_next(request)
+
     for router in (chat.router, completions.router, models.router):
         app.include_router(router)
     return app
@@ -69,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest accepted request body in bytes (larger: 413)",
+    )
     return p.parse_args(argv)
 
 
@@ -79,5 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
     name = args.model_name or default_model_name(args.model)
-    app = create_app(args.triton_url, name, args.triton_model)
+    app = create_app(
+        args.triton_url, name, args.triton_model, max_request_bytes=args.max_request_bytes
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -7,6 +7,7 @@ prompt, Triton unreachable) goes through ``OpenAIError`` or the handlers install
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -57,8 +58,14 @@ class OpenAIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        """``body()`` with ``status`` as the HTTP status."""
-        return JSONResponse(self.body(), status_code=self.status)
+        """``body()`` with ``status`` as the HTTP status (ASCII-escaped JSON, so a message that
+        quotes client text with lone surrogates still renders)."""
+        return _AsciiJSONResponse(self.body(), status_code=self.status)
+
+
+class _AsciiJSONResponse(JSONResponse):
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def unsupported(param: str, what: str | None = None) -> OpenAIError:
@@ -68,6 +75,12 @@ def unsupported(param: str, what: str | None = None) -> OpenAIError:
         param=param,
         code="unsupported_parameter",
     )
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (errors never echo a whole huge input)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -81,7 +94,7 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     param = ".".join(loc) or None
     message = first.get("msg", "invalid value")
     if param:
-        message = f"Invalid '{param}': {message} (got {first.get('input')!r})"
+        message = f"Invalid '{param}': {message} (got {_short(first.get('input'))})"
     return OpenAIError(message, param=param, code=first.get("type"))
 
 
@@ -100,6 +113,14 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return OpenAIError(str(exc.detail), status=exc.status_code, type=kind).response()
+
+    @app.exception_handler(UnicodeEncodeError)
+    async def _unicode(_: Request, exc: UnicodeEncodeError) -> JSONResponse:
+        # JSON allows "\ud800" escapes that are no valid Unicode text (lone surrogates).
+        return OpenAIError(
+            "the request holds text that is not valid Unicode (a lone UTF-16 surrogate)",
+            code="invalid_unicode",
+        ).response()
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

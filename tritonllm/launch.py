@@ -104,7 +104,10 @@ def serve(cfg: LaunchConfig) -> int:
     Returns:
         0 after a Ctrl-C/SIGTERM shutdown; 1 when a process failed to start or died.
     """
+    # SIGINT explicitly too: a job started in the background of a non-interactive shell inherits
+    # SIGINT as ignored, and Ctrl-C / `kill -INT` must still stop both servers.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     model = resolve_model(cfg.model)
     model_name = cfg.model_name or served_name(model)
     # TRITONLLM_MODEL goes through env (not model_path) so a hub id is not turned into a path.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
@@ -146,10 +147,17 @@ class SamplingParams:
 
 
 def _num(value: object) -> bool:
-    # NaN fails every comparison, so it is rejected by the range checks that follow.
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    # NaN and infinities are refused here; every float parameter has a finite range.
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        text = repr(value)
+        if len(text) > 80:  # never echo a huge value (a 10k-character stop string) in full
+            text = f"{text[:77]}..."
+        raise ValueError(f"{name} must be {allowed}, got {text}")

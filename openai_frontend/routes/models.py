@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -27,7 +29,14 @@ async def retrieve_model(model: str, request: Request) -> ModelCard:
 
 @router.get("/health", response_model=None)
 async def health(request: Request) -> JSONResponse:
-    """200 when Triton and the ``llm`` model are ready, 503 otherwise."""
-    ready = await get_state(request).client.is_ready()
-    status = "ok" if ready else "triton not ready"
-    return JSONResponse({"status": status}, status_code=200 if ready else 503)
+    """200 when Triton and the ``llm`` model are ready and the generator answers, else 503.
+
+    Triton keeps reporting a model ready after its Python stub process died (2.51), so the
+    generator is also sent a no-op control request (an abort of an id nobody uses).
+    """
+    client = get_state(request).client
+    if not await client.is_ready():
+        return JSONResponse({"status": "triton not ready"}, status_code=503)
+    if not await client.abort(f"health-{uuid.uuid4().hex}", timeout=2.0):
+        return JSONResponse({"status": "generator not answering"}, status_code=503)
+    return JSONResponse({"status": "ok"}, status_code=200)
