@@ -3,7 +3,7 @@
 Decode is memory-bound for a 0.6B model: every decode step reads all weights once plus the K
 and V of every live sequence. `decode_bytes` sums those reads over the step schedule of a
 workload; `measure_copy_bandwidth` gives the bandwidth to divide by, measured in the same run
-(DESIGN.md, "Performance yardsticks"). Prefill is not counted: it is compute-bound, and its
+(BENCHMARKS.md, methodology). Prefill is not counted: it is compute-bound, and its
 weight reads are amortised over thousands of tokens.
 """
 

@@ -1,8 +1,8 @@
 """Shared pieces of the benchmarks: the workload, the default checkpoint, result tables and the
 dated sections appended to BENCHMARKS.md.
 
-The workload is the one nano-vllm's `bench.py` and mini-sglang publish (DESIGN.md, "Performance
-yardsticks"): `random.seed(0)`, then every prompt's token ids, then every output length, each
+The workload is the one nano-vllm's `bench.py` and mini-sglang publish (BENCHMARKS.md,
+methodology): `random.seed(0)`, then every prompt's token ids, then every output length, each
 length uniform in [100, 1024]. Drawing in that order is what reproduces their token totals.
 """
 
@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS_MD = REPO_ROOT / "BENCHMARKS.md"
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "qwen3-0.6b"
 
-# Token totals of the published workload for 256 requests (DESIGN.md).
+# Token totals of the published workload for 256 requests (ARCHITECTURE.md, "Platform facts").
 PUBLISHED_PROMPT_TOKENS = 142_827
 PUBLISHED_OUTPUT_TOKENS = 133_966
 
@@ -34,7 +34,7 @@ BENCHMARKS_HEADER = """\
 
 Each section below is one run, appended by `python -m benchmarks.offline` or
 `python -m benchmarks.online`, with its command line, hardware, date and git commit. On the
-offline GPU host (DESIGN.md): `source .devpack/activate.sh`, then both commands; building the
+offline GPU host (ARCHITECTURE.md, "Platform facts"): `source .devpack/activate.sh`, then both commands; building the
 checkpoint there needs `qwen.tiktoken` (the `dashscope` package, or a copy of its `resources/`
 folder on `PYTHONPATH` as `dashscope/resources/qwen.tiktoken`).
 

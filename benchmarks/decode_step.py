@@ -6,7 +6,7 @@
 For each batch size and mode, every request gets a `--prompt-len` random prompt and is prefilled;
 then `--steps` decode steps are timed (CUDA synchronised on both ends). The bound of one step is
 the bytes it must read (all weights once, plus the K and V of every live token) over the
-device-to-device copy bandwidth measured in the same run (DESIGN.md, "Performance yardsticks").
+device-to-device copy bandwidth measured in the same run (BENCHMARKS.md, methodology).
 The batch-1 step is the floor for online ITL at concurrency 1.
 """
 

@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import OpenAIError, install_error_handlers
 from .routes import chat, completions, models
@@ -22,6 +23,33 @@ from .triton_client import TritonClient
 # Largest request body accepted (bytes). Far above any prompt a 128k-token context can take, and
 # small enough that tokenizing a rejected giant prompt cannot stall other requests for seconds.
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+
+
+class BodySizeLimit:
+    """ASGI middleware: a body larger than ``max_bytes`` (by Content-Length) gets a 413 OpenAI
+    error before the app reads it.
+
+    A plain ASGI middleware on purpose: Starlette's ``@app.middleware("http")``
+    (``BaseHTTPMiddleware``) hides the client's disconnect from ``Request.is_disconnected()``
+    inside the routes, so a non-streamed request whose client went away would never be aborted.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length", b"")
+            if length.isdigit() and int(length) > self.max_bytes:
+                response = OpenAIError(
+                    f"request body of {int(length)} bytes exceeds the limit of "
+                    f"{self.max_bytes} bytes",
+                    status=413,
+                    code="request_too_large",
+                ).response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(
@@ -53,18 +81,7 @@ def create_app(
     app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def limit_body_size(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_request_bytes:
-            return OpenAIError(
-                f"request body of {int(length)} bytes exceeds the limit of "
-                f"{max_request_bytes} bytes",
-                status=413,
-                code="request_too_large",
-            ).response()
-        return await call_next(request)
-
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     for router in (chat.router, completions.router, models.router):
         app.include_router(router)
     return app

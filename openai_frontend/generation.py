@@ -1,17 +1,23 @@
 """One OpenAI request's generation: the Triton stream, usage, abort on early exit.
 
+With ``n > 1`` the backend streams the choices interleaved on one Triton request (each response
+carries its choice ``index``); the request ends after every choice sent its finish reason.
+
 ``Generation.start()`` waits for the first Triton response, so errors the backend finds in the
 request (prompt longer than the context, invalid sampling values) surface as ``OpenAIError``
 before any HTTP status is sent. ``close()`` always runs (routes call it in ``finally``): if the
 backend had not finished, it cancels the gRPC stream and sends the generator an explicit abort by
-request id, because an ensemble does not pass the cancellation into a running step (DESIGN.md).
+request id, because an ensemble does not pass the cancellation into a running step (ARCHITECTURE.md, "Platform facts").
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from .errors import OpenAIError
 from .protocol import PromptTokensDetails, Usage
@@ -44,6 +50,32 @@ def to_openai_error(exc: TritonError, prompt_param: str) -> OpenAIError:
     return OpenAIError(message, param=named.group(1) if named else None, code="invalid_value")
 
 
+class Delta(NamedTuple):
+    """One piece of one choice.
+
+    Attributes:
+        index: the choice (0..n-1).
+        text: its text delta (may be empty).
+        finish_reason: None until the choice's last delta.
+        logprobs: with logprobs asked for, the OpenAI chat ``logprobs.content`` entries of the
+            delta's tokens (possibly ``[]``); None otherwise.
+    """
+
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: list[dict[str, Any]] | None
+
+
+@dataclass
+class Choice:
+    """One whole choice of a non-streamed request (``logprobs`` as in ``Delta``)."""
+
+    text: str
+    finish_reason: str | None
+    logprobs: list[dict[str, Any]] | None
+
+
 class Generation:
     """Text deltas of one request through the ``llm`` ensemble.
 
@@ -52,6 +84,8 @@ class Generation:
         request_id: Triton request id == OpenAI completion id.
         inputs: ensemble inputs (see ``sampling.py``).
         prompt_param: the request field named by prompt errors (``messages`` or ``prompt``).
+        n: choices the backend generates (its ``n`` input).
+        logprobs: whether the backend was asked for logprobs (its ``logprobs`` input).
     """
 
     def __init__(
@@ -60,15 +94,23 @@ class Generation:
         request_id: str,
         inputs: Mapping[str, InputValue],
         prompt_param: str = "messages",
+        n: int = 1,
+        logprobs: bool = False,
     ) -> None:
         self.client, self.request_id, self.inputs = client, request_id, inputs
         self.prompt_param = prompt_param
-        self.finish_reason: str | None = None
+        self.n, self.logprobs = n, logprobs
+        self.finish_reasons: list[str | None] = [None] * n
         self._stream: ResponseStream | None = None
         self._first: LLMChunk | None = None
-        self._last: LLMChunk | None = None
+        self._last: dict[int, LLMChunk] = {}  # choice index → its latest response
         self._backend_finished = False
         self._closed = False
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The finish reason of choice 0 (None until it finished)."""
+        return self.finish_reasons[0]
 
     async def start(self) -> None:
         """Send the request and wait for its first response.
@@ -90,26 +132,41 @@ class Generation:
             self._backend_finished = True  # an error response ends the request in Triton
             raise to_openai_error(exc, self.prompt_param) from exc
         if chunk is not None:
-            self._last = chunk
+            if not 0 <= chunk.index < self.n:
+                raise OpenAIError(
+                    f"the backend sent choice {chunk.index} of {self.n}", 500, "server_error"
+                )
+            self._last[chunk.index] = chunk
         return chunk
 
-    async def deltas(self) -> AsyncIterator[tuple[str, str | None]]:
-        """Yield ``(text, finish_reason)``: reason None until the last delta.
+    def _logprobs(self, chunk: LLMChunk) -> list[dict[str, Any]] | None:
+        if not self.logprobs:
+            return None
+        return json.loads(chunk.logprobs_json) if chunk.logprobs_json else []
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Yield the ``Delta`` of each response that carries text, logprobs or a finish; each
+        choice's last delta has its finish_reason.
 
         Raises:
-            OpenAIError: a backend error mid-stream, or a stream that ended unfinished (500).
+            OpenAIError: a backend error mid-stream, or a stream that ended before every
+                choice finished (500).
         """
         chunk, self._first = self._first, None
+        unfinished = self.n
         while chunk is not None:
-            text = chunk.text
+            logprobs = self._logprobs(chunk)
             if chunk.finish_reason:
-                self._backend_finished = True
-                self.finish_reason = chunk.finish_reason
-                yield text, chunk.finish_reason
-                await self._drain()
-                return
-            if text:
-                yield text, None
+                if self.finish_reasons[chunk.index] is None:
+                    unfinished -= 1
+                self.finish_reasons[chunk.index] = chunk.finish_reason
+                self._backend_finished = unfinished == 0
+                yield Delta(chunk.index, chunk.text, chunk.finish_reason, logprobs)
+                if unfinished == 0:
+                    await self._drain()
+                    return
+            elif chunk.text or logprobs:
+                yield Delta(chunk.index, chunk.text, None, logprobs)
             chunk = await self._read()
         raise OpenAIError(
             "the backend ended the stream without a finish reason", 500, "server_error"
@@ -123,23 +180,33 @@ class Generation:
         except (asyncio.TimeoutError, OpenAIError):
             pass
 
-    async def collect(self) -> str:
-        """The whole completion text (non-streaming requests).
+    async def collect(self) -> list[Choice]:
+        """Every choice, whole (non-streaming requests), by index.
 
         Raises:
             OpenAIError: as ``deltas``.
         """
-        return "".join([text async for text, _ in self.deltas()])
+        texts: list[list[str]] = [[] for _ in range(self.n)]
+        logprobs: list[list[dict[str, Any]] | None] = [
+            [] if self.logprobs else None for _ in range(self.n)
+        ]
+        async for delta in self.deltas():
+            texts[delta.index].append(delta.text)
+            if delta.logprobs:
+                logprobs[delta.index].extend(delta.logprobs)
+        return [
+            Choice("".join(parts), reason, entries)
+            for parts, reason, entries in zip(texts, self.finish_reasons, logprobs, strict=True)
+        ]
 
     @property
     def usage(self) -> Usage:
-        """Token counts of the latest response (prompt, generated, cached prefix)."""
-        last = self._last
-        prompt, completion, cached = (
-            (last.num_input_tokens, last.num_output_tokens, last.cached_tokens)
-            if last
-            else (0, 0, 0)
-        )
+        """Token counts so far: the prompt once, the generated tokens of all choices summed,
+        the cached prefix."""
+        last = self._last.values()
+        prompt = max((c.num_input_tokens for c in last), default=0)
+        completion = sum(c.num_output_tokens for c in last)
+        cached = max((c.cached_tokens for c in last), default=0)
         return Usage(
             prompt_tokens=prompt,
             completion_tokens=completion,

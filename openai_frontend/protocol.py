@@ -18,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# The engine's limits (tritonllm.sampling_params): choices per request, top logprobs per token.
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
 
 
 def _now() -> int:
@@ -41,7 +44,7 @@ class SamplingFields(_Lenient):
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -61,6 +64,11 @@ class SamplingFields(_Lenient):
     def include_usage(self) -> bool:
         """``stream_options.include_usage`` (False when ``stream_options`` is absent)."""
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the response carries logprobs (set by the endpoint's own field)."""
+        return False
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -92,20 +100,29 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
 
 
 class CompletionRequest(SamplingFields):
     """The body of ``POST /v1/completions``; only a single string prompt is served."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    # OpenAI's legacy endpoint allows at most 5.
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
 
 # --- responses -----------------------------------------------------------------------------
@@ -126,6 +143,45 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class TopLogprob(BaseModel):
+    """One token and its logprob: ``bytes`` are its UTF-8 bytes, ``token`` them decoded (a
+    token holding part of a character shows U+FFFD)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token with its logprob and its most likely alternatives, most likely first."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """``choices[i].logprobs`` of a chat completion: one entry per generated token."""
+
+    content: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """``choices[i].logprobs`` of a legacy text completion, one element per generated token.
+
+    Attributes:
+        tokens: token texts.
+        token_logprobs: their logprobs.
+        top_logprobs: per token ``{token text: logprob}`` of the top alternatives plus the
+            chosen token (up to ``logprobs + 1`` entries, as OpenAI documents).
+        text_offset: character offset of each token in the choice's text (cumulative length
+            of the token texts before it, as vLLM computes it).
+    """
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     """The generated message of a non-streamed chat completion."""
 
@@ -134,11 +190,11 @@ class AssistantMessage(BaseModel):
 
 
 class ChatChoice(BaseModel):
-    """The one choice of a chat completion (``n`` is always 1)."""
+    """One choice of a chat completion."""
 
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -169,11 +225,11 @@ class DeltaMessage(BaseModel):
 
 
 class ChatChunkChoice(BaseModel):
-    """The one choice of a streamed chat chunk."""
+    """The choice a streamed chat chunk carries (``index`` says which)."""
 
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -186,11 +242,11 @@ class ChatCompletionChunk(_Response):
 
 
 class CompletionChoice(BaseModel):
-    """The one choice of a text completion or of one of its streamed chunks."""
+    """One choice of a text completion, or the one of a streamed chunk."""
 
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 

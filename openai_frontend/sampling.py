@@ -53,14 +53,12 @@ def sampling_inputs(
         max_tokens: the resolved token limit (chat: ``max_completion_tokens`` or ``max_tokens``).
         backend_stream: whether the ensemble should answer token by token (else one response).
     Raises:
-        OpenAIError: 400 for ``n > 1`` or a field the backend cannot honour.
+        OpenAIError: 400 for a field the backend cannot honour (e.g. ``n > 1`` on a backend
+            without an ``n`` input).
     """
-    if req.n != 1:
-        raise OpenAIError(
-            "n > 1 is not supported by this server", param="n", code="unsupported_value"
-        )
     inputs: dict[str, InputValue] = {}
     _put(inputs, specs, "max_tokens", max_tokens, None)
+    _put(inputs, specs, "n", req.n, 1)
     # Stop strings are applied in the engine, which stops at once and frees the KV cache.
     _put(inputs, specs, "stop", list(req.stop_strings), None)
     for name, noop in _OPTIONAL_FIELDS.items():
@@ -93,10 +91,13 @@ def chat_inputs(
     ``developer`` messages are sent as ``system`` (OpenAI treats them alike for chat models).
 
     Raises:
-        OpenAIError: 400 for unsupported features (tools, logprobs, non-text content, ...).
+        OpenAIError: 400 for unsupported features (tools, non-text content, ...), or
+            ``top_logprobs`` without ``logprobs: true`` (as OpenAI answers).
     """
-    if req.logprobs or req.top_logprobs:
-        raise unsupported("logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise OpenAIError(
+            "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value"
+        )
     if req.tools:
         raise unsupported("tools")
     if req.response_format and req.response_format.get("type", "text") != "text":
@@ -108,6 +109,8 @@ def chat_inputs(
     max_tokens = req.max_completion_tokens or req.max_tokens
     inputs: dict[str, InputValue] = {"messages": json.dumps(messages, ensure_ascii=False)}
     inputs.update(sampling_inputs(req, specs, max_tokens, backend_stream))
+    if req.logprobs:
+        _put(inputs, specs, "logprobs", req.top_logprobs or 0, None)
     thinking = (req.chat_template_kwargs or {}).get("enable_thinking")
     if thinking is not None:
         if not isinstance(thinking, bool):
@@ -125,21 +128,21 @@ def completion_inputs(
     """Ensemble inputs of a text completion: the raw prompt as ``text_input`` plus sampling.
 
     Raises:
-        OpenAIError: 400 for token-id or batched prompts, echo, suffix, best_of, logprobs.
+        OpenAIError: 400 for token-id or batched prompts, echo, suffix, best_of other than
+            1 or n.
     """
     prompt = req.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1 or not isinstance(prompt[0], str):
             raise unsupported("prompt", "a prompt that is not one string")
         prompt = prompt[0]
-    if req.logprobs is not None:
-        raise unsupported("logprobs")
     if req.echo:
         raise unsupported("echo")
     if req.suffix:
         raise unsupported("suffix")
-    if req.best_of not in (None, 1):
-        raise unsupported("best_of", "best_of > 1")
+    if req.best_of not in (None, 1, req.n):
+        raise unsupported("best_of", "best_of other than n")
     inputs: dict[str, InputValue] = {"text_input": prompt}
     inputs.update(sampling_inputs(req, specs, req.max_tokens, backend_stream))
+    _put(inputs, specs, "logprobs", req.logprobs, None)
     return inputs

@@ -63,6 +63,9 @@ class LLMChunk:
         num_input_tokens: prompt tokens.
         num_output_tokens: tokens generated so far (cumulative).
         cached_tokens: prompt tokens served from the prefix cache.
+        index: the choice (0..n-1) this response belongs to.
+        logprobs_json: ``""``, or the JSON list of this response's token logprobs (OpenAI's
+            chat ``logprobs.content`` entries; parsed only when the client asked for them).
     """
 
     text: str
@@ -70,6 +73,8 @@ class LLMChunk:
     num_input_tokens: int
     num_output_tokens: int
     cached_tokens: int
+    index: int = 0
+    logprobs_json: str = ""
 
 
 def encode_tensor(name: str, value: InputValue, spec: InputSpec) -> tuple[Any, bytes]:
@@ -147,6 +152,8 @@ def parse_chunk(response: service_pb2.ModelInferResponse) -> LLMChunk:
         num_input_tokens=_first_int(outputs, "num_input_tokens"),
         num_output_tokens=_first_int(outputs, "num_output_tokens"),
         cached_tokens=_first_int(outputs, "cached_tokens"),
+        index=_first_int(outputs, "index"),
+        logprobs_json=_first_text(outputs, "logprobs_json"),
     )
 
 
@@ -154,7 +161,7 @@ class ResponseStream:
     """The responses of one decoupled request, read one at a time.
 
     ``read()`` returns the next ``LLMChunk``, or None once Triton sent the final response.
-    ``cancel()`` cancels the gRPC stream (Triton then cancels the request; see DESIGN.md for why
+    ``cancel()`` cancels the gRPC stream (Triton then cancels the request; see ARCHITECTURE.md, "Platform facts", for why
     that alone does not stop a running ensemble step).
     """
 
@@ -271,7 +278,7 @@ class TritonClient:
     async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
         """Ask the generator to abort ``request_id`` now and free its KV pages.
 
-        Ensembles do not pass cancellation into a running decoupled step (DESIGN.md), so this
+        Ensembles do not pass cancellation into a running decoupled step (ARCHITECTURE.md, "Platform facts"), so this
         control request (only ``abort_request_id``) goes straight to the generator. Returns
         True when the generator acknowledged with its final response within ``timeout`` s.
         """

@@ -10,7 +10,7 @@ from benchmarks import bandwidth, common, offline, online
 
 
 def test_workload_reproduces_the_published_token_totals():
-    # DESIGN.md / nano-vllm's bench.py: 142,827 prompt and 133,966 output tokens for seed 0.
+    # nano-vllm's bench.py: 142,827 prompt and 133,966 output tokens for seed 0.
     w = common.random_workload(256)
     assert (w.num_prompt_tokens, w.num_output_tokens) == (142_827, 133_966)
     assert all(100 <= len(p) <= 1024 for p in w.prompts)
@@ -18,7 +18,7 @@ def test_workload_reproduces_the_published_token_totals():
 
 
 def test_qwen3_0_6b_bound_matches_design_yardstick():
-    # DESIGN.md: 1.192 GB of weights per decode step, 114,688 B of KV per token, bound ~3.56 s
+    # The team yardstick (BENCHMARKS.md): 1.192 GB of weights per decode step, 114,688 B of KV per token, bound ~3.56 s
     # and ~37.7k output tok/s at 4.24 TB/s. Weights counted by transformers' own model.
     from transformers import AutoModelForCausalLM
 

@@ -121,8 +121,9 @@ def test_stop_strings_cut_before_the_match(client, sidecar):
     # The engine stopped at the match instead of running on to max_tokens.
     assert response.usage.completion_tokens < 16
     # Streaming gives the same text and never shows part of the stop string.
-    _, streamed = _stream(client, sidecar.model_name, messages=MESSAGES, max_tokens=16,
-                          temperature=0, stop=[stop])
+    _, streamed = _stream(
+        client, sidecar.model_name, messages=MESSAGES, max_tokens=16, temperature=0, stop=[stop]
+    )
     assert streamed == full[: full.index(stop)]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -33,8 +35,8 @@ CASES = {
     "negative max_tokens": (lambda m: _chat(m) | {"max_tokens": -5}, 400, "max_tokens"),
     "temperature 3": (lambda m: _chat(m, temperature=3.0), 400, "temperature"),
     "top_p 1.5": (lambda m: _chat(m, top_p=1.5), 400, "top_p"),
-    "n 2": (lambda m: _chat(m, n=2), 400, "n"),
-    "logprobs": (lambda m: _chat(m, logprobs=True), 400, "logprobs"),
+    "n 17": (lambda m: _chat(m, n=17), 400, "n"),
+    "top_logprobs without logprobs": (lambda m: _chat(m, top_logprobs=2), 400, "top_logprobs"),
     "unknown model": (lambda m: _chat("no-such-model"), 404, "model"),
     "min_tokens > max_tokens (engine check)": (
         lambda m: _chat(m, extra_body={"min_tokens": 10}),
@@ -91,3 +93,55 @@ def test_malformed_body_is_openai_400(client, sidecar, body):
 def test_health_reports_triton_ready(sidecar):
     response = httpx.get(f"{sidecar.root_url}/health")
     assert response.status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "field",
+    ["content", "model", "stop"],
+)
+def test_lone_surrogate_is_openai_400(client, sidecar, field, stream):
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"), which is no valid Unicode text."""
+    body = _chat(sidecar.model_name, stream=stream)
+    if field == "content":
+        body["messages"][0]["content"] = "a\ud800b"
+    elif field == "model":
+        body["model"] = "\ud800"
+    else:
+        body["stop"] = ["\ud800"]
+    payload = json.dumps(body, ensure_ascii=True)  # keeps the surrogate as a \\ud800 escape
+    response = httpx.post(
+        f"{sidecar.base_url}/chat/completions",
+        content=payload.encode(),
+        headers={"content-type": "application/json"},
+    )
+    assert 400 <= response.status_code < 500, response.text
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    _assert_still_serving(client, sidecar.model_name)
+
+
+def test_oversized_body_is_413_without_reading_it(client, sidecar):
+    from openai_frontend.app import DEFAULT_MAX_REQUEST_BYTES
+
+    content = "x" * (DEFAULT_MAX_REQUEST_BYTES + 1)
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(
+            model=sidecar.model_name, messages=[{"role": "user", "content": content}]
+        )
+    assert info.value.status_code == 413
+    assert _error_body(info.value)["code"] == "request_too_large"
+    _assert_still_serving(client, sidecar.model_name)
+
+
+def test_error_messages_do_not_echo_huge_values(client, sidecar):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**_chat(sidecar.model_name, stop=["y" * 10_000]))
+    assert len(_error_body(info.value)["message"]) < 400
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_non_finite_sampling_values_are_refused(value):
+    from tritonllm.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=value).validate()

@@ -148,11 +148,7 @@ class SamplingParams:
 
 def _num(value: object) -> bool:
     # NaN and infinities are refused here; every float parameter has a finite range.
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-    )
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:

@@ -6,7 +6,7 @@ Where the binary comes from, in order:
 2. ``tritonserver`` on ``PATH`` (NVIDIA's container, the GPU devpack), same backend rule, falling
    back to ``/opt/tritonserver/backends``;
 3. the ``nvidia-pytriton`` 0.7.0 wheel, which carries Triton 2.51, its Python backend, one backend
-   stub per Python version and its shared libraries (DESIGN.md, "tritonserver without Docker").
+   stub per Python version and its shared libraries (ARCHITECTURE.md, "Platform facts").
 
 The Python backend stub runs on the environment of the first ``python3`` on ``PATH`` (it ignores
 ``PYTHONPATH``), so the server is started with this interpreter's ``bin/`` first on ``PATH``.

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from ..generation import Generation
+from ..logprobs import chat_logprobs
 from ..protocol import (
     AssistantMessage,
     ChatChoice,
@@ -18,7 +19,7 @@ from ..protocol import (
     DeltaMessage,
 )
 from ..sampling import chat_inputs
-from .common import collect_text, get_state, start_generation
+from .common import collect_choices, get_state, start_generation
 from .sse import ChunkEncoder, stream_response
 
 router = APIRouter()
@@ -28,7 +29,7 @@ router = APIRouter()
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request
 ) -> ChatCompletion | StreamingResponse:
-    """Generate the assistant's reply; stream it as SSE chunks when ``stream`` is true.
+    """Generate the assistant's reply (``n`` of them); stream SSE chunks when ``stream``.
 
     Raises:
         OpenAIError: before the first byte (see ``start_generation``); later errors of a
@@ -41,23 +42,36 @@ async def create_chat_completion(
         template = ChatCompletionChunk(id=gen.request_id, model=model, choices=[choice])
         encoder = ChunkEncoder(template, body.include_usage)
         return stream_response(gen, _events(gen, encoder), encoder)
-    text = await collect_text(request, gen)
+    choices = await collect_choices(request, gen)
     return ChatCompletion(
         id=gen.request_id,
         model=model,
         choices=[
-            ChatChoice(message=AssistantMessage(content=text), finish_reason=gen.finish_reason)
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=c.text),
+                logprobs=chat_logprobs(c.logprobs),
+                finish_reason=c.finish_reason,
+            )
+            for i, c in enumerate(choices)
         ],
         usage=gen.usage,
     )
 
 
 async def _events(gen: Generation, encoder: ChunkEncoder) -> AsyncIterator[str]:
-    # OpenAI's chunk sequence: the role first, content deltas, then an empty delta that carries
-    # finish_reason. Deltas are written as dicts: unset fields are left out, not null.
-    yield encoder.event(delta={"role": "assistant", "content": ""})
-    async for text, finish_reason in gen.deltas():
-        if text:
-            yield encoder.event(delta={"content": text})
-        if finish_reason:
-            yield encoder.event(finish_reason, delta={})
+    # OpenAI's chunk sequence per choice: the role first, content deltas, then an empty delta
+    # that carries finish_reason. Deltas are written as dicts: unset fields are left out, not
+    # null. Content chunks carry the logprobs of their tokens (also when a token completes no
+    # character yet and the content is "").
+    for index in range(gen.n):
+        yield encoder.event(index=index, delta={"role": "assistant", "content": ""})
+    async for delta in gen.deltas():
+        if delta.text or delta.logprobs:
+            yield encoder.event(
+                index=delta.index,
+                logprobs=chat_logprobs(delta.logprobs),
+                delta={"content": delta.text},
+            )
+        if delta.finish_reason:
+            yield encoder.event(delta.finish_reason, index=delta.index, delta={})

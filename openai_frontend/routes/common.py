@@ -1,5 +1,5 @@
 """What the routes share: server state, the served-model check, the disconnect watch and a
-generation's lifecycle (``start_generation``, then ``collect_text`` or ``sse.stream_response``)."""
+generation's lifecycle (``start_generation``, then ``collect_choices`` or ``sse.stream_response``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import TypeVar
 from fastapi import Request
 
 from ..errors import OpenAIError
-from ..generation import Generation, to_openai_error
+from ..generation import Choice, Generation, to_openai_error
 from ..protocol import SamplingFields
 from ..triton_client import InputSpec, InputValue, TritonClient, TritonError
 
@@ -83,8 +83,10 @@ async def start_generation(
 ) -> Generation:
     """Check ``body``, send it to the ensemble and wait for its first response.
 
-    The caller owns the returned generation and must end it with ``collect_text`` or
-    ``sse.stream_response``, which close it (abort in the backend if unfinished).
+    The caller owns the returned generation and must end it with ``collect_choices`` or
+    ``sse.stream_response``, which close it (abort in the backend if unfinished). With
+    ``n > 1`` the backend always streams (its choices come as separate responses), also for a
+    non-streamed request, whose choices are then assembled here.
 
     Args:
         id_prefix: ``chatcmpl`` or ``cmpl``; the completion id (= Triton request id) is
@@ -99,8 +101,11 @@ async def start_generation(
     state = get_state(request)
     check_model(state, body.model)
     specs = await state.input_specs(prompt_param)
-    inputs = build_inputs(body, specs, body.stream)
-    gen = Generation(state.client, f"{id_prefix}-{uuid.uuid4().hex}", inputs, prompt_param)
+    inputs = build_inputs(body, specs, body.stream or body.n > 1)
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    gen = Generation(
+        state.client, request_id, inputs, prompt_param, n=body.n, logprobs=body.wants_logprobs
+    )
     try:
         await unless_disconnected(request, gen.start())
     except BaseException:
@@ -109,8 +114,8 @@ async def start_generation(
     return gen
 
 
-async def collect_text(request: Request, gen: Generation) -> str:
-    """The whole text of a started, non-streamed generation, which is closed afterwards.
+async def collect_choices(request: Request, gen: Generation) -> list[Choice]:
+    """The choices of a started, non-streamed generation, which is closed afterwards.
 
     Raises:
         OpenAIError: a backend error (see ``Generation.deltas``); 499 if the client went away.

@@ -8,9 +8,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from ..generation import Generation
+from ..logprobs import completion_logprobs
 from ..protocol import Completion, CompletionChoice, CompletionRequest
 from ..sampling import completion_inputs
-from .common import collect_text, get_state, start_generation
+from .common import collect_choices, get_state, start_generation
 from .sse import ChunkEncoder, stream_response
 
 router = APIRouter()
@@ -20,7 +21,8 @@ router = APIRouter()
 async def create_completion(
     body: CompletionRequest, request: Request
 ) -> Completion | StreamingResponse:
-    """Continue the raw prompt (no chat template); stream SSE chunks when ``stream`` is true.
+    """Continue the raw prompt (no chat template; ``n`` choices); stream SSE chunks when
+    ``stream`` is true.
 
     Raises:
         OpenAIError: before the first byte (see ``start_generation``); later errors of a
@@ -32,16 +34,29 @@ async def create_completion(
         template = Completion(id=gen.request_id, model=model, choices=[CompletionChoice(text="")])
         encoder = ChunkEncoder(template, body.include_usage)
         return stream_response(gen, _events(gen, encoder), encoder)
-    text = await collect_text(request, gen)
+    choices = await collect_choices(request, gen)
     return Completion(
         id=gen.request_id,
         model=model,
-        choices=[CompletionChoice(text=text, finish_reason=gen.finish_reason)],
+        choices=[
+            CompletionChoice(
+                index=i,
+                text=c.text,
+                logprobs=completion_logprobs(c.logprobs)[0],
+                finish_reason=c.finish_reason,
+            )
+            for i, c in enumerate(choices)
+        ],
         usage=gen.usage,
     )
 
 
 async def _events(gen: Generation, encoder: ChunkEncoder) -> AsyncIterator[str]:
-    # Every delta carries text, except possibly the last, which carries finish_reason.
-    async for text, finish_reason in gen.deltas():
-        yield encoder.event(finish_reason, text=text)
+    # Every delta carries text (or logprobs), except possibly each choice's last, which carries
+    # its finish_reason. text_offset continues across a choice's chunks.
+    offsets = [0] * gen.n
+    async for delta in gen.deltas():
+        logprobs, offsets[delta.index] = completion_logprobs(delta.logprobs, offsets[delta.index])
+        yield encoder.event(
+            delta.finish_reason, index=delta.index, logprobs=logprobs, text=delta.text
+        )

@@ -34,6 +34,7 @@ class ChunkEncoder:
     The template (id, object, created, model, one choice) is validated and dumped by pydantic
     once; each chunk then only sets its choice's changing fields in that dict and serialises it
     with ``json.dumps``, rather than building and dumping three models per streamed response.
+    Every chunk carries one choice; with ``n > 1`` its ``index`` says which.
 
     Args:
         template: a ``ChatCompletionChunk`` or a ``Completion`` with exactly one choice.
@@ -46,9 +47,16 @@ class ChunkEncoder:
         self._chunk = template.model_dump(exclude=None if include_usage else {"usage"})
         (self._choice,) = self._chunk["choices"]
 
-    def event(self, finish_reason: str | None = None, **fields: Any) -> str:
-        """A chunk whose choice has ``fields`` (``text=`` or ``delta=``) and ``finish_reason``."""
-        self._choice.update(fields, finish_reason=finish_reason)
+    def event(
+        self,
+        finish_reason: str | None = None,
+        index: int = 0,
+        logprobs: dict[str, Any] | None = None,
+        **fields: Any,
+    ) -> str:
+        """A chunk whose choice ``index`` has ``fields`` (``text=`` or ``delta=``),
+        ``logprobs`` (in the endpoint's format) and ``finish_reason``."""
+        self._choice.update(fields, finish_reason=finish_reason, index=index, logprobs=logprobs)
         return sse(_dumps(self._chunk))
 
     def usage(self, usage: Usage) -> str:

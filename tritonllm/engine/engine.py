@@ -263,17 +263,26 @@ class LLMEngine:
         """Run the request's stop-string checker on its new token.
 
         Returns (released ids, trim chars, stopped, logprobs, top logprobs) for this step's
-        output; a request that ends for another reason (`reason`) releases what was held. Held
-        tokens are released later; their logprobs are not reported (logprobs stay aligned with
-        the tokens released in the same output only when nothing is held).
+        output; a request that ends for another reason (`reason`) releases what was held. The
+        logprobs of held ids wait in `req.held_logprobs` and are released with their ids, so
+        an output's logprobs always align 1:1 with its `new_token_ids`.
         """
         checker = req.stop_checker
+        num_held = checker.num_held
         result = checker.process([token])
         released = list(result.release_ids)
-        if not result.stopped and reason is not None:
+        if result.stopped:
+            req.num_withheld = num_held + 1 - len(released)
+        elif reason is not None:
             released += checker.flush()
-        if released != [token]:
-            lp = top = None
+        if lp is not None:
+            # The checker releases its oldest held ids first; `token` is the newest.
+            held = req.held_logprobs
+            held.append((lp[0], top[0]))
+            count = len(released)
+            lp = [value for value, _ in held[:count]]
+            top = [alternatives for _, alternatives in held[:count]]
+            del held[:count]
         return released, result.trim_chars, result.stopped, lp, top
 
     def _output(
@@ -282,13 +291,14 @@ class LLMEngine:
         finished = req.finish_reason is not None
         if finished:
             self._forget_child(req.request_id)
+        unreleased = req.num_withheld + (req.stop_checker.num_held if req.stop_checker else 0)
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=tokens,
             finished=finished,
             finish_reason=req.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens - num_unknown_tail(req.token_ids),
+            num_output_tokens=req.num_output_tokens - num_unknown_tail(req.token_ids) - unreleased,
             cached_tokens=req.cached_tokens,
             logprobs=lp,
             top_logprobs=top,

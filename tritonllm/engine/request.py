@@ -43,6 +43,11 @@ class Request:
     generator: torch.Generator | None = None
     stop_ids: frozenset[int] = frozenset()
     stop_checker: StopStringChecker | None = None  # only for requests with stop strings
+    # With logprobs and stop strings: (logprob, top logprobs) of each id the stop checker holds,
+    # oldest first (parallel to its held ids); released together with those ids.
+    held_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    # Ids generated after the start of a matched stop string: never released, not counted.
+    num_withheld: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -83,11 +88,14 @@ class RequestOutput:
         finished: this is the request's last output.
         finish_reason: None while running; "stop" (EOS or a stop token, included in the ids),
             "length" (max_tokens), "abort", or "error" (see `error`).
-        num_prompt_tokens, num_output_tokens: counts so far (tokens).
+        num_prompt_tokens, num_output_tokens: counts so far (tokens); with stop strings,
+            output ids count once released (held ids, and ids after a matched stop string's
+            start, do not), so the final count equals the number of ids reported.
         cached_tokens: prompt tokens served from the prefix cache at admission.
-        logprobs: with `SamplingParams.logprobs`, the logprob of each new token.
+        logprobs: with `SamplingParams.logprobs`, the logprob of each new token (one per id of
+            `new_token_ids`, also for ids held back by stop strings and released later).
         top_logprobs: with `SamplingParams.logprobs`, per new token {token id: logprob} of the
-            `logprobs` most likely tokens.
+            `logprobs` most likely tokens, most likely first.
         error: the message when finish_reason is "error".
         trim_chars: characters to drop from the end of the text of `new_token_ids` (decoded
             after all earlier ones) so the output ends just before a matched stop string; 0

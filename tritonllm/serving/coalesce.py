@@ -1,9 +1,10 @@
 """Coalescing of engine outputs that piled up while the response sender was busy.
 
-Triton's response path tops out near 7k responses/s through the ensemble (DESIGN.md, "The
-Triton response path has a ceiling"), well below what the engine can generate on a GPU. The
+Triton's response path tops out near 7k responses/s through the ensemble (ARCHITECTURE.md,
+"Platform facts"), well below what the engine can generate on a GPU. The
 sender therefore merges every output of one request that is waiting in its queue into a single
-response: one token per response when the server is idle, several under load.
+response: one token per response when the server is idle, several under load. Outputs are keyed
+by the engine's request id, so the n children ``"{id}#{i}"`` of one request are never merged.
 """
 
 from __future__ import annotations
@@ -13,11 +14,24 @@ from dataclasses import is_dataclass, replace
 from typing import Any
 
 
-def _with_ids(output: Any, token_ids: list[int]) -> Any:
-    """A copy of ``output`` (dataclass or NamedTuple ``RequestOutput``) with new token ids."""
+def _concat(first: list | None, second: list | None) -> list | None:
+    """Per-token lists of two outputs joined; None only when neither has one (a final abort
+    output carries no ids and no logprobs even when logprobs were requested)."""
+    if first is None and second is None:
+        return None
+    return list(first or []) + list(second or [])
+
+
+def _merged(previous: Any, output: Any) -> Any:
+    """``output`` (dataclass or NamedTuple ``RequestOutput``) with ``previous``'s ids and
+    logprobs in front of its own."""
+    changes = {"new_token_ids": list(previous.new_token_ids) + list(output.new_token_ids)}
+    for name in ("logprobs", "top_logprobs"):
+        if hasattr(output, name):
+            changes[name] = _concat(getattr(previous, name), getattr(output, name))
     if is_dataclass(output):
-        return replace(output, new_token_ids=token_ids)
-    return output._replace(new_token_ids=token_ids)
+        return replace(output, **changes)
+    return output._replace(**changes)
 
 
 def coalesce(outputs: Iterable[Any]) -> list[Any]:
@@ -27,9 +41,9 @@ def coalesce(outputs: Iterable[Any]) -> list[Any]:
         outputs: ``RequestOutput`` objects in the order the engine produced them.
     Returns:
         One ``RequestOutput`` per request id, in order of first appearance: its
-        ``new_token_ids`` are the concatenation of the merged outputs' ids; ``finished``,
-        ``finish_reason`` and the token counts are those of the last one. Outputs that arrive
-        after a request's finished output are dropped (they are stale).
+        ``new_token_ids`` (and ``logprobs`` / ``top_logprobs``) are the concatenation of the
+        merged outputs'; ``finished``, ``finish_reason`` and the token counts are those of the
+        last one. Outputs that arrive after a request's finished output are dropped (stale).
     """
     merged: dict[str, Any] = {}
     for output in outputs:
@@ -37,6 +51,5 @@ def coalesce(outputs: Iterable[Any]) -> list[Any]:
         if previous is None:
             merged[output.request_id] = output
         elif not previous.finished:
-            ids = list(previous.new_token_ids) + list(output.new_token_ids)
-            merged[output.request_id] = _with_ids(output, ids)
+            merged[output.request_id] = _merged(previous, output)
     return list(merged.values())

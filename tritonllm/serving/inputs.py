@@ -27,6 +27,8 @@ SAMPLING_INPUTS: dict[str, type] = {
     "presence_penalty": float,
     "frequency_penalty": float,
     "repetition_penalty": float,
+    "logprobs": int,  # top alternatives per token, 0..20; absent: no logprobs
+    "n": int,  # choices, 1..16; > 1 needs stream=true
 }
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 

@@ -27,6 +27,10 @@ class ResponseChunk:
             matched stop string; see ``RequestOutput.trim_chars``).
         error: the engine's message when the request failed (finish_reason ``"error"``); the
             generator answers it with a Triton error response.
+        index: the choice index of a request with ``n > 1`` (the i of child ``"{id}#{i}"``).
+        logprobs: with logprobs requested, one logprob per id of ``output_ids``; else None.
+        top_logprobs: with logprobs requested, per id ``{token id: logprob}`` of the top
+            alternatives; else None.
     """
 
     output_ids: list[int]
@@ -38,6 +42,9 @@ class ResponseChunk:
     final: bool
     error: str | None = None
     trim_chars: int = 0
+    index: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -46,21 +53,31 @@ class StreamState:
 
     Args:
         stream: True: a chunk for every output with new ids and one for the finish;
-            False: exactly one chunk, at the finish, carrying all output ids.
+            False: exactly one chunk, at the finish, carrying all output ids (and logprobs).
+        index: the choice index its chunks carry (one ``StreamState`` per child of ``n > 1``).
     """
 
     stream: bool = True
+    index: int = 0
     _recent: list[int] = field(default_factory=list)
     _pending: list[int] = field(default_factory=list)
+    _pending_logprobs: list[float] | None = None
+    _pending_top: list[dict[int, float]] | None = None
 
     def on_output(self, output: Any) -> ResponseChunk | None:
         """The chunk to send for ``output`` (a ``RequestOutput``), or None if nothing is due."""
         new_ids = [int(t) for t in output.new_token_ids]
+        logprobs = getattr(output, "logprobs", None)
+        top = getattr(output, "top_logprobs", None)
         if not self.stream:
             self._pending.extend(new_ids)
+            if logprobs is not None:
+                self._pending_logprobs = (self._pending_logprobs or []) + list(logprobs)
+                self._pending_top = (self._pending_top or []) + list(top or [])
             if not output.finished:
                 return None
             new_ids, prefix = self._pending, []
+            logprobs, top = self._pending_logprobs, self._pending_top
         else:
             if not new_ids and not output.finished:
                 return None
@@ -78,4 +95,7 @@ class StreamState:
             error=(getattr(output, "error", None) or "request failed")
             if output.finished and output.finish_reason == "error"
             else None,
+            index=self.index,
+            logprobs=None if logprobs is None else list(logprobs),
+            top_logprobs=None if top is None else list(top),
         )

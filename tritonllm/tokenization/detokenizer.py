@@ -58,6 +58,19 @@ def build_id_to_bytes(tokenizer: Any) -> list[bytes]:
     return table
 
 
+def build_special_bytes(tokenizer: Any) -> dict[int, bytes]:
+    """``id -> UTF-8 bytes of its text`` for the special tokens ``build_id_to_bytes`` blanks
+    (e.g. ``151645 -> b"<|im_end|>"``)."""
+    special = {
+        int(i): str(t)
+        for i, t in zip(tokenizer.all_special_ids, tokenizer.all_special_tokens, strict=False)
+    }
+    for token_id, added in tokenizer.added_tokens_decoder.items():
+        if added.special:
+            special[int(token_id)] = added.content
+    return {token_id: text.encode("utf-8") for token_id, text in special.items()}
+
+
 class Detokenizer:
     """Exact incremental detokenizer with no per-request state.
 
@@ -79,6 +92,7 @@ class Detokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self._table = build_id_to_bytes(tokenizer)
         self._vocab_size = len(self._table)
+        self._special_bytes = build_special_bytes(tokenizer)
 
     def token_bytes(self, ids: Iterable[int]) -> bytes:
         """The concatenated bytes of ``ids`` (special and unknown ids contribute nothing)."""
@@ -88,6 +102,14 @@ class Detokenizer:
         except IndexError:
             size = self._vocab_size
             return b"".join([table[i] if 0 <= i < size else b"" for i in ids])
+
+    def logprob_token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token as logprobs report it: its own bytes, and for a special token
+        its text (``b"<|im_end|>"``; decoding skips it, but an alternative must be nameable).
+        Ids outside the vocabulary give ``b""``."""
+        if 0 <= token_id < self._vocab_size and self._table[token_id]:
+            return self._table[token_id]
+        return self._special_bytes.get(token_id, b"")
 
     def delta(self, prefix_ids: Sequence[int], new_ids: Sequence[int], final: bool) -> str:
         """Text that ``new_ids`` add after ``prefix_ids`` (already emitted by earlier calls).

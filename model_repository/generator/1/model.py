@@ -5,6 +5,10 @@ puts outputs on a ``ResponseStreamer`` whose sender thread coalesces what piled 
 and sends the responses (several tokens per response under load). Control request: input
 ``abort_request_id`` aborts that request id (its KV pages are freed at once) and is answered
 with one empty final response. Engine gauges are exported as ``tritonllm_*`` custom metrics.
+
+``n > 1`` (streaming only): the engine runs children ``"{key}#{i}"``; each child's outputs go
+out as responses of the same Triton request, with output ``index`` = i and their own prefix ids,
+and the final flag comes with the response that ends the last child.
 """
 
 import sys
@@ -22,6 +26,7 @@ except ImportError:  # not pip-installed: use the checkout that holds this repos
 from tritonllm.engine.engine import LLMEngine
 from tritonllm.engine.engine_thread import EngineThread
 from tritonllm.serving.inputs import SAMPLING_INPUTS, sampling_params, scalar
+from tritonllm.serving.logprobs import flatten_top_logprobs
 from tritonllm.serving.metrics import ENGINE_GAUGES, GENERATED_TOKENS, gauge_values
 from tritonllm.serving.request_table import RequestTable
 from tritonllm.serving.response_streamer import ResponseStreamer
@@ -34,13 +39,15 @@ CANCEL_CHECK_S = 0.2
 
 
 class _Entry:
-    """A live request: its response sender and stream bookkeeping."""
+    """A live request: its response sender, one stream state per choice, children still live."""
 
-    __slots__ = ("sender", "state", "cancelled", "checked_at")
+    __slots__ = ("sender", "states", "live", "num_top", "cancelled", "checked_at")
 
-    def __init__(self, sender, stream):
+    def __init__(self, sender, stream, n, num_top):
         self.sender = sender
-        self.state = StreamState(stream=stream)
+        self.states = [StreamState(stream=stream, index=i) for i in range(n)]
+        self.live = n
+        self.num_top = num_top  # top logprobs per token; None: logprobs not requested
         self.cancelled = False
         self.checked_at = time.monotonic()
 
@@ -50,8 +57,13 @@ def _input(request, name):
     return None if tensor is None else tensor.as_numpy()
 
 
-def _response(chunk):
-    """The ``generator`` outputs of one ``ResponseChunk``."""
+def _response(chunk, num_choices=1, num_top=None):
+    """The ``generator`` outputs of one ``ResponseChunk``.
+
+    ``index`` is sent only when ``num_choices > 1`` and the logprob outputs only when logprobs were
+    requested (``num_top`` not None): each tensor costs time on the response path, which
+    bounds throughput (ARCHITECTURE.md, "Platform facts"), and the detokenizer reads absent ones as 0 / none.
+    """
     if chunk.error is not None:
         return pb_utils.InferenceResponse(
             output_tensors=[], error=pb_utils.TritonError(f"generator: {chunk.error}")
@@ -68,6 +80,16 @@ def _response(chunk):
         pb_utils.Tensor(n, np.array([c], dtype=np.int32))
         for n, c in zip(names, counts, strict=True)
     ]
+    if num_choices > 1:
+        tensors.append(pb_utils.Tensor("index", np.array([chunk.index], dtype=np.int32)))
+    if num_top is not None:
+        top_ids, top_values = flatten_top_logprobs(chunk.top_logprobs, num_top)
+        logprobs = np.asarray(chunk.logprobs or [], dtype=np.float32)
+        tensors += [
+            pb_utils.Tensor("output_logprobs", logprobs),
+            pb_utils.Tensor("top_logprob_ids", top_ids),
+            pb_utils.Tensor("top_logprobs", top_values),
+        ]
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
@@ -139,11 +161,14 @@ class TritonPythonModel:
             raise ValueError("input_ids is required (or abort_request_id for a control request)")
         params = sampling_params({name: _input(request, name) for name in SAMPLING_INPUTS})
         stream = scalar(_input(request, "stream"), "stream", bool, default=True)
+        if params.n > 1 and not stream:
+            raise ValueError("n > 1 requires stream=true (each choice is its own response)")
         if self.requests.was_aborted(request.request_id()):  # its abort overtook it
             chunk = ResponseChunk([], [], "abort", int(input_ids.size), 0, 0, final=True)
             sender.send(_response(chunk), flags=FINAL)
             return
-        key = self.requests.add(request.request_id(), _Entry(sender, stream))
+        entry = _Entry(sender, stream, params.n, params.logprobs)
+        key = self.requests.add(request.request_id(), entry)
         try:
             prompt_ids = input_ids.reshape(-1).tolist()
             self.engine_thread.submit(key, prompt_ids, params, self.streamer.put)
@@ -169,26 +194,48 @@ class TritonPythonModel:
         except Exception:  # the stream may already be gone
             pass
 
+    def _finished(self, key, entry, output):
+        """Count a finished child; True when it was the request's last (the entry is removed)."""
+        # A whole-request output (n == 1, or an n > 1 request that failed before it was split
+        # into children) ends every choice at once.
+        entry.live = 0 if output.request_id == key else entry.live - 1
+        if entry.live > 0:
+            return False
+        self.requests.pop(key)
+        return True
+
     def _deliver(self, outputs):
         now = time.monotonic()
         for output in outputs:
-            key = output.request_id
-            entry = self.requests.pop(key) if output.finished else self.requests.get(key)
+            key, index, entry = self.requests.lookup(output.request_id)
             self.new_tokens += len(output.new_token_ids)
-            if entry is None or entry.cancelled:
+            if entry is None:
                 continue
-            chunk = entry.state.on_output(output)
+            final = output.finished and self._finished(key, entry, output)
+            if entry.cancelled:
+                continue
+            chunk = entry.states[index].on_output(output)
             if chunk is None:
                 continue
-            if not chunk.final and self._cancelled(entry, now):
+            if chunk.error is not None:
+                # One error response ends the whole Triton request; the other choices go too.
+                entry.cancelled = True
+                if not final:
+                    self.engine_thread.abort(key)
+                self._send(key, entry, _response(chunk), final=True)
+                continue
+            if not final and self._cancelled(entry, now):
                 self._cancel(key, entry)
                 continue
-            try:
-                entry.sender.send(_response(chunk), flags=FINAL if chunk.final else 0)
-            except Exception as exc:
-                self.logger.log_warn(f"generator: dropping request {key!r}: {exc}")
-                if not chunk.final:
-                    self._cancel(key, entry)
+            self._send(key, entry, _response(chunk, len(entry.states), entry.num_top), final)
+
+    def _send(self, key, entry, response, final):
+        try:
+            entry.sender.send(response, flags=FINAL if final else 0)
+        except Exception as exc:
+            self.logger.log_warn(f"generator: dropping request {key!r}: {exc}")
+            if not final and not entry.cancelled:
+                self._cancel(key, entry)
 
     def _tick(self):
         now = time.monotonic()

@@ -1,0 +1,47 @@
+"""Token logprobs in the two OpenAI formats.
+
+The backend (the ``llm`` ensemble's ``logprobs_json``) already sends the chat format: per token
+``{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}``. Chat
+responses wrap those entries as ``{"content": [...]}``; the legacy completions format is derived
+here (the same mapping vLLM's OpenAI server uses).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def chat_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """``choices[i].logprobs`` of a chat response or chunk (None when not asked for)."""
+    return None if entries is None else {"content": entries}
+
+
+def completion_logprobs(
+    entries: list[dict[str, Any]] | None, text_offset: int = 0
+) -> tuple[dict[str, Any] | None, int]:
+    """``choices[i].logprobs`` of a text completion or chunk, and the next token's offset.
+
+    Args:
+        entries: chat-format entries of consecutive tokens of one choice (None: not asked for).
+        text_offset: the offset of the first of them (characters of the token texts before).
+    Returns:
+        ``({"tokens", "token_logprobs", "top_logprobs", "text_offset"}, offset after the last
+        token)``; ``top_logprobs`` holds per token the alternatives plus the chosen token
+        (OpenAI: "up to logprobs + 1 elements"); tokens with the same text keep the first.
+    """
+    if entries is None:
+        return None, text_offset
+    tokens, values, tops, offsets = [], [], [], []
+    for entry in entries:
+        tokens.append(entry["token"])
+        values.append(entry["logprob"])
+        top: dict[str, float] = {}
+        for alternative in entry["top_logprobs"]:
+            top.setdefault(alternative["token"], alternative["logprob"])
+        top.setdefault(entry["token"], entry["logprob"])
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(entry["token"])
+    result = {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops}
+    result["text_offset"] = offsets
+    return result, text_offset
