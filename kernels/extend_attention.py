@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels import interpreting
+from kernels.paged_kv import load_kv_tile
 
 # See kernels/decode_attention.py: the interpreter cannot tl.dot bf16 operands.
 _UPCAST_DOT = interpreting()
@@ -89,30 +90,24 @@ def _extend_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < kv_end
-        page = tl.load(pt_row + pos // page_size, mask=n_mask, other=0).to(tl.int64)
-        off = pos % page_size
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr
-            + page[:, None] * stride_kp
-            + off[:, None] * stride_ks
-            + kv_head * stride_kh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        k, v = load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            pt_row,
+            pos,
+            n_mask,
+            d,
+            d_mask,
+            kv_head,
+            page_size,
+            stride_kp,
+            stride_ks,
+            stride_kh,
+            stride_vp,
+            stride_vs,
+            stride_vh,
+            UPCAST,
         )
-        v = tl.load(
-            v_cache_ptr
-            + page[:, None] * stride_vp
-            + off[:, None] * stride_vs
-            + kv_head * stride_vh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
         if FP32_DOT:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
