@@ -133,3 +133,35 @@ def test_n_children_reach_the_parent_callback(thread):
     sink.wait(["multi#0", "multi#1", "multi#2"])
     thread.submit("multi", [3, 4, 5], GREEDY, sink)  # the id is free again
     sink.wait(["multi"])
+
+
+def test_outputs_made_before_a_failed_step_are_not_lost():
+    """An abort queued before a step that raises (e.g. CUDA OOM) still reaches its caller."""
+    engine = LLMEngine(
+        EngineConfig(model=str(checkpoint("qwen3", True)), page_size=4, num_pages=64)
+    )
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=5))
+    engine.add_request("b", [4, 5, 6], SamplingParams(max_tokens=5))
+    engine.step()
+    engine.abort("a")
+
+    def fail(batch):
+        raise RuntimeError("out of memory")
+
+    engine.runner.run = fail
+    with pytest.raises(RuntimeError):
+        engine.step()
+    finals = {o.request_id: o.finish_reason for o in engine.abort_all("engine error")}
+    assert finals == {"a": "abort", "b": "error"}
+    assert not engine.has_unfinished()
+    stats = engine.stats()
+    assert stats.used_pages == stats.evictable_pages
+
+
+def test_child_ids_cannot_collide_with_a_live_request():
+    engine = LLMEngine(
+        EngineConfig(model=str(checkpoint("qwen3", True)), page_size=4, num_pages=64)
+    )
+    engine.add_request("x#0", [1, 2, 3], SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=5, n=2))

@@ -123,15 +123,17 @@ class LLMEngine:
         """Queue a request; it joins the running batch at a later step.
 
         Raises:
-            ValueError: see `check_request`; or `request_id` is already in use.
+            ValueError: see `check_request`; or `request_id` (or, for n > 1, one of its child
+                ids `"{request_id}#{i}"`) is already in use.
         """
         self.check_request(prompt_ids, params)
-        if request_id in self._requests or request_id in self._children:
+        ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        live = self._requests
+        if request_id in live or request_id in self._children or any(i in live for i in ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n == 1:
             self._enqueue(request_id, list(prompt_ids), params)
             return
-        ids = [f"{request_id}#{i}" for i in range(params.n)]
         self._children[request_id] = ids
         for i, child_id in enumerate(ids):
             seed = None if params.seed is None else params.seed + i
@@ -202,33 +204,38 @@ class LLMEngine:
         batch N (see `engine.overlap`): outputs arrive one step late, otherwise identical.
         """
         outputs, self._pending = self._pending, []
-        batch = self.scheduler.schedule()
-        launched = None
-        if batch is not None:
-            if batch.is_decode:
-                self._max_batch = max(self._max_batch, len(batch.reqs))
-            launched = self.runner.run(batch)
-            launched.commit()
-            self._num_steps += 1
-        previous, self._in_flight = self._in_flight, launched
-        if not self._overlap:
-            previous, self._in_flight = launched, None
-        if previous is not None:
-            outputs.extend(self._process(previous))
-        elif batch is None and self._requests and not outputs:
-            raise RuntimeError("scheduler stalled: requests pending but nothing runnable")
+        try:
+            batch = self.scheduler.schedule()
+            launched = None
+            if batch is not None:
+                if batch.is_decode:
+                    self._max_batch = max(self._max_batch, len(batch.reqs))
+                launched = self.runner.run(batch)
+                launched.commit()
+                self._num_steps += 1
+            previous, self._in_flight = self._in_flight, launched
+            if not self._overlap:
+                previous, self._in_flight = launched, None
+            if previous is not None:
+                self._process(previous, outputs)
+            elif batch is None and self._requests and not outputs:
+                raise RuntimeError("scheduler stalled: requests pending but nothing runnable")
+        except BaseException:
+            # Outputs made before the failure (aborts, finished requests) are no longer in
+            # `_requests`: keep them so `abort_all` still delivers them and no request is lost.
+            self._pending[:0] = outputs
+            self._in_flight = None
+            raise
         return outputs
 
-    def _process(self, step: LaunchedStep) -> list[RequestOutput]:
-        """Fill in the sampled tokens of a finished step; stop checks; outputs."""
+    def _process(self, step: LaunchedStep, outputs: list[RequestOutput]) -> None:
+        """Fill in the sampled tokens of a finished step; stop checks; append to `outputs`."""
         samples = step.result()
-        outputs = []
         for j, (req, pos) in enumerate(zip(step.sample_reqs, step.token_pos, strict=True)):
             if self._requests.get(req.request_id) is not req:
                 continue  # finished (overlap: its extra token is discarded) or aborted
             req.token_ids[pos] = samples.token_ids[j]
             outputs.append(self._append_token(req, step.batch, pos, j, samples))
-        return outputs
 
     def _append_token(
         self, req: Request, batch: ScheduledBatch, pos: int, j: int, samples
