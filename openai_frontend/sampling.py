@@ -106,7 +106,9 @@ def chat_inputs(
         {"role": "system" if m.role == "developer" else m.role, "content": _message_text(i, m)}
         for i, m in enumerate(req.messages)
     ]
-    max_tokens = req.max_completion_tokens or req.max_tokens
+    # Chat without a limit runs until EOS, a stop or the context limit (OpenAI semantics);
+    # the backend reads max_tokens 0 that way. (Legacy completions default to 16, as OpenAI.)
+    max_tokens = req.max_completion_tokens or req.max_tokens or 0
     inputs: dict[str, InputValue] = {"messages": json.dumps(messages, ensure_ascii=False)}
     inputs.update(sampling_inputs(req, specs, max_tokens, backend_stream))
     if req.logprobs:

@@ -177,3 +177,30 @@ def test_n_expands_into_child_requests():
     assert engine.abort("p")
     ids = {o.request_id for o in engine.step()}
     assert ids == {"p#0", "p#1"} and not engine.has_unfinished()
+
+
+def test_max_tokens_none_runs_to_the_context_limit():
+    """max_tokens=None (OpenAI chat without a limit) generates until max_model_len."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(checkpoint("qwen3", True)), page_size=4, num_pages=64, max_model_len=40
+        )
+    )
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    engine.check_request(prompt, params)
+    [ids] = engine.generate([prompt], params)
+    assert len(ids) == 40 - len(prompt)
+    with pytest.raises(ValueError, match="no room"):
+        engine.check_request(list(range(40)), params)
+
+
+def test_generator_input_max_tokens_zero_means_no_limit():
+    import numpy as np
+
+    from tritonllm.serving.inputs import sampling_params
+
+    assert sampling_params({"max_tokens": np.array([0], dtype=np.int32)}).max_tokens is None
+    assert sampling_params({}).max_tokens == 16
+    with pytest.raises(ValueError, match="max_tokens"):
+        sampling_params({"max_tokens": np.array([-1], dtype=np.int32)})

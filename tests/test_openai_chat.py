@@ -170,3 +170,21 @@ def test_eight_concurrent_streams_complete(sidecar):
             model=sidecar.model_name, messages=messages, max_tokens=20, temperature=0
         )
         assert text == alone.choices[0].message.content
+
+
+def test_chat_without_max_tokens_is_not_cut_at_a_default(client, sidecar, tokenizer):
+    """Omitted max_tokens runs until a stop condition (OpenAI), not to a small default."""
+    kwargs = dict(model=sidecar.model_name, messages=MESSAGES, temperature=0)
+    full = client.chat.completions.create(**kwargs, max_tokens=48).choices[0].message.content
+    ids = tokenizer.encode(full)
+    # The shortest stop string that first occurs after the ~30th token of the continuation.
+    start = len(tokenizer.decode(ids[:30]))
+    stop = next(
+        full[start : start + n]
+        for n in range(3, 40)
+        if full.index(full[start : start + n]) == start
+    )
+    response = client.chat.completions.create(**kwargs, stop=[stop])
+    assert response.choices[0].finish_reason == "stop"
+    assert response.choices[0].message.content == full[: full.index(stop)]
+    assert response.usage.completion_tokens > 16

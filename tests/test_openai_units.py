@@ -228,3 +228,12 @@ def test_unreachable_triton_is_503_and_unhealthy(offline_app):
     body = {"model": "tiny", "prompt": "hello"}
     _assert_openai_error(offline_app.post("/v1/completions", json=body), 503)
     assert offline_app.get("/health").status_code == 503
+
+
+def test_chat_without_max_tokens_asks_for_the_whole_context():
+    """OpenAI chat: an omitted limit means "until EOS or the context ends" (backend: 0);
+    legacy completions keep OpenAI's default of 16 (the backend default, so nothing is sent)."""
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    assert chat_inputs(chat, FULL_SPECS, backend_stream=True)["max_tokens"] == 0
+    completion = CompletionRequest(prompt="hi")
+    assert "max_tokens" not in completion_inputs(completion, FULL_SPECS, backend_stream=True)

@@ -18,7 +18,8 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     Attributes:
-        max_tokens: most new tokens (>= 1).
+        max_tokens: most new tokens (>= 1); None: until EOS, a stop condition or the context
+            limit (OpenAI chat's omitted max_tokens; the engine resolves it per request).
         temperature: >= 0; 0 means greedy (argmax).
         top_p: nucleus sampling, in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; -1 (or 0) disables it, else >= 1.
@@ -43,7 +44,7 @@ class SamplingParams:
         n: completions per prompt, 1..16; the engine runs them as requests `"{id}#{i}"`.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -80,7 +81,7 @@ class SamplingParams:
             ValueError: naming the parameter, its allowed range and the value given.
         """
         _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             "max_tokens",
             ">= 1",
             self.max_tokens,
@@ -103,7 +104,8 @@ class SamplingParams:
             self.seed is None or isinstance(self.seed, int), "seed", "an integer or None", self.seed
         )
         _check(
-            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            isinstance(self.min_tokens, int)
+            and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
             "min_tokens",
             f"in [0, max_tokens={self.max_tokens}]",
             self.min_tokens,

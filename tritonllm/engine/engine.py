@@ -98,6 +98,11 @@ class LLMEngine:
                 prompt + max_tokens over max_model_len, or more KV pages than the pool has.
         """
         params.validate()
+        self._max_tokens(prompt_ids, params)
+
+    def _max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """The request's output limit in tokens: `params.max_tokens`, or for None as many as fit
+        in max_model_len and in the whole KV pool. Raises ValueError as `check_request`."""
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("prompt must contain at least one token")
@@ -105,19 +110,30 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        # The last sampled token is never fed back, so its K/V never needs a slot: a sequence
+        # of `total` tokens needs ceil((total - 1) / page_size) pages.
+        pool_tokens = self.allocator.num_usable * self.config.page_size + 1
+        if params.max_tokens is None:
+            room = min(self.max_model_len, pool_tokens) - n
+            if room < 1:
+                raise ValueError(
+                    f"prompt ({n} tokens) leaves no room for output: max_model_len is "
+                    f"{self.max_model_len}, the KV cache holds {pool_tokens - 1} tokens"
+                )
+            return room
         total = n + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
-        # The last sampled token is never fed back, so its K/V never needs a slot.
         pages = math.ceil((total - 1) / self.config.page_size)
         if pages > self.allocator.num_usable:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {pages} KV pages "
                 f"of {self.config.page_size} tokens; the cache has {self.allocator.num_usable}"
             )
+        return params.max_tokens
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; it joins the running batch at a later step.
@@ -126,7 +142,9 @@ class LLMEngine:
             ValueError: see `check_request`; or `request_id` (or, for n > 1, one of its child
                 ids `"{request_id}#{i}"`) is already in use.
         """
-        self.check_request(prompt_ids, params)
+        params.validate()
+        # max_tokens=None becomes the room left in the context (and the KV pool) for this prompt.
+        params = dataclasses.replace(params, max_tokens=self._max_tokens(prompt_ids, params))
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         live = self._requests
         if request_id in live or request_id in self._children or any(i in live for i in ids):

@@ -72,4 +72,6 @@ def sampling_params(inputs: Mapping[str, np.ndarray | None]) -> SamplingParams:
             kwargs[name] = [_text(t) for t in np.asarray(array).reshape(-1)]
         else:
             kwargs[name] = scalar(array, name, kind)
+    if kwargs.get("max_tokens") == 0:  # 0: until EOS, a stop condition or the context limit
+        kwargs["max_tokens"] = None
     return SamplingParams(**kwargs).validate()
