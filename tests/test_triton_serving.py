@@ -163,7 +163,7 @@ def test_sampling_params_from_inputs_matches_the_dataclass():
     "inputs",
     [
         {"temperature": np.array([-1.0], np.float32)},
-        {"max_tokens": np.array([0], np.int32)},
+        {"max_tokens": np.array([-1], np.int32)},
         {"max_tokens": np.array([1, 2], np.int32)},
     ],
 )
