@@ -24,7 +24,9 @@ from .protocol import PromptTokensDetails, Usage
 from .triton_client import InputValue, LLMChunk, ResponseStream, TritonClient, TritonError
 
 _CONTEXT_HINTS = ("context", "too long", "max_model_len", "maximum model length", "exceeds")
-_PARAM_IN_MESSAGE = re.compile(r"generator: ([a-z_]+) must ")
+_PARAM_IN_MESSAGE = re.compile(r"^([a-z_]+) must ")
+# Triton prefixes a step's error with where it came from ("in ensemble 'llm', generator: ...").
+_TRITON_PREFIX = re.compile(r"^(in ensemble '[^']*', )?(tokenizer|generator|detokenizer): ")
 _SERVER_HINTS = ("stub process", "internal", "unknown model", "not ready", "unavailable")
 
 
@@ -35,7 +37,7 @@ def to_openai_error(exc: TritonError, prompt_param: str) -> OpenAIError:
     ``context_length_exceeded``; crashes → 500; any other model-raised error is taken as an
     invalid request (400), which is how the backend reports bad parameter values.
     """
-    message = exc.message
+    message = _TRITON_PREFIX.sub("", exc.message)
     lower = message.lower()
     if exc.unavailable:
         return OpenAIError(
@@ -45,7 +47,7 @@ def to_openai_error(exc: TritonError, prompt_param: str) -> OpenAIError:
         return OpenAIError(message, param=prompt_param, code="context_length_exceeded")
     if any(h in lower for h in _SERVER_HINTS):
         return OpenAIError(message, 500, "server_error")
-    # The engine names the parameter first: "generator: top_p must be in (0, 1], got 0".
+    # The engine names the parameter first: "top_p must be in (0, 1], got 0".
     named = _PARAM_IN_MESSAGE.search(message)
     return OpenAIError(message, param=named.group(1) if named else None, code="invalid_value")
 

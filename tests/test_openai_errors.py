@@ -145,3 +145,14 @@ def test_non_finite_sampling_values_are_refused(value):
 
     with pytest.raises(ValueError, match="repetition_penalty"):
         SamplingParams(repetition_penalty=value).validate()
+
+
+def test_backend_errors_read_like_openai_validation_errors(client, sidecar):
+    """Engine rejections carry no Triton routing prefix and name the parameter."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            **_chat(sidecar.model_name, stop=[str(i) for i in range(17)])
+        )
+    error = _error_body(info.value)
+    assert error["message"] == "stop must be at most 16 strings, got 17"
+    assert error["param"] == "stop"

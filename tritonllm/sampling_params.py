@@ -137,7 +137,7 @@ class SamplingParams:
             len(self.stop) <= MAX_STOP_STRINGS,
             "stop",
             f"at most {MAX_STOP_STRINGS} strings",
-            f"{len(self.stop)} strings",
+            len(self.stop),
         )
         _check(
             all(isinstance(t, str) and 0 < len(t) <= MAX_STOP_STRING_CHARS for t in self.stop),
