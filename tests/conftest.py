@@ -43,6 +43,23 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+@pytest.fixture(scope="session")
+def hf_logprobs(tiny_model_dir):
+    """``(prompt_ids, new_ids) -> [len(new_ids), vocab]`` float32 log_softmax of transformers'
+    logits (the oracle) at the positions that predicted ``new_ids``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def run(prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
+        logits = model(torch.tensor([prompt_ids + new_ids]), use_cache=False).logits[0].float()
+        return torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
+
+    return run
+
+
 # Engine settings for the served test model: small pages so prompts span several of them, and a
 # KV pool small enough that the cache accounting is observable.
 SERVER_ENV = {

@@ -24,22 +24,6 @@ def client(sidecar):
     return openai.OpenAI(base_url=sidecar.base_url, api_key="unused", max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def hf_logprobs(tiny_model_dir):
-    """``(prompt_ids, new_ids) -> [len(new_ids), vocab]`` float32 log_softmax of transformers'
-    logits at the positions that predicted ``new_ids``."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-    @torch.no_grad()
-    def run(prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
-        logits = model(torch.tensor([prompt_ids + new_ids]), use_cache=False).logits[0].float()
-        return torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
-
-    return run
-
-
 def _token_id(tokenizer, token_bytes: list[int]) -> int:
     """The id whose bytes are ``token_bytes`` (the tokenizer's own byte-level vocabulary)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
