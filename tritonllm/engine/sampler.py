@@ -15,6 +15,15 @@ sampling from a categorical, as used by vLLM/SGLang). Seeded requests draw `E` f
 non-blocking copies and the result stays on the device (`DeviceSamples`), so the model runner can
 copy it back asynchronously. Greedy, temperature, top-k/top-p/min-p are one vectorised pass over
 the batch; only penalties and seeded generators loop over their (few) rows.
+
+Fast path (CUDA with the fused kernels on, `tritonllm.layers.fused`): a batch where every row is
+greedy or plain temperature sampling (no top-k/top-p/min-p, no logprobs, no per-request seed)
+skips all of the above after the penalties and runs `kernels.sampling.gumbel_argmax`: one pass
+over the logits, `argmax(logits / T + Gumbel noise)` (greedy rows: plain argmax), a sample of the
+same distribution. Its noise comes from Philox keyed by the sampler's seed, with counter
+`step << 32 | row * vocab + column`, `step` counting the sampler's fast-path calls from 1: every
+call draws fresh numbers, and the same seed and sequence of batches draw the same ones. The CPU
+path never takes it.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from tritonllm.engine.request import Request
+from tritonllm.layers.fused import use_fused
+from tritonllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -95,6 +106,8 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.seed = seed
+        self.fast_steps = 0  # fast-path calls so far: the high word of their Philox counters
 
     def make_generator(self, seed: int) -> torch.Generator:
         """A per-request generator on the sampling device."""
@@ -134,6 +147,8 @@ class Sampler:
             ids_to_device = lambda ids: to_device(ids, torch.int64, device)  # noqa: E731
         params = [r.params for r in reqs]
         self._apply_penalties(logits, reqs, ids_to_device)
+        if use_fused(logits) and _is_plain(logits, reqs):
+            return self._gumbel_sample(logits, params)
         if any(p.temperature > 0 and p.temperature != 1.0 for p in params):
             temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
             logits.div_(to_device(temps, torch.float32, device)[:, None])
@@ -162,6 +177,22 @@ class Sampler:
             k = max(max(k for k in num_top if k is not None), 1)
             top_vals, top_ids = logprobs.topk(k, dim=-1)
         return DeviceSamples(tokens, lp, top_ids, top_vals, num_top)
+
+    def _gumbel_sample(self, logits: torch.Tensor, params: list[SamplingParams]) -> DeviceSamples:
+        """The fast path: one `gumbel_argmax` over `[B, vocab]` float32 logits (see the module
+        docstring); greedy rows get inverse temperature 0 (exact argmax)."""
+        from kernels.sampling import gumbel_argmax
+
+        inv_temps = [0.0 if p.is_greedy else 1.0 / p.temperature for p in params]
+        inv: float | torch.Tensor
+        if len(set(inv_temps)) == 1:
+            inv = inv_temps[0]  # one shared temperature (the usual batch): a kernel argument
+        else:
+            inv = to_device(inv_temps, torch.float32, logits.device)
+        self.fast_steps += 1
+        # offset >= 2^32 always: Triton then types it int64 on every call (one compiled variant)
+        tokens = gumbel_argmax(logits, inv, self.seed, self.fast_steps << 32)
+        return DeviceSamples(tokens, None, None, None, [None] * len(params))
 
     def _noise(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """`Exp(1)` noise `[N, vocab]`: rows of seeded requests from their own generator (one
@@ -203,6 +234,26 @@ class Sampler:
             if req.num_output_tokens < p.min_tokens and req.stop_ids:
                 stop = [t for t in sorted(req.stop_ids) if t < vocab]
                 logits[i, to_device(stop, torch.int64, device)] = float("-inf")
+
+
+def _is_plain(logits: torch.Tensor, reqs: list[Request]) -> bool:
+    """Whether every row is greedy or plain temperature sampling, what `_gumbel_sample` covers
+    (float32 logits with a contiguous last dim; a call's Philox counters, row * vocab + column,
+    must fit in the low 32 bits)."""
+    batch, vocab = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(1) != 1 or batch * vocab > 1 << 32:
+        return False
+    for req in reqs:
+        p = req.params
+        if (
+            p.top_k_enabled
+            or p.top_p < 1.0
+            or p.min_p > 0
+            or p.logprobs is not None
+            or req.generator is not None
+        ):
+            return False
+    return True
 
 
 def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""When the layers use the Triton kernels in `kernels/` (RMSNorm, rotary, SiLU-mul).
+"""When the layers use the Triton kernels in `kernels/` (RMSNorm, rotary, SiLU-mul, and the
+sampler's fused Gumbel-max kernel `kernels/sampling.py`).
 
 On CUDA each of these is one kernel instead of the 5-20 small kernels of the eager PyTorch
 code, which matters most in CUDA-graph decode at small batch sizes, where launches, not bytes,
 bound the step. The PyTorch code stays the path on CPU (and the reference the kernels are tested
-against). `TRITONLLM_FUSED_LAYERS=0` turns the kernels off (for debugging).
+against). `TRITONLLM_FUSED_LAYERS=0` turns all of them off, the sampler's too (for debugging).
 """
 
 from __future__ import annotations
