@@ -1,10 +1,15 @@
-"""Triton kernel: RMSNorm over the last dim of a `[T, H, D]` (or `[T, D]`) strided view.
+"""Triton kernels: RMSNorm over the last dim, and residual add fused with RMSNorm.
 
 Same numerics as `tritonllm.layers.norm.RMSNorm` (Hugging Face's order): the statistic in
 float32, the normalised row rounded to the input dtype, then multiplied by the weight and
-rounded again. One program normalises one row; rows of a `[T, H, D]` view (e.g. the q or k heads
-split out of a fused qkv projection) are addressed through their two strides, so no copy is
-needed first. RMSNorm: Zhang & Sennrich, 2019.
+rounded again. RMSNorm: Zhang & Sennrich, 2019.
+
+- `rmsnorm`: one program normalises one row; rows of a `[T, H, D]` view (e.g. the q or k heads
+  split out of a fused qkv projection) are addressed through their two strides, so no copy is
+  needed first.
+- `fused_add_rmsnorm`: the pre-norm residual stream of a decoder layer (the fused form vLLM and
+  SGLang use): `residual = x + residual` rounded to the dtype, then `rmsnorm(residual)`, one
+  kernel instead of an add kernel plus a norm kernel.
 
 Reference: `tritonllm.layers.norm.RMSNorm` on CPU.
 """
@@ -14,6 +19,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _normalize_and_weight(x, inv_rms, w, dtype: tl.constexpr):
+    """float32 `x * inv_rms` rounded to `dtype`, times `w` in float32, rounded again."""
+    normed = (x * inv_rms).to(dtype).to(tl.float32)
+    return (w.to(tl.float32) * normed).to(dtype)
 
 
 @triton.jit
@@ -34,11 +46,43 @@ def _rmsnorm_kernel(
     d = tl.arange(0, BLOCK_D)
     mask = d < dim
     x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
-    var = tl.sum(x * x, axis=0) / dim
-    normed = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
     w = tl.load(w_ptr + d, mask=mask, other=0.0)
-    out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    out = _normalize_and_weight(x, inv_rms, w, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row.to(tl.int64) * dim + d, out, mask=mask)
+
+
+@triton.jit
+def _fused_add_rmsnorm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_xt,
+    stride_rt,
+    dim,
+    eps,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < dim
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_xt + d, mask=mask, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + row * stride_rt + d, mask=mask, other=0.0).to(tl.float32)
+    # Eager `x + residual`: one float32 add, one rounding; the norm reads the rounded sum.
+    total = (x + res).to(dtype)
+    tl.store(res_out_ptr + row * dim + d, total, mask=mask)
+    total = total.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(total * total, axis=0) / dim + eps)
+    w = tl.load(w_ptr + d, mask=mask, other=0.0)
+    tl.store(out_ptr + row * dim + d, _normalize_and_weight(total, inv_rms, w, dtype), mask=mask)
+
+
+def _num_warps(block_d: int) -> int:
+    # 8 elements (16 bytes of bf16) per thread at D = 1024 and up to 4096.
+    return max(1, min(8, block_d // 256))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,6 +119,65 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         dim,
         eps,
         BLOCK_D=block_d,
-        num_warps=max(1, min(8, block_d // 256)),
+        num_warps=_num_warps(block_d),
     )
     return out
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`new_residual = x + residual`; `normed = rmsnorm(new_residual)`, in one kernel.
+
+    Rounds exactly like eager PyTorch `r = x + residual` (float32 add, one rounding to the dtype)
+    followed by `tritonllm.layers.norm.RMSNorm(r)`. Both outputs are new tensors: neither input
+    is written, so a caller (or a CUDA graph replaying the forward) may still read them. One
+    program per row: a row of 1024 bf16 is 8 elements per thread at 4 warps, and at decode batch
+    sizes one row per program spreads the few rows over the most SMs.
+
+    Args:
+        x: `[T, D]` bf16/fp16/fp32 (e.g. an attention or MLP output), last dim contiguous.
+        residual: `[T, D]`, same dtype, last dim contiguous (the residual stream so far).
+        weight: `[D]`, same dtype.
+        eps: added to the mean square.
+
+    Returns:
+        `(normed, new_residual)`, both new contiguous `[T, D]` tensors in x's dtype.
+
+    Raises:
+        ValueError: shapes, dtypes or strides that do not fit.
+    """
+    if (
+        x.dim() != 2
+        or residual.shape != x.shape
+        or weight.shape != (x.shape[-1],)
+        or residual.dtype != x.dtype
+        or weight.dtype != x.dtype
+        or x.stride(-1) != 1
+        or residual.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"fused_add_rmsnorm: x {tuple(x.shape)} {x.dtype} stride {x.stride()}, residual "
+            f"{tuple(residual.shape)} {residual.dtype} stride {residual.stride()}, "
+            f"w {tuple(weight.shape)} {weight.dtype}"
+        )
+    num_tokens, dim = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out, new_residual
+    block_d = triton.next_power_of_2(dim)
+    _fused_add_rmsnorm_kernel[(num_tokens,)](
+        x,
+        residual,
+        weight,
+        out,
+        new_residual,
+        x.stride(0),
+        residual.stride(0),
+        dim,
+        eps,
+        BLOCK_D=block_d,
+        num_warps=_num_warps(block_d),
+    )
+    return out, new_residual

@@ -15,6 +15,7 @@ from torch import nn
 
 from tritonllm.config import RopeScaling
 from tritonllm.layers.fused import use_fused
+from tritonllm.layers.norm import RMSNorm
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -66,18 +67,57 @@ class RotaryEmbedding(nn.Module):
         self.sin_cache = freqs.sin().to(device)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions `[T]` int64; q `[T, Hq, D]`, k `[T, Hkv, D]` → rotated q, k (same dtype).
 
-        On CUDA one Triton kernel (`kernels.rotary`) rotates q and k together."""
-        if use_fused(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        With `q_norm`/`k_norm` (Qwen3's per-head norms, both or neither) q and k are normalised
+        first: `q_norm(q)`, `k_norm(k)`, then rotated. On CUDA one Triton kernel
+        (`kernels.rotary`) normalises and rotates q and k together, with the same rounding.
+        """
+        if _fits_kernel(q, k) and _fits_norm_kernel(q, q_norm, k_norm):
+            from kernels.rotary import rotary
+
+            return rotary(
+                positions,
+                q,
+                k,
+                self.cos_cache,
+                self.sin_cache,
+                q_norm.weight,
+                k_norm.weight,
+                q_norm.eps,
+            )
+        if q_norm is not None:
+            q = q_norm(q)
+        if k_norm is not None:
+            k = k_norm(k)
+        if _fits_kernel(q, k):
             from kernels.rotary import rotary
 
             return rotary(positions, q, k, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2] float32
         sin = self.sin_cache[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _fits_kernel(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return use_fused(q) and q.stride(-1) == 1 and k.stride(-1) == 1
+
+
+def _fits_norm_kernel(q: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool:
+    # The fused kernel takes one eps and weights in q's dtype; anything else runs unfused.
+    return (
+        q_norm is not None
+        and k_norm is not None
+        and q_norm.eps == k_norm.eps
+        and q_norm.weight.dtype == k_norm.weight.dtype == q.dtype
+    )
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from torch import nn
 
 from tritonllm.attention.base import AttentionBackend, AttentionMetadata
 from tritonllm.config import ModelConfig
-from tritonllm.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from tritonllm.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLUMLP
 
 
 class BackendRef:
@@ -38,10 +38,10 @@ class Attention(nn.Module):
         )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -57,15 +57,18 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rotary[0](positions, q, k)
+        # Qwen3's q/k norms run inside the rotary layer: one kernel for both on CUDA.
+        q, k = self._rotary[0](positions, q, k, self.q_norm, self.k_norm)
         out = self._backend_ref.backend.forward(q, k, v.contiguous(), self.layer_id)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: `h += attn(norm(h)); h += mlp(norm(h))`."""
+    """Pre-norm block: `h += attn(norm(h)); h += mlp(norm(h))`, as a residual stream.
+
+    The layer returns its MLP output and the residual separately and the next norm adds them
+    (vLLM/SGLang's form), so each residual add shares a kernel with the norm after it.
+    """
 
     def __init__(
         self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, backend_ref: BackendRef
@@ -76,9 +79,28 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer over the residual stream.
+
+        Args:
+            positions: `[T]` int64.
+            hidden: `[T, hidden_size]`, the previous layer's MLP output (the embeddings in
+                layer 0).
+            residual: `[T, hidden_size]`, the stream before `hidden` is added; None in layer 0.
+
+        Returns:
+            `(mlp_out, residual)`: the layer's output hidden state is `mlp_out + residual`,
+            left for the next norm to add (both `[T, hidden_size]`, the model dtype).
+        """
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -111,7 +133,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(
             cfg, max_positions or cfg.max_position_embeddings, self.backend_ref
         )
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -136,8 +158,12 @@ class CausalLM(nn.Module):
         Returns:
             `[B, vocab_size]` float32 logits.
         """
-        hidden = self.model.embed_tokens(input_ids)
+        hidden, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            hidden = layer(positions, hidden)
-        hidden = self.model.norm(hidden[logits_indices])
+            hidden, residual = layer(positions, hidden, residual)
+        # The last residual add and the final norm, for the rows whose logits are wanted only.
+        if residual is None:
+            hidden = self.model.norm(hidden[logits_indices])
+        else:
+            hidden, _ = self.model.norm(hidden[logits_indices], residual[logits_indices])
         return self.lm_head(hidden).float()
