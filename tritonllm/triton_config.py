@@ -28,6 +28,8 @@ is a field of ``EngineConfig``; each can be set by the environment variable
 ``TRITONLLM_MAX_RESPONSES_PER_S``      generator: response budget shared by all streaming
                                        requests; under load several tokens go per response
                                        (``serving/pacer.py``); 0 disables pacing (2000)
+``TRITONLLM_LINEAR``                   env only: GEMMs of <= 256 rows on CUDA: ``cublas``
+                                       (default), ``auto``, ``triton`` (``layers/linear.py``)
 =====================================  ===================================================
 
 Any other ``EngineConfig`` field is read the same way (``TRITONLLM_`` + its upper-case name).
