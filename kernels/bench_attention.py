@@ -64,29 +64,35 @@ def bench_case(batch: int, ctx: int, copy_bw: float, flashinfer) -> str:
     )
     if flashinfer is None:
         return line
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        torch.zeros(128 << 20, dtype=torch.uint8, device=dev), "NHD"
-    )
     indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
     last = torch.full((batch,), (ctx - 1) % PAGE + 1, dtype=torch.int32)
-    wrapper.plan(
-        indptr,
-        table.flatten(),
-        last,
-        HQ,
-        HKV,
-        HEAD_DIM,
-        PAGE,
-        q_data_type=torch.bfloat16,
-        kv_data_type=torch.bfloat16,
-    )
+    for tensor_cores in (False, True):
+        # use_tensor_cores=True runs FlashInfer's prefill (tensor-core) kernels for decode.
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(128 << 20, dtype=torch.uint8, device=dev),
+            "NHD",
+            use_tensor_cores=tensor_cores,
+        )
+        wrapper.plan(
+            indptr,
+            table.flatten(),
+            last,
+            HQ,
+            HKV,
+            HEAD_DIM,
+            PAGE,
+            q_data_type=torch.bfloat16,
+            kv_data_type=torch.bfloat16,
+        )
 
-    def flashinfer_decode():
-        return wrapper.run(q, (k_cache, v_cache))
+        def flashinfer_decode(wrapper=wrapper):
+            return wrapper.run(q, (k_cache, v_cache))
 
-    torch.testing.assert_close(flashinfer_decode(), out, atol=2e-2, rtol=2e-2)
-    t = _time(flashinfer_decode)
-    return line + f"  flashinfer {kv_bytes / t / 1e12:5.2f} TB/s ({kv_bytes / t / copy_bw:4.0%})"
+        torch.testing.assert_close(flashinfer_decode(), out, atol=2e-2, rtol=2e-2)
+        t = _time(flashinfer_decode)
+        name = "flashinfer-tc" if tensor_cores else "flashinfer"
+        line += f"  {name} {kv_bytes / t / 1e12:5.2f} TB/s ({kv_bytes / t / copy_bw:4.0%})"
+    return line
 
 
 def main() -> None:
@@ -96,7 +102,8 @@ def main() -> None:
         import flashinfer
     except ImportError:
         flashinfer = None
-    for batch, ctx in [(1, 4096), (1, 32768), (32, 1024), (64, 4096), (256, 1024), (256, 4096)]:
+    cases = [(1, 512), (1, 4096), (32, 1024), (64, 640), (128, 640), (256, 640), (256, 4096)]
+    for batch, ctx in cases:
         print(bench_case(batch, ctx, copy_bw, flashinfer), flush=True)
 
 

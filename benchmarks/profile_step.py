@@ -1,0 +1,287 @@
+"""Where one decode step's time goes: host (Python) hot spots and device kernels.
+
+`python -m benchmarks.profile_step [--model DIR] [--batch-sizes 1,256] [--prompt-len 512]
+[--steps 40] [--mode graph+overlap] [--out DIR]`
+
+For each batch size the engine is set up as in `benchmarks.decode_step` (prefill, 4 warm-up
+decode steps), then `--steps` decode steps run twice: once under `cProfile` (host time per
+Python function, sorted by own time) and once under `torch.profiler` with CUDA activity
+(device time per kernel, and the device-busy time per step against the step's wall time; a
+step whose wall time is well above its device time is host-bound). Prints a short summary;
+full tables go to `--out`/profile_detail.txt. This is a diagnostic, not a
+benchmark: it writes nothing to BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import gc
+import io
+import pstats
+import random
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+
+from benchmarks import common
+from benchmarks.decode_step import MODES
+from benchmarks.offline import engine_config
+from tritonllm.engine.engine import LLMEngine
+from tritonllm.sampling_params import SamplingParams
+
+
+def _engine(
+    model: str,
+    device: str,
+    backend: str,
+    bs: int,
+    mode: str,
+    prompt_len: int,
+    steps: int,
+    temperature: float,
+) -> LLMEngine:
+    graph, overlap = MODES[mode]
+    extra = {"cuda_graph": str(graph), "overlap_schedule": str(overlap)}
+    engine = LLMEngine(engine_config(model, device, backend, max(bs, 1), engine_args=extra))
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=3 * steps + 16, temperature=temperature, ignore_eos=True)
+    for i in range(bs):
+        engine.add_request(f"r{i}", [rng.randint(0, 10000) for _ in range(prompt_len)], params)
+    sched = engine.scheduler
+    while sched.waiting or any(not r.is_decoding for r in sched.running):
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    common.synchronize(device)
+    return engine
+
+
+def profile_batch(args, model: str, bs: int, out_dir: Path) -> str:
+    """Profile `args.steps` decode steps at batch size `bs`; returns a one-paragraph summary."""
+    engine = _engine(
+        model,
+        args.device,
+        args.attention_backend,
+        bs,
+        args.mode,
+        args.prompt_len,
+        args.steps,
+        args.temperature,
+    )
+    report = io.StringIO()
+    # Plain wall time first.
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    common.synchronize(args.device)
+    wall = (time.perf_counter() - t0) / args.steps
+    # Host hot spots.
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.steps):
+        engine.step()
+    common.synchronize(args.device)
+    prof.disable()
+    stats = pstats.Stats(prof, stream=report)
+    report.write(f"== batch {bs}: cProfile, {args.steps} steps, sorted by own time ==\n")
+    stats.sort_stats("tottime").print_stats(40)
+    report.write(f"== batch {bs}: cProfile sorted by cumulative time ==\n")
+    stats.sort_stats("cumulative").print_stats(40)
+    # Device kernels.
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if args.device.startswith("cuda"):
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as tp:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        common.synchronize(args.device)
+        prof_wall = (time.perf_counter() - t0) / args.steps
+    events = tp.key_averages()
+    # Kernel and memcpy rows only: an aten op's row repeats the time of the kernels it launched.
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    device_us = sum(e.self_device_time_total for e in kernels) / args.steps
+    report.write(f"== batch {bs}: torch.profiler, sorted by device time ==\n")
+    report.write(events.table(sort_by="self_device_time_total", row_limit=45))
+    report.write(f"\n== batch {bs}: torch.profiler, sorted by host time ==\n")
+    report.write(events.table(sort_by="self_cpu_time_total", row_limit=30))
+    with open(out_dir / "profile_detail.txt", "a") as f:
+        f.write(report.getvalue())
+    summary = (
+        f"bs={bs} {args.mode}: wall {wall * 1e3:.3f} ms/step; device busy {device_us / 1e3:.3f} "
+        f"ms/step (sum of kernel times; under the profiler the step took "
+        f"{prof_wall * 1e3:.3f} ms)"
+    )
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    lines = [summary]
+    for e in top:
+        lines.append(
+            f"   {e.self_device_time_total / args.steps:9.1f} us/step  x{e.count / args.steps:5.1f}"
+            f"  {e.key[:90]}"
+        )
+    del engine
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return "\n".join(lines)
+
+
+def _offline_pass(args, model: str, out_dir: Path, profiled: bool) -> list[str]:
+    """One run of the offline workload with per-step timers (and cProfile if `profiled`)."""
+    from benchmarks.offline import make_engine, run_engine, warm_up
+    from tritonllm.engine import overlap
+
+    engine = make_engine(engine_config(model, args.device, args.attention_backend, 256))
+    warm_up(engine, args.device)
+    steps: list[list] = []  # [launched a decode batch?, its size, wall s, GPU-wait s]
+    wait = [0.0]
+    original_result = overlap.LaunchedStep.result
+    original_step, original_run = engine.step, engine.runner.run
+    launched: list = []  # the batches launched by the current step
+
+    def recorded_run(batch):
+        launched.append(batch)
+        return original_run(batch)
+
+    def timed_result(self):
+        t = time.perf_counter()
+        try:
+            return original_result(self)
+        finally:
+            wait[0] += time.perf_counter() - t
+
+    window = {"prof": None, "steps": 0, "t0": 0.0, "lens": []}
+
+    def profile_window(num_decode: int) -> None:
+        # Kernel times over decode steps [start, start + 20) of the real workload.
+        start = args.window_start
+        if profiled:
+            return
+        if num_decode == start:
+            common.synchronize(args.device)
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if args.device.startswith("cuda"):
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            window["prof"] = torch.profiler.profile(activities=acts)
+            window["prof"].start()
+            window["t0"] = time.perf_counter()
+            window["lens"] = [r.num_computed for r in engine.scheduler.running]
+        elif num_decode == start + 20 and window["prof"] is not None:
+            common.synchronize(args.device)
+            window["wall"] = (time.perf_counter() - window["t0"]) / 20
+            window["prof"].stop()
+
+    def timed_step():
+        profile_window(sum(1 for s in steps if s[0] is True))
+        t, w = time.perf_counter(), wait[0]
+        launched.clear()
+        outs = original_step()
+        kind = launched[0].is_decode if launched else None
+        size = len(launched[0].reqs) if launched else 0
+        steps.append([kind, size, time.perf_counter() - t, wait[0] - w])
+        return outs
+
+    overlap.LaunchedStep.result = timed_result
+    engine.step = timed_step
+    engine.runner.run = recorded_run
+    prof = cProfile.Profile() if profiled else None
+    try:
+        if prof:
+            prof.enable()
+        res = run_engine(engine, common.random_workload(), args.device, args.temperature)
+        if prof:
+            prof.disable()
+    finally:
+        overlap.LaunchedStep.result = original_result
+        del engine.step, engine.runner.run  # drop the closures (they hold the engine)
+    tag = "under cProfile" if profiled else "plain"
+    lines = [f"offline ({tag}): {res.seconds:.2f} s, {res.output_tokens_per_s:,.0f} tok/s"]
+    if prof:
+        report = io.StringIO()
+        pstats.Stats(prof, stream=report).sort_stats("tottime").print_stats(45)
+        with open(out_dir / "profile_detail.txt", "a") as f:
+            f.write("== offline workload: cProfile sorted by own time ==\n")
+            f.write(report.getvalue())
+        return lines
+    if window["prof"] is not None and "wall" in window:
+        kernels = [e for e in window["prof"].key_averages() if e.device_type == DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in kernels) / 20
+        lens = window["lens"]
+        lines.append(
+            f"  decode steps {args.window_start}-{args.window_start + 19} under torch.profiler: "
+            f"batch {len(lens)}, context min/mean/max {min(lens)}/{sum(lens) // len(lens)}/"
+            f"{max(lens)} tokens; wall {window['wall'] * 1e3:.3f} ms/step, kernels "
+            f"{busy / 1e3:.3f} ms/step"
+        )
+        for e in sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:8]:
+            lines.append(
+                f"     {e.self_device_time_total / 20:9.1f} us/step  x{e.count / 20:5.1f}"
+                f"  {e.key[:80]}"
+            )
+    prefill = [s for s in steps if s[0] is False]
+    decode = [s for s in steps if s[0] is True]
+    lines.append(
+        f"  prefill-launching steps: {len(prefill)}, {sum(s[2] for s in prefill):.2f} s; "
+        f"decode-launching steps: {len(decode)}, {sum(s[2] for s in decode):.2f} s "
+        f"(GPU wait {sum(s[3] for s in decode):.2f} s)"
+    )
+    for lo in range(0, 256, 32):
+        bucket = [s for s in decode if lo < s[1] <= lo + 32]
+        if bucket:
+            n = len(bucket)
+            lines.append(
+                f"  decode bs {lo + 1:3d}-{lo + 32:3d}: {n:4d} steps, wall "
+                f"{sum(s[2] for s in bucket) / n * 1e3:6.3f} ms/step, GPU wait "
+                f"{sum(s[3] for s in bucket) / n * 1e3:6.3f} ms/step"
+            )
+    return lines
+
+
+def profile_offline(args, model: str, out_dir: Path) -> str:
+    """The offline workload (BENCHMARKS.md) once with cheap per-step timers and kernel times
+    over 20 decode steps from `--window-start`, then (`--offline-cprofile`) once under cProfile
+    (host hot spots to `profile_detail.txt`). The summary gives the time in prefill vs
+    decode steps and, per decode batch-size bucket, the mean step wall time and the part of it
+    spent waiting for the GPU (in `LaunchedStep.result`): a step that hardly waits is
+    host-bound."""
+    lines = _offline_pass(args, model, out_dir, profiled=False)
+    if args.offline_cprofile:
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        lines += _offline_pass(args, model, out_dir, profiled=True)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = common.argument_parser(__doc__.splitlines()[0], "extra EngineConfig field")
+    p.add_argument("--batch-sizes", default="1,256")
+    p.add_argument("--mode", default="graph+overlap", choices=sorted(MODES))
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--out", default="/tmp/tritonllm-profile")
+    p.add_argument("--offline", action="store_true", help="also profile the offline workload")
+    p.add_argument(
+        "--offline-cprofile",
+        action="store_true",
+        help="offline: a second run under cProfile (about 10x slower)",
+    )
+    p.add_argument(
+        "--window-start", type=int, default=450, help="offline: first profiled decode step"
+    )
+    args = p.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "profile_detail.txt").write_text("")
+    model = str(common.ensure_model(args.model))
+    summaries = [
+        profile_batch(args, model, int(b), out_dir) for b in args.batch_sizes.split(",") if b
+    ]
+    if args.offline:
+        summaries.append(profile_offline(args, model, out_dir))
+    print("\n".join(summaries))
+
+
+if __name__ == "__main__":
+    main()
