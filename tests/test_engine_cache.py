@@ -21,6 +21,35 @@ def make_engine(**kwargs) -> LLMEngine:
 
 
 # ---- allocator and radix tree --------------------------------------------------------------
+def test_a_full_cache_is_evicted_in_slices_not_one_tree_walk_per_page():
+    """With every page held by the radix cache, allocating the pool again page by page walks
+    the tree about 64 times (1/64 of the pool per eviction), not once per page: each walk costs
+    O(cached pages), so per-page walks made a full cache quadratic (seen on the H200 profile)."""
+    from tritonllm.engine.request import Request
+    from tritonllm.engine.scheduler import Scheduler
+
+    alloc = PageAllocator(1 + 640)
+    tree = RadixCache(alloc, page_size=1)
+    for i in range(640):  # 640 one-page prompts, unlocked: all evictable
+        tree.insert([10_000 + i], alloc.alloc(1))
+    assert alloc.num_free == 0 and tree.num_evictable_pages == 640
+    sched = Scheduler(alloc, tree, page_size=1, max_running_requests=8, max_prefill_tokens=64)
+    walks = 0
+    evict = tree.evict
+
+    def counted(n):
+        nonlocal walks
+        walks += 1
+        return evict(n)
+
+    tree.evict = counted
+    req = Request("r", [1], GREEDY, arrival=0, stop_ids=frozenset())
+    for n in range(1, 641):
+        assert sched._grow(req, n, reserve=0)
+    assert len(req.pages) == 640 and len(set(req.pages)) == 640
+    assert walks <= 640 // sched.evict_batch + 1 and sched.evict_batch == 10
+
+
 def test_allocator_never_hands_out_page_zero_and_refuses_overdraw():
     alloc = PageAllocator(5)
     assert alloc.num_usable == 4 and alloc.alloc(5) is None and alloc.num_free == 4

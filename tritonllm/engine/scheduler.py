@@ -69,6 +69,10 @@ class Scheduler:
         self.running: list[Request] = []
         self._last_was_prefill = False
         self.num_preemptions = 0
+        # Eviction walks the whole radix tree (O(cached pages)): when the pool is full, free a
+        # slice of it per walk (1/64) rather than one page per allocation, so a full cache
+        # costs one walk per ~1/64 of the pool instead of one per new page.
+        self.evict_batch = max(1, allocator.num_usable // 64)
 
     # ---- queue management -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -183,7 +187,7 @@ class Scheduler:
             return None
         short = n - self.allocator.num_free
         if short > 0 and self.radix is not None:
-            self.radix.evict(short)
+            self.radix.evict(max(short, self.evict_batch))
         return self.allocator.alloc(n)
 
     def _grow(self, req: Request, num_tokens: int, reserve: int) -> bool:
