@@ -1,19 +1,37 @@
 """Compile every kernel ahead of time for NVIDIA targets, on any machine (no GPU needed).
 
-`python -m kernels.compile_check [--quick]` lowers each kernel, in the configurations the wrappers launch,
-through Triton's full pipeline (TTIR → TTGIR → LLVM → PTX → cubin with the bundled ptxas) for
-sm_80 and sm_90, and fails if a kernel does not compile, spills registers or needs more shared
-memory than the target has (all 104 configurations: about a minute of CPU; `--quick`: sm_90,
-head_dim 128, bf16/fp32, GQA groups 2 and 3, a few seconds). The CPU tests run it in a subprocess: Triton must not be in
-interpreter mode for this, and a process cannot have both.
+`python -m kernels.compile_check [--quick] [--aligned]` lowers each kernel, in the configurations
+the wrappers launch, through Triton's full pipeline (TTIR → TTGIR → LLVM → PTX → cubin with the
+bundled ptxas) for sm_80 and sm_90, and fails if a kernel does not compile, spills registers or
+needs more shared memory than the target has.
+
+All 148 configurations × 2 targets = 296 compilations (about 2 minutes of CPU): the
+attention kernels (52), the layer kernels incl. fused add + RMSNorm and q/k-norm + RoPE (27),
+the sampler's Gumbel-max kernels (5), and the skinny GEMM (`kernels/linear.py`: the 15 distinct
+tiles `candidate_configs` yields for Qwen3-0.6B's projections at M = 1..256 × bf16/fp16 × bias
+or not, plus 4 split-K reduces). `--quick` (what the CPU tests run, a few seconds): sm_90 only,
+27 configurations: attention at head_dim 128, bf16/fp32, GQA groups 2 and 3; the older layer
+kernels in bf16/fp32; one bf16 configuration of each kernel added since (fused add + RMSNorm,
+q/k-norm + RoPE, Gumbel chunk + chunk argmax, skinny GEMM + split-K reduce). The CPU tests run
+it in a subprocess: Triton must not be in interpreter mode for this, and a process cannot have
+both.
+
+By default the arguments carry no alignment hints, so Triton compiles its generic variant, whose
+loads it can neither vectorize nor software-pipeline (no cp.async, one stage of shared memory).
+`--aligned` also compiles each configuration as the launcher specializes it for aligned tensors
+(every pointer 16-byte aligned, every specializable integer a multiple of 16, as Qwen3-0.6B's
+sizes mostly are): vectorized, pipelined loads and more shared memory (e.g. the skinny GEMM's
+64x64x128 tile: 32 KB → 128 KB on sm_90). That doubles the compilations.
 
 Exit status: 0 when all compile, 1 otherwise (the failures are printed).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
+from typing import NamedTuple
 
 os.environ["TRITON_INTERPRET"] = "0"
 
@@ -23,23 +41,55 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kernels.decode_attention import _decode_reduce_kernel, _decode_stage1_kernel  # noqa: E402
 from kernels.extend_attention import _extend_kernel  # noqa: E402
-from kernels.rmsnorm import _rmsnorm_kernel  # noqa: E402
-from kernels.rotary import _rotary_kernel  # noqa: E402
+from kernels.linear import (  # noqa: E402
+    _REDUCE_BLOCK,
+    MAX_M,
+    _skinny_linear_kernel,
+    _splitk_reduce_kernel,
+    candidate_configs,
+)
+from kernels.rmsnorm import _fused_add_rmsnorm_kernel, _rmsnorm_kernel  # noqa: E402
+from kernels.rotary import _qk_norm_rotary_kernel, _rotary_kernel  # noqa: E402
+from kernels.sampling import BLOCK as SAMPLING_BLOCK  # noqa: E402
+from kernels.sampling import _chunk_argmax_kernel, _gumbel_chunk_kernel  # noqa: E402
 from kernels.silu_mul import _silu_mul_kernel  # noqa: E402
 from kernels.store_kv import _store_kv_kernel  # noqa: E402
 
 # Shared memory per block (bytes, opt-in maximum) of each target.
 TARGETS = {80: 166912, 90: 232448}
-FLOAT_ARGS = {"sm_scale_log2", "eps"}
+FLOAT_ARGS = {"sm_scale_log2", "eps", "inv_temp"}
+# Qwen3-0.6B: hidden 1024, 16 q / 8 kv heads of 128, intermediate 3072, vocab 151,936.
+QWEN3_VOCAB = 151936
+# The (N, K) of its projections (`tritonllm.layers.Linear`): fused qkv, o_proj, fused gate/up,
+# down_proj, lm_head.
+QWEN3_PROJECTIONS = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (QWEN3_VOCAB, 1024))
+H200_SMS = 132
 
 
-def _signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
+class Launch(NamedTuple):
+    """One compiled configuration: the kernel, its pointer arguments' element types, its
+    constexprs, num_warps, num_stages, and the scalar arguments that are neither i32 nor in
+    FLOAT_ARGS (name -> Triton type, e.g. `{"offset": "i64"}`)."""
+
+    fn: object
+    pointers: dict[str, str]
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    scalars: dict[str, str] = {}
+
+
+def _signature(
+    fn, pointers: dict[str, str], constexprs: dict, scalars: dict[str, str] | None = None
+) -> dict[str, str]:
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
         elif name in pointers:
             sig[name] = pointers[name]
+        elif scalars and name in scalars:
+            sig[name] = scalars[name]
         else:
             sig[name] = "fp32" if name in FLOAT_ARGS else "i32"
     return sig
@@ -115,7 +165,8 @@ def _configs(quick: bool):
 
 
 def _layer_configs(quick: bool):
-    """The layers' kernels (RMSNorm, rotary, SiLU-mul) at Qwen3-0.6B-like sizes."""
+    """The layers' kernels (RMSNorm, rotary, SiLU-mul, fused add + RMSNorm, fused q/k-norm +
+    rotary) at Qwen3-0.6B-like sizes."""
     for dt in ("bf16", "fp32") if quick else ("bf16", "fp16", "fp32"):
         for block_d, warps in ((128, 1), (1024, 4), (4096, 8)):
             yield (
@@ -141,22 +192,150 @@ def _layer_configs(quick: bool):
             3,
         )
         yield (_silu_mul_kernel, {"x_ptr": dt, "out_ptr": dt}, dict(BLOCK=1024), 4, 3)
+        if quick and dt != "bf16":
+            continue  # --quick: one bf16 configuration of each fused kernel below
+        # Fused residual add + RMSNorm (`fused_add_rmsnorm`): hidden 1024 is (1024, 4 warps);
+        # the other two sizes follow the RMSNorm matrix.
+        for block_d, warps in ((1024, 4),) if quick else ((128, 1), (1024, 4), (4096, 8)):
+            yield (
+                _fused_add_rmsnorm_kernel,
+                {"x_ptr": dt, "res_ptr": dt, "w_ptr": dt, "out_ptr": dt, "res_out_ptr": dt},
+                dict(BLOCK_D=block_d),
+                warps,
+                3,
+            )
+        # Qwen3's q/k RMSNorm + RoPE (`rotary` with norm weights): 16 q heads, 8 kv heads, D 128.
+        yield (
+            _qk_norm_rotary_kernel,
+            {
+                "q_ptr": dt,
+                "k_ptr": dt,
+                "q_out_ptr": dt,
+                "k_out_ptr": dt,
+                "q_w_ptr": dt,
+                "k_w_ptr": dt,
+                "pos_ptr": "i64",
+                "cos_ptr": "fp32",
+                "sin_ptr": "fp32",
+            },
+            dict(BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64),
+            4,
+            3,
+        )
+
+
+def _sampling_configs(quick: bool):
+    """The sampler's Gumbel-max kernels (`kernels.sampling.gumbel_argmax`) on float32 logits of
+    Qwen3-0.6B's vocab: one shared inverse temperature (a scalar) or one per row (a pointer);
+    `offset` is always >= 2^32 (int64); `seed` is int32 for the default seed 0, int64 for seeds
+    outside int32."""
+    for per_row in (False,) if quick else (False, True):
+        for seed in ("i32",) if quick else ("i32", "i64"):
+            yield (
+                _gumbel_chunk_kernel,
+                {
+                    "logits_ptr": "fp32",
+                    "inv_temp_ptr": "fp32",
+                    "chunk_val_ptr": "fp32",
+                    "chunk_idx_ptr": "i32",
+                },
+                dict(BLOCK=SAMPLING_BLOCK, PER_ROW_TEMP=per_row),
+                max(1, min(4, SAMPLING_BLOCK // 256)),
+                3,
+                {"seed": seed, "offset": "i64"},
+            )
+    yield (
+        _chunk_argmax_kernel,
+        {"chunk_val_ptr": "fp32", "chunk_idx_ptr": "i32", "out_ptr": "i64"},
+        dict(BLOCK_C=triton.next_power_of_2(triton.cdiv(QWEN3_VOCAB, SAMPLING_BLOCK))),
+        1,
+        3,
+    )
+
+
+def _linear_configs(quick: bool):
+    """The skinny GEMM (`kernels.linear.skinny_linear`): every candidate of `candidate_configs`
+    for Qwen3-0.6B's projections at every M it serves (1..MAX_M), bf16/fp16, with and without
+    bias, deduplicated by what is compiled (M and split_k are not specialized); the split-K
+    reduce kernel for each dtype and bias. `--quick`: bf16, no bias, the first candidate at M=1
+    of the qkv projection, and the reduce."""
+    tiles = {}  # ((tile), num_stages, EVEN_K), in first-seen order; the SM count sets only split_k
+    for n, k in QWEN3_PROJECTIONS[:1] if quick else QWEN3_PROJECTIONS:
+        for m in (1,) if quick else range(1, MAX_M + 1):
+            candidates = candidate_configs(m, n, k, H200_SMS)
+            for cfg in candidates[:1] if quick else candidates:
+                tile = (cfg.use_dot, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps)
+                tiles[(tile, cfg.num_stages, k % cfg.block_k == 0)] = None
+    for dt in ("bf16",) if quick else ("bf16", "fp16"):
+        for bias in (False,) if quick else (False, True):
+            for (use_dot, block_m, block_n, block_k, warps), stages, even_k in tiles:
+                yield (
+                    _skinny_linear_kernel,
+                    {
+                        "x_ptr": dt,
+                        "w_ptr": dt,
+                        "b_ptr": dt,  # the bias, or `out` standing in for it
+                        "out_ptr": dt,
+                        "part_ptr": "fp32",
+                    },
+                    dict(
+                        BLOCK_M=block_m,
+                        BLOCK_N=block_n,
+                        BLOCK_K=block_k,
+                        USE_DOT=use_dot,
+                        EVEN_K=even_k,
+                        HAS_BIAS=bias,
+                        UPCAST=False,
+                        NUM_STAGES=stages,
+                    ),
+                    warps,
+                    stages,
+                )
+            yield (
+                _splitk_reduce_kernel,
+                {"part_ptr": "fp32", "b_ptr": dt, "out_ptr": dt},
+                dict(BLOCK=_REDUCE_BLOCK, HAS_BIAS=bias),
+                4,
+                3,
+            )
+
+
+def _aligned_attrs(fn, pointers: dict[str, str], sig: dict[str, str]) -> dict:
+    """Triton's `tt.divisibility = 16` hints on every pointer and every integer argument the
+    launcher may specialize (not in the kernel's `do_not_specialize`): what `fn[grid](...)`
+    compiles for 16-byte-aligned tensors and sizes/strides that are multiples of 16."""
+    fixed = {fn.arg_names[a] if isinstance(a, int) else a for a in fn.do_not_specialize}
+    return {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if name in pointers or (sig[name] in ("i32", "i64") and name not in fixed)
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    quick = "--quick" in (sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    quick = "--quick" in args
+    variants = (False, True) if "--aligned" in args else (False,)
     targets = {90: TARGETS[90]} if quick else TARGETS
     failures = []
     count = 0
-    configs = list(_configs(quick)) + list(_layer_configs(quick))
-    for fn, pointers, constexprs, warps, stages in configs:
-        sig = _signature(fn, {k: "*" + v for k, v in pointers.items()}, constexprs)
-        for arch, smem_limit in targets.items():
+    configs = [
+        Launch(*config)
+        for gen in (_configs, _layer_configs, _sampling_configs, _linear_configs)
+        for config in gen(quick)
+    ]
+    for fn, pointers, constexprs, warps, stages, scalars in configs:
+        sig = _signature(fn, {k: "*" + v for k, v in pointers.items()}, constexprs, scalars)
+        for (arch, smem_limit), aligned in itertools.product(targets.items(), variants):
             count += 1
-            what = f"{fn.__name__} sm_{arch} {pointers} {constexprs} warps={warps}"
+            what = (
+                f"{fn.__name__} sm_{arch} {pointers} {scalars or ''} {constexprs} "
+                f"warps={warps} stages={stages}{' aligned' if aligned else ''}"
+            )
+            attrs = _aligned_attrs(fn, pointers, sig) if aligned else None
             try:
                 kernel = triton.compile(
-                    ASTSource(fn, sig, constexprs),
+                    ASTSource(fn, sig, constexprs, attrs),
                     target=GPUTarget("cuda", arch, 32),
                     options={"num_warps": warps, "num_stages": stages},
                 )
