@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 # CPU machines take the CPU build of torch; a GPU machine may pass its own, e.g. TORCH_SPEC=torch.
 TORCH_SPEC ?= torch==2.13.0
 MODEL ?=
+# Extra launcher flags for `make serve`, e.g. SERVE_ARGS="--port 9001 --host 0.0.0.0"
+# (python -m tritonllm.launch --help lists them).
+SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-gpu lint format tiny-model bench-offline bench-online clean
@@ -20,8 +23,10 @@ setup: $(VENV)/.installed
 
 # Builds the built-in default model (offline tokenizer + seeded random weights) when missing,
 # starts tritonserver and the OpenAI sidecar, waits for both, Ctrl-C stops both.
+# `exec`: the launcher replaces the recipe's shell, so the SIGTERM that make forwards to its child
+# (from `kill`, `timeout`, a supervisor) reaches the launcher, which stops both servers.
 serve: setup
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m tritonllm.launch $(if $(MODEL),--model "$(MODEL)",)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH exec $(PY) -m tritonllm.launch $(if $(MODEL),--model "$(MODEL)",) $(SERVE_ARGS)
 
 test: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q $(PYTEST_ARGS)

@@ -255,9 +255,12 @@ def append_section(section: str, path: Path | str = BENCHMARKS_MD) -> Path:
     return path
 
 
-def argument_parser(description: str, engine_arg_help: str) -> argparse.ArgumentParser:
-    """A parser with the flags both benchmarks take: model, device, attention backend, extra
-    engine fields, temperature and where the results go."""
+def argument_parser(
+    description: str, engine_arg_help: str, publishes: bool = True
+) -> argparse.ArgumentParser:
+    """A parser with the flags the benchmarks share: model, device, attention backend, extra
+    engine fields, temperature and, for a tool that ``publishes`` a BENCHMARKS.md section
+    (see ``publish``), where the results go (``--no-append``, ``--benchmarks-md``)."""
     device = default_device()
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", help="HF model directory (default: build models/qwen3-0.6b)")
@@ -269,8 +272,9 @@ def argument_parser(description: str, engine_arg_help: str) -> argparse.Argument
     p.add_argument(
         "--engine-arg", action="append", default=[], metavar="FIELD=VALUE", help=engine_arg_help
     )
-    p.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
-    p.add_argument("--benchmarks-md", default=str(BENCHMARKS_MD))
+    if publishes:
+        p.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+        p.add_argument("--benchmarks-md", default=str(BENCHMARKS_MD))
     return p
 
 

@@ -15,6 +15,22 @@
 # STEP_TIMEOUT (seconds, default 600) bounds each step, so one slow step cannot eat the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+usage() {
+  echo "usage: $0 tests|kernels|profile|decode|offline|online|bench ..." >&2
+  exit 2
+}
+# Every step name is checked before anything is built or written.
+[ $# -gt 0 ] || usage
+for step in "$@"; do
+  case "$step" in
+  tests | kernels | profile | decode | offline | online | bench) ;;
+  *) usage ;;
+  esac
+done
+steps=()
+for step in "$@"; do
+  if [ "$step" = bench ]; then steps+=(decode offline online); else steps+=("$step"); fi
+done
 out=${OUT:-/tmp/tritonllm-gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -25,12 +41,8 @@ python3 -m tritonllm.build_model --shape qwen3-0.6b --out models/qwen3-0.6b >/tm
   cat /tmp/build.log
   exit 1
 }
-[ $# -gt 0 ] || set -- usage
 status=0
-for step in "$@"; do
-  [ "$step" = bench ] && set -- decode offline online && break
-done
-for step in "$@"; do
+for step in "${steps[@]}"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
   case "$step" in
   tests)
@@ -58,10 +70,6 @@ for step in "$@"; do
   online)
     timeout "$limit" python3 -m benchmarks.online --benchmarks-md "$md" \
       --server-log "$out/server.log" --max-output-len 512 2>&1 | tee "$out/online.log"
-    ;;
-  *)
-    echo "usage: $0 tests|kernels|profile|decode|offline|online|bench ..." >&2
-    exit 2
     ;;
   esac
 done

@@ -41,9 +41,10 @@ def _engine(
     prompt_len: int,
     steps: int,
     temperature: float,
+    engine_args: dict[str, str],
 ) -> LLMEngine:
     graph, overlap = MODES[mode]
-    extra = {"cuda_graph": str(graph), "overlap_schedule": str(overlap)}
+    extra = {**engine_args, "cuda_graph": str(graph), "overlap_schedule": str(overlap)}
     engine = LLMEngine(engine_config(model, device, backend, max(bs, 1), engine_args=extra))
     rng = random.Random(0)
     params = SamplingParams(max_tokens=3 * steps + 16, temperature=temperature, ignore_eos=True)
@@ -69,6 +70,7 @@ def profile_batch(args, model: str, bs: int, out_dir: Path) -> str:
         args.prompt_len,
         args.steps,
         args.temperature,
+        common.engine_args(args),
     )
     report = io.StringIO()
     # Plain wall time first.
@@ -132,7 +134,11 @@ def _offline_pass(args, model: str, out_dir: Path, profiled: bool) -> list[str]:
     from benchmarks.offline import make_engine, run_engine, warm_up
     from tritonllm.engine import overlap
 
-    engine = make_engine(engine_config(model, args.device, args.attention_backend, 256))
+    engine = make_engine(
+        engine_config(
+            model, args.device, args.attention_backend, 256, engine_args=common.engine_args(args)
+        )
+    )
     warm_up(engine, args.device)
     steps: list[list] = []  # [launched a decode batch?, its size, wall s, GPU-wait s]
     wait = [0.0]
@@ -255,7 +261,7 @@ def profile_offline(args, model: str, out_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = common.argument_parser(__doc__.splitlines()[0], "extra EngineConfig field")
+    p = common.argument_parser(__doc__.splitlines()[0], "extra EngineConfig field", publishes=False)
     p.add_argument("--batch-sizes", default="1,256")
     p.add_argument("--mode", default="graph+overlap", choices=sorted(MODES))
     p.add_argument("--prompt-len", type=int, default=512)

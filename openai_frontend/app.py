@@ -13,7 +13,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import OpenAIError, install_error_handlers
 from .routes import chat, completions, models
@@ -26,8 +27,14 @@ DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 class BodySizeLimit:
-    """ASGI middleware: a body larger than ``max_bytes`` (by Content-Length) gets a 413 OpenAI
-    error before the app reads it.
+    """ASGI middleware: a request body larger than ``max_bytes`` gets a 413 OpenAI error
+    (``code`` ``request_too_large``) without being read to its end.
+
+    Two checks, because a client need not announce the size: a ``Content-Length`` over the limit
+    is refused before the app runs; otherwise (``Transfer-Encoding: chunked``) the bytes the app
+    receives are counted, and the moment the total passes the limit the 413 is sent and the app
+    sees the client as disconnected, so the body is never parsed or tokenized. The server
+    discards whatever more of the body arrives (clients such as curl stop sending on the 413).
 
     A plain ASGI middleware on purpose: Starlette's ``@app.middleware("http")``
     (``BaseHTTPMiddleware``) hides the client's disconnect from ``Request.is_disconnected()``
@@ -37,19 +44,57 @@ class BodySizeLimit:
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
 
+    def _too_large(self, what: str = "") -> Response:
+        return OpenAIError(
+            f"request body{what} exceeds the limit of {self.max_bytes} bytes",
+            status=413,
+            code="request_too_large",
+        ).response()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            length = dict(scope["headers"]).get(b"content-length", b"")
-            if length.isdigit() and int(length) > self.max_bytes:
-                response = OpenAIError(
-                    f"request body of {int(length)} bytes exceeds the limit of "
-                    f"{self.max_bytes} bytes",
-                    status=413,
-                    code="request_too_large",
-                ).response()
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large(f" of {int(length)} bytes")(scope, receive, send)
+            return
+
+        received = 0
+        rejected = False
+        response_started = False
+
+        async def counting_receive() -> Message:
+            nonlocal received, rejected
+            if rejected:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    rejected = True
+                    # Routes read the whole body before they answer; should one ever start its
+                    # response first, the disconnect below still stops it reading.
+                    if not response_started:
+                        await self._too_large()(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal response_started
+            if rejected:
+                return  # the 413 (or the dropped connection) is the answer; drop the app's
+            if message["type"] == "http.response.start":
+                response_started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except Exception:
+            # The app may fail on the body it was cut off from (a disconnect mid-read); the
+            # client already has its 413.
+            if not rejected:
+                raise
 
 
 def create_app(
@@ -65,7 +110,7 @@ def create_app(
         triton_url: ``host:port`` of tritonserver's gRPC endpoint.
         model_name: the name clients use in ``model`` (others get 404 ``model_not_found``).
         triton_model: the ensemble to call; ``generator_model``: the model that takes aborts.
-        max_request_bytes: larger bodies (by Content-Length) get a 413 OpenAI error.
+        max_request_bytes: larger bodies (announced or received) get a 413 OpenAI error.
     """
 
     @asynccontextmanager
@@ -105,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--model", default=None, help="the served checkpoint (only names the model)")
     p.add_argument("--triton-model", default="llm", help="the ensemble to call")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: all interfaces)")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--log-level", default="warning")
     p.add_argument(

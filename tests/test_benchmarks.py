@@ -3,10 +3,16 @@ token accounting of each benchmark are checked; speeds never are."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
-from benchmarks import bandwidth, common, offline, online
+from benchmarks import bandwidth, common, decode_step, offline, online, profile_step
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_workload_reproduces_the_published_token_totals():
@@ -187,3 +193,41 @@ def test_decode_step_bytes_are_weights_plus_live_kv(tiny_model_dir):
     live = batch * (prompt + 4 + steps)
     assert seconds > 0
     assert nbytes == weights + live * cfg.kv_bytes_per_token * 4
+
+
+@pytest.mark.parametrize("steps", [[], ["tests", "no-such-step"]])
+def test_gpu_suite_refuses_bad_steps_before_doing_anything(tmp_path, steps):
+    """No step, or any unknown one: usage and exit 2, with no checkpoint built (no python3 run:
+    a stand-in first on PATH records every call) and no output folder created."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    for tool in ("python3", "nvidia-smi"):
+        (bin_dir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "{calls}"\n')
+        (bin_dir / tool).chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out))
+    result = subprocess.run(
+        ["bash", str(REPO_ROOT / "benchmarks" / "gpu_suite.sh"), *steps],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "usage:" in result.stderr
+    assert not calls.exists(), calls.read_text()
+    assert not out.exists()
+
+
+def test_only_publishing_tools_offer_benchmarks_md_flags(capsys):
+    """profile_step writes no BENCHMARKS.md section, so its --help offers no flag for one."""
+    with pytest.raises(SystemExit):
+        profile_step.main(["--help"])
+    text = capsys.readouterr().out
+    assert "--batch-sizes" in text
+    assert "--no-append" not in text and "--benchmarks-md" not in text
+    with pytest.raises(SystemExit):
+        decode_step.main(["--help"])
+    text = capsys.readouterr().out
+    assert "--no-append" in text and "--benchmarks-md" in text

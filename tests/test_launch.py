@@ -7,18 +7,31 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import openai
+import pytest
 
-from tritonllm.launch import resolve_model, served_name
-from tritonllm.triton_server import free_port
+from tritonllm.launch import parse_args, resolve_model, served_name
+from tritonllm.triton_server import (
+    TritonInstall,
+    TritonServer,
+    find_tritonserver,
+    free_port,
+    start_process_group,
+    stop_process_group,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Every process a test starts carries this variable (descendants inherit it), so the test can
+# find them all, orphans included, whatever their process group or parent.
+MARKER = "TRITONLLM_TEST_PROCESS_MARKER"
 
 
 def _process_group_members(pgid: int) -> list[int]:
@@ -41,6 +54,85 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _marked_env() -> tuple[dict[str, str], str]:
+    """This environment plus a fresh ``MARKER``; returns it and the ``NAME=VALUE`` entry."""
+    value = uuid.uuid4().hex
+    return dict(os.environ, **{MARKER: value}), f"{MARKER}={value}"
+
+
+def _marked_processes(entry: str) -> dict[int, str]:
+    """``{pid: command line}`` of the live (non-zombie) processes whose environment holds
+    ``entry``."""
+    found = {}
+    needle = entry.encode()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if needle not in environ.read_bytes().split(b"\0"):
+                continue
+            state = (environ.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            command = (environ.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            found[int(environ.parent.name)] = command
+    return found
+
+
+def _wait_none_marked(entry: str, timeout_s: float) -> dict[int, str]:
+    """Poll until no process carries ``entry``; returns those still alive at ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (left := _marked_processes(entry)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _kill_marked(entry: str) -> None:
+    """Clean up after a failed test: SIGTERM a leftover launcher (it stops its servers), then
+    SIGKILL whatever still carries ``entry``."""
+    for pid, command in _marked_processes(entry).items():
+        if "tritonllm.launch" in command:
+            os.kill(pid, signal.SIGTERM)
+    for pid in _wait_none_marked(entry, 40):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _listen_addresses(port: int) -> set[str]:
+    """The local addresses with a TCP socket listening on ``port`` (from /proc/net/tcp{,6}),
+    IPv4-mapped IPv6 addresses as IPv4."""
+    addresses = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, port_hex = local.split(":")
+            if state != "0A" or int(port_hex, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            # gRPC listens on IPv4 through an IPv6 socket bound to ::ffff:A.B.C.D.
+            addresses.add(socket.inet_ntop(family, raw).removeprefix("::ffff:"))
+    return addresses
+
+
+def _read_until(lines: queue.Queue[str], output: list[str], text: str, timeout_s: float) -> bool:
+    """Collect output lines into ``output`` until one contains ``text``; False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            output.append(lines.get(timeout=1))
+        except queue.Empty:
+            continue
+        if text in output[-1]:
+            return True
+    return False
+
+
 def test_hub_ids_pass_through_and_dirs_resolve(tmp_path):
     assert resolve_model("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
     assert served_name("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
@@ -52,8 +144,9 @@ def test_hub_ids_pass_through_and_dirs_resolve(tmp_path):
 
 def test_launch_serves_then_sigint_stops_everything(tiny_model_dir):
     port = free_port()
+    triton_ports = {kind: free_port() for kind in ("grpc", "http", "metrics")}
     cmd = [sys.executable, "-m", "tritonllm.launch", f"--model={tiny_model_dir}", f"--port={port}"]
-    cmd += [f"--{kind}-port={free_port()}" for kind in ("grpc", "http", "metrics")]
+    cmd += [f"--{kind}-port={p}" for kind, p in triton_ports.items()]
     process = subprocess.Popen(
         cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -85,6 +178,10 @@ def test_launch_serves_then_sigint_stops_everything(tiny_model_dir):
             max_tokens=4,
         )
         assert response.usage.completion_tokens == 4
+        # Nothing is reachable from the network by default: the OpenAI API and tritonserver's
+        # HTTP, gRPC and metrics endpoints all listen on loopback only.
+        for name, p in {"sidecar": port, **triton_ports}.items():
+            assert _listen_addresses(p) == {"127.0.0.1"}, name
 
         process.send_signal(signal.SIGINT)
         assert process.wait(60) == 0
@@ -101,3 +198,134 @@ def test_launch_serves_then_sigint_stops_everything(tiny_model_dir):
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def test_bind_addresses_default_to_loopback_and_can_be_changed(monkeypatch):
+    install = TritonInstall(Path("tritonserver"), Path("backends"))
+    flags = ("--http-address", "--grpc-address", "--metrics-address")
+
+    def addresses(server: TritonServer) -> dict[str, str]:
+        command = server.command(install)
+        return {f: a.split("=", 1)[1] for a in command for f in flags if a.startswith(f + "=")}
+
+    assert addresses(TritonServer()) == dict.fromkeys(flags, "127.0.0.1")
+    exposed = TritonServer(bind_address="0.0.0.0")
+    assert addresses(exposed) == dict.fromkeys(flags, "0.0.0.0")
+    assert exposed.grpc_url == f"127.0.0.1:{exposed.grpc_port}"  # a wildcard is reached locally
+    assert TritonServer(bind_address="::1").http_url.startswith("[::1]:")
+
+    monkeypatch.delenv("TRITONLLM_HOST", raising=False)
+    monkeypatch.delenv("TRITONLLM_TRITON_HOST", raising=False)
+    cfg = parse_args([])
+    assert (cfg.host, cfg.triton_host) == ("127.0.0.1", "127.0.0.1")
+    cfg = parse_args(["--host=0.0.0.0", "--triton-host=10.1.2.3"])
+    assert (cfg.host, cfg.triton_host) == ("0.0.0.0", "10.1.2.3")
+    assert cfg.base_url == "http://127.0.0.1:9000/v1"
+    monkeypatch.setenv("TRITONLLM_HOST", "0.0.0.0")
+    monkeypatch.setenv("TRITONLLM_TRITON_HOST", "0.0.0.0")
+    assert (parse_args([]).host, parse_args([]).triton_host) == ("0.0.0.0", "0.0.0.0")
+
+
+def test_tritonserver_has_the_bind_address_flags():
+    """The real tritonserver (2.51) documents the three address flags ``command`` passes."""
+    server = TritonServer()
+    install = find_tritonserver()
+    result = subprocess.run(
+        [str(install.binary), "--help"],
+        env=server.environment(install),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    for flag in ("--http-address", "--grpc-address", "--metrics-address"):
+        assert flag in result.stdout + result.stderr, flag
+
+
+def test_stop_process_group_kills_members_left_by_a_dead_leader():
+    """The group leader exits at once; its child ignores SIGTERM, as Triton's Python backend stubs
+    do once their server is gone. Stopping the group must still end the child."""
+    env, entry = _marked_env()
+    child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+    leader = (
+        "import subprocess, sys; "
+        f"subprocess.Popen([sys.executable, '-c', {child!r}]); print('started', flush=True)"
+    )
+    process = start_process_group([sys.executable, "-c", leader], env=env)
+    try:
+        assert process.wait(30) == 0
+        assert len(_wait_none_marked(entry, 0)) == 1  # the orphaned child, still running
+        started = time.monotonic()
+        stop_process_group(process, timeout_s=1.0)
+        assert _marked_processes(entry) == {}
+        assert time.monotonic() - started < 10
+    finally:
+        _kill_marked(entry)
+
+
+def test_failed_tritonserver_start_leaves_no_process(tiny_model_dir):
+    """tritonserver exits when its gRPC port is taken, after the Python backend stubs started;
+    the launcher reports the failure and no stub survives."""
+    env, entry = _marked_env()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cmd = [
+            sys.executable,
+            "-m",
+            "tritonllm.launch",
+            f"--model={tiny_model_dir}",
+            f"--port={free_port()}",
+            f"--grpc-port={busy.getsockname()[1]}",
+            f"--http-port={free_port()}",
+            f"--metrics-port={free_port()}",
+        ]
+        process = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        try:
+            output, _ = process.communicate(timeout=300)
+            assert process.returncode == 1, output
+            assert "launch failed" in output
+            assert _wait_none_marked(entry, 5) == {}
+        finally:
+            if process.poll() is None:
+                process.kill()
+            _kill_marked(entry)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
+def test_sigterm_to_make_serve_stops_everything(tiny_model_dir):
+    """``kill <make's pid>`` (what ``timeout make serve`` and supervisors do) stops the launcher,
+    tritonserver with its stubs and the sidecar: make forwards SIGTERM only to its own child."""
+    env, entry = _marked_env()
+    venv = os.path.relpath(sys.prefix, REPO_ROOT)
+    ports = f"--port={free_port()}" + "".join(
+        f" --{kind}-port={free_port()}" for kind in ("grpc", "http", "metrics")
+    )
+    cmd = ["make", "--no-print-directory", "serve", f"VENV={venv}", f"MODEL={tiny_model_dir}"]
+    # -o: the virtualenv is the one running this test; never reinstall it from here.
+    cmd += ["-o", f"{venv}/.installed", f"SERVE_ARGS={ports}"]
+    make = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the signal goes to make alone, as from a supervisor
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in make.stdout], daemon=True).start()
+    output: list[str] = []
+    try:
+        assert _read_until(lines, output, "Ctrl-C", 300), "".join(output)
+        assert len(_marked_processes(entry)) >= 3  # make, launcher, servers (and stubs)
+        make.send_signal(signal.SIGTERM)
+        make.wait(60)
+        left = _wait_none_marked(entry, 60)
+        assert left == {}, left
+    finally:
+        if make.poll() is None:
+            make.kill()
+            make.wait()
+        _kill_marked(entry)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import select
+import socket
 
 import httpx
 import openai
@@ -131,6 +133,76 @@ def test_oversized_body_is_413_without_reading_it(client, sidecar):
     assert info.value.status_code == 413
     assert _error_body(info.value)["code"] == "request_too_large"
     _assert_still_serving(client, sidecar.model_name)
+
+
+def _post_chunked(base_url: str, path: str, body_size: int, timeout_s: float = 60.0):
+    """POST a JSON completion request of ``body_size`` bytes with ``Transfer-Encoding: chunked``
+    (no Content-Length), 256 KiB a chunk, stopping early once the server answers.
+
+    Returns:
+        (status, JSON body, body bytes handed to the socket before the answer came).
+    """
+    url = httpx.URL(base_url)
+    head = b'{"model": "no-such-model", "max_tokens": 1, "prompt": "'
+    tail = b'"}'
+    filler = b"x" * (256 << 10)
+    sent = 0
+    with socket.create_connection((url.host, url.port), timeout=timeout_s) as sock:
+        sock.sendall(
+            f"POST {url.path}{path} HTTP/1.1\r\nHost: {url.host}\r\n"
+            "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        )
+        pieces = [head] + [filler] * ((body_size - len(head) - len(tail)) // len(filler)) + [tail]
+        try:
+            for piece in pieces:
+                if select.select([sock], [], [], 0)[0]:
+                    break  # the server has answered; a client like curl stops sending here
+                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+                sent += len(piece)
+            else:
+                sock.sendall(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        response = b""
+        while b"\r\n\r\n" not in response or not response.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            response += chunk
+    head_text, _, body = response.partition(b"\r\n\r\n")
+    status = int(head_text.split(b" ", 2)[1])
+    return status, json.loads(body), sent
+
+
+def test_chunked_oversized_body_is_413_as_it_arrives(client, sidecar):
+    """A body without Content-Length is counted as it arrives: the 413 (an OpenAI error) comes
+    once the limit is passed, long before the client has sent all of a body 16x the limit."""
+    from openai_frontend.app import DEFAULT_MAX_REQUEST_BYTES
+
+    total = 16 * DEFAULT_MAX_REQUEST_BYTES
+    status, body, sent = _post_chunked(sidecar.base_url, "/completions", total)
+    assert status == 413, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == "request_too_large"
+    # The socket buffers hold a few MiB beyond what the server read; never the whole body.
+    assert sent < total // 2
+    _assert_still_serving(client, sidecar.model_name)
+
+
+def test_chunked_body_within_the_limit_is_served(client, sidecar):
+    def chunks():
+        body = json.dumps({"model": sidecar.model_name, "prompt": "hello", "max_tokens": 2})
+        yield body[:10].encode()
+        yield body[10:].encode()
+
+    response = httpx.post(
+        f"{sidecar.base_url}/completions",
+        content=chunks(),  # an iterator: httpx sends it chunked, without Content-Length
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    assert 1 <= response.json()["usage"]["completion_tokens"] <= 2
 
 
 def test_error_messages_do_not_echo_huge_values(client, sidecar):

@@ -1,17 +1,26 @@
 """``make serve``: tritonserver + the OpenAI sidecar, readiness, clean shutdown.
 
-``python -m tritonllm.launch [--model PATH|HUB_ID] [--host 127.0.0.1] [--port 9000]``
+``python -m tritonllm.launch [--model PATH|HUB_ID] [--host 127.0.0.1] [--port 9000]
+[--triton-host 127.0.0.1] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]``
 
 Without ``--model`` the built-in tiny checkpoint ``models/tiny-qwen3`` is served (built offline
 on first use). tritonserver runs on this project's ``model_repository`` with ``TRITONLLM_MODEL``
 set; the sidecar (``python -m openai_frontend``) runs as a child process. Both are started in
 their own process groups, so Ctrl-C / SIGTERM reach only this launcher, which then stops the
 sidecar first and tritonserver (with its Python stubs) second: no orphan processes.
+
+Ports and addresses: the OpenAI API on ``--host``:``--port`` (default 127.0.0.1:9000);
+tritonserver's HTTP, gRPC and metrics endpoints on ``--triton-host`` (default 127.0.0.1) at
+``--http-port`` / ``--grpc-port`` / ``--metrics-port`` (8000 / 8001 / 8002). Everything listens
+on loopback only unless told otherwise: ``--host 0.0.0.0`` (or ``TRITONLLM_HOST=0.0.0.0``)
+exposes the OpenAI API to the network, ``--triton-host 0.0.0.0`` (or
+``TRITONLLM_TRITON_HOST=0.0.0.0``) tritonserver's. Neither endpoint has authentication.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -20,9 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .triton_server import (
+    DEFAULT_BIND_ADDRESS,
     MODEL_REPOSITORY,
     REPO_ROOT,
     TritonServer,
+    connect_host,
     start_process_group,
     stop_process_group,
     wait_http_ok,
@@ -39,15 +50,17 @@ class LaunchConfig:
         model: HF model directory or hub id (None: the built-in tiny checkpoint).
         model_name: the name clients use in ``model`` (None: ``served_name(model)``).
         host, port: the sidecar's bind address and TCP port (the OpenAI API).
-        grpc_port, http_port, metrics_port: tritonserver's TCP ports on 127.0.0.1.
+        triton_host: tritonserver's bind address (HTTP, gRPC and metrics).
+        grpc_port, http_port, metrics_port: tritonserver's TCP ports on ``triton_host``.
         startup_timeout_s: seconds each server may take to become ready.
         triton_log: tritonserver's log file (None: a temp file).
     """
 
     model: str | None = None
     model_name: str | None = None
-    host: str = "127.0.0.1"
+    host: str = DEFAULT_BIND_ADDRESS
     port: int = 9000
+    triton_host: str = DEFAULT_BIND_ADDRESS
     grpc_port: int = 8001
     http_port: int = 8000
     metrics_port: int = 8002
@@ -57,8 +70,7 @@ class LaunchConfig:
     @property
     def base_url(self) -> str:
         """The OpenAI base URL clients use (``http://HOST:PORT/v1``; a wildcard bind as local)."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"http://{host}:{self.port}/v1"
+        return f"http://{connect_host(self.host)}:{self.port}/v1"
 
 
 def resolve_model(model: str | None) -> str:
@@ -119,6 +131,7 @@ def serve(cfg: LaunchConfig) -> int:
         http_port=cfg.http_port,
         grpc_port=cfg.grpc_port,
         metrics_port=cfg.metrics_port,
+        bind_address=cfg.triton_host,
     )
     sidecar: subprocess.Popen | None = None
     try:
@@ -165,8 +178,18 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     p = argparse.ArgumentParser(prog="python -m tritonllm.launch", description=__doc__)
     p.add_argument("--model", default=None, help="HF model directory or hub id (default: tiny)")
     p.add_argument("--model-name", default=None, help="served name (default: dir basename)")
-    p.add_argument("--host", default="127.0.0.1", help="sidecar bind address")
+    p.add_argument(
+        "--host",
+        default=os.environ.get("TRITONLLM_HOST", DEFAULT_BIND_ADDRESS),
+        help="sidecar (OpenAI API) bind address (default: $TRITONLLM_HOST or 127.0.0.1)",
+    )
     p.add_argument("--port", type=int, default=9000, help="sidecar (OpenAI API) port")
+    p.add_argument(
+        "--triton-host",
+        default=os.environ.get("TRITONLLM_TRITON_HOST", DEFAULT_BIND_ADDRESS),
+        help="tritonserver bind address, all endpoints (default: $TRITONLLM_TRITON_HOST or "
+        "127.0.0.1)",
+    )
     p.add_argument("--grpc-port", type=int, default=8001, help="tritonserver gRPC port")
     p.add_argument("--http-port", type=int, default=8000, help="tritonserver HTTP port")
     p.add_argument("--metrics-port", type=int, default=8002, help="tritonserver metrics port")
@@ -178,6 +201,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         model_name=a.model_name,
         host=a.host,
         port=a.port,
+        triton_host=a.triton_host,
         grpc_port=a.grpc_port,
         http_port=a.http_port,
         metrics_port=a.metrics_port,

@@ -96,6 +96,21 @@ def find_tritonserver() -> TritonInstall:
     return install
 
 
+# Where servers listen unless told otherwise: loopback only, so a development machine does not
+# expose an unauthenticated inference API (and Triton's model-control endpoints) to its network.
+DEFAULT_BIND_ADDRESS = "127.0.0.1"
+
+
+def connect_host(bind_address: str) -> str:
+    """The host part of a URL that reaches a server bound to ``bind_address``: loopback for a
+    wildcard (``0.0.0.0``, ``::``, empty), IPv6 literals in brackets, other addresses as is."""
+    if bind_address in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if bind_address == "::":
+        return "[::1]"
+    return f"[{bind_address}]" if ":" in bind_address else bind_address
+
+
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1 (racy by nature; fine for tests and local serving)."""
     with socket.socket() as s:
@@ -133,18 +148,77 @@ def start_process_group(
         )
 
 
-def stop_process_group(process: subprocess.Popen | None, timeout_s: float = 20.0) -> None:
-    """SIGTERM the process group of ``process`` (started by ``start_process_group``), SIGKILL
-    after ``timeout_s`` seconds, and reap it. No-op when it is None or already exited."""
-    if process is None or process.poll() is not None:
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` still has a live (non-zombie) member."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal is still a member
+        return True
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    # kill(2) also reaches zombies; orphaned ones wait for init to reap them, which can take
+    # seconds, and they hold nothing. Linux: field 3 of /proc/PID/stat is the state, 5 the pgid.
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# Seconds the members of a group whose leader already exited get between SIGTERM and SIGKILL.
+# Nothing coordinates their shutdown any more (Triton's Python backend stubs ignore SIGTERM and
+# wait for their server's word), so waiting the full grace period would only delay the exit.
+ORPHAN_GRACE_S = 2.0
+
+
+def stop_process_group(
+    process: subprocess.Popen | None, timeout_s: float = 20.0, poll_s: float = 0.05
+) -> None:
+    """Stop the whole process group of ``process`` (started by ``start_process_group``) and reap
+    ``process``: SIGTERM to the group, SIGKILL to what is left of it after ``timeout_s`` seconds
+    (``ORPHAN_GRACE_S`` at most when ``process`` had already exited).
+
+    The group is signalled even when ``process`` itself has already exited: a tritonserver that
+    died (a port in use, a crash) leaves its Python backend stubs behind in its group, and they
+    ignore SIGTERM, so only the SIGKILL stops them. No-op when ``process`` is None.
+    """
+    if process is None:
         return
-    pgid = os.getpgid(process.pid)
-    os.killpg(pgid, signal.SIGTERM)
+    # start_new_session made the leader's pid the group id; Linux keeps that number reserved
+    # while any member lives, so it names this group even after the leader was reaped.
+    pgid = process.pid
+    if process.poll() is not None:
+        if not _group_alive(pgid):
+            return  # stopped before, or exited with no member left: nothing to signal
+        timeout_s = min(timeout_s, ORPHAN_GRACE_S)
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
     try:
         process.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(pgid, signal.SIGKILL)
+        pass
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    if process.poll() is None or _group_alive(pgid):
+        _signal_group(pgid, signal.SIGKILL)
         process.wait()
+        # SIGKILL cannot be ignored; wait briefly so callers see the group gone on return.
+        kill_deadline = time.monotonic() + 5.0
+        while _group_alive(pgid) and time.monotonic() < kill_deadline:
+            time.sleep(poll_s)
 
 
 def wait_http_ok(
@@ -183,6 +257,9 @@ class TritonServer:
         model_repository: the Triton model repository (default: this project's).
         env: extra environment for the server and its Python stubs (e.g. engine settings).
         log_path: where the server's stdout/stderr go (default: a file in the temp dir).
+        http_port, grpc_port, metrics_port: TCP ports (default: free ones).
+        bind_address: the address all three endpoints listen on (tritonserver's own default is
+            ``0.0.0.0``; this one is loopback only). ``0.0.0.0`` exposes them to the network.
     """
 
     model_path: Path | str | None = None
@@ -192,28 +269,36 @@ class TritonServer:
     http_port: int = field(default_factory=free_port)
     grpc_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
+    bind_address: str = DEFAULT_BIND_ADDRESS
     process: subprocess.Popen | None = None
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        """``HOST:PORT`` of the gRPC endpoint, as a local client reaches it."""
+        return f"{connect_host(self.bind_address)}:{self.grpc_port}"
 
     @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        """``HOST:PORT`` of the HTTP endpoint, as a local client reaches it."""
+        return f"{connect_host(self.bind_address)}:{self.http_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+        """The Prometheus metrics URL."""
+        return f"http://{connect_host(self.bind_address)}:{self.metrics_port}/metrics"
 
     def command(self, install: TritonInstall) -> list[str]:
-        """The ``tritonserver`` command line (metrics on, verbose logging off)."""
+        """The ``tritonserver`` command line (HTTP, gRPC and metrics on ``bind_address``, metrics
+        on, verbose logging off)."""
         return [
             str(install.binary),
             f"--model-repository={self.model_repository}",
             f"--backend-directory={install.backend_dir}",
+            f"--http-address={self.bind_address}",
             f"--http-port={self.http_port}",
+            f"--grpc-address={self.bind_address}",
             f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.bind_address}",
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
             "--log-verbose=0",
