@@ -6,8 +6,10 @@ carries its choice ``index``); the request ends after every choice sent its fini
 ``Generation.start()`` waits for the first Triton response, so errors the backend finds in the
 request (prompt longer than the context, invalid sampling values) surface as ``OpenAIError``
 before any HTTP status is sent. ``close()`` always runs (routes call it in ``finally``): if the
-backend had not finished, it cancels the gRPC stream and sends the generator an explicit abort by
-request id, because an ensemble does not pass the cancellation into a running step (ARCHITECTURE.md, "Platform facts").
+backend had not finished, it sends the generator an explicit abort by request id, because an
+ensemble does not pass the cancellation into a running step (ARCHITECTURE.md, "Platform facts"),
+and reads the stream on to its end (the abort brings the final response) rather than cancelling
+it: a cancelled stream leaves the request unreleased in Triton 2.51 (``TritonClient.finish``).
 """
 
 from __future__ import annotations
@@ -217,7 +219,9 @@ class Generation:
         )
 
     def close(self) -> None:
-        """Release the request: cancel the stream; abort it in the generator if still running.
+        """Release the request: if the backend had not finished, abort it in the generator; read
+        the stream to its end in the background either way (never cancel it: see
+        ``TritonClient.finish``).
 
         Synchronous on purpose: it is called from cleanup of a cancelled task, where awaiting
         would be cancelled again; the abort runs as a background task.
@@ -225,7 +229,9 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        if self._stream is not None and not self._stream.done:
-            self._stream.cancel()
-        if self._stream is not None and not self._backend_finished:
-            self.client.abort_soon(self.request_id)
+        if self._stream is None or self._stream.done:
+            return
+        # Also before the first response (``start`` cancelled): the generator remembers an
+        # abort that overtakes its request.
+        abort = None if self._backend_finished else self.request_id
+        self.client.close_soon(self._stream, abort)

@@ -10,6 +10,10 @@ client offers no way to set reserved parameters.
 
 Tensor shapes and datatypes come from the model's metadata, so the client sends ``[1]`` or
 ``[1, 1]`` scalars as the served config declares them.
+
+Every stream is read to its end; one whose client went away is ended by an abort to the
+generator, never by cancelling it (``TritonClient.finish``: Triton 2.51 leaves a cancelled
+request unreleased).
 """
 
 from __future__ import annotations
@@ -158,40 +162,88 @@ def parse_chunk(response: service_pb2.ModelInferResponse) -> LLMChunk:
 
 
 class ResponseStream:
-    """The responses of one decoupled request, read one at a time.
+    """The responses of one decoupled request on its own gRPC stream, read one at a time.
 
-    ``read()`` returns the next ``LLMChunk``, or None once Triton sent the final response.
-    ``cancel()`` cancels the gRPC stream (Triton then cancels the request; see ARCHITECTURE.md, "Platform facts", for why
-    that alone does not stop a running ensemble step).
+    ``read()`` returns the next ``LLMChunk``, or None once the stream ended: after Triton's final
+    response it also reads the end of the RPC, so that no stream is ever cancelled after its
+    final response (``finished``). ``cancel()`` cancels the gRPC stream, and with it the
+    request in Triton; the sidecar avoids that (``TritonClient.finish`` says why), and a
+    caller cancelled while it waits in ``read()`` leaves the stream open: the read goes on and
+    the next ``read()`` returns its response.
+
+    Attributes:
+        finished: Triton sent the request's final response (or an error response).
+        done: the stream ended (its end was read, it failed or was cancelled).
     """
 
     def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
         self._call = call
+        self._pending: asyncio.Future | None = None  # the gRPC read in progress
+        self.finished = False
         self.done = False
+
+    async def _next_message(self) -> Any:
+        # Shielded: grpc.aio cancels the whole call when a task awaiting ``call.read()`` is
+        # cancelled, and a cancelled reader must not cancel the request.
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._call.read())
+            # Retrieve the outcome of a read nobody awaits any more (no "never retrieved" log).
+            self._pending.add_done_callback(lambda f: f.cancelled() or f.exception())
+        pending = self._pending
+        try:
+            return await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if pending.cancelled() and not (task is not None and task.cancelling()):
+                return grpc.aio.EOF  # the call was cancelled (``cancel()``), not this reader
+            raise
+        finally:
+            if pending.done():
+                self._pending = None
 
     async def read(self) -> LLMChunk | None:
         """Raises: TritonError on an error response or a broken stream."""
         while not self.done:
             try:
-                response = await self._call.read()
+                message = await self._next_message()
             except grpc.aio.AioRpcError as exc:
-                self.done = True
+                self.finished = self.done = True
                 raise TritonError(exc.details() or str(exc.code()), unavailable=True) from exc
-            if response is grpc.aio.EOF:
-                self.done = True
+            if message is grpc.aio.EOF:
+                self.finished = self.done = True
                 return None
-            if response.error_message:
-                self.done = True
-                raise TritonError(response.error_message)
-            infer = response.infer_response
-            final = infer.parameters["triton_final_response"].bool_param
-            self.done = final
+            if message.error_message:
+                self.finished = True  # an error response ends the request; the stream follows
+                raise TritonError(message.error_message)
+            infer = message.infer_response
+            if infer.parameters["triton_final_response"].bool_param:
+                self.finished = True
             if infer.outputs:
                 return parse_chunk(infer)
         return None
 
+    async def drain(self, timeout: float) -> bool:
+        """Read and drop responses until the stream ends, also past an error response; True if
+        it ended within ``timeout`` s without an error (never raises)."""
+        failed = False
+
+        async def skip_all() -> None:
+            nonlocal failed
+            while True:
+                try:
+                    if await self.read() is None:
+                        return
+                except TritonError:
+                    failed = True
+
+        try:
+            await asyncio.wait_for(skip_all(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return not failed
+
     def cancel(self) -> None:
-        """Cancel the gRPC stream; later reads return None."""
+        """Cancel the gRPC stream (Triton then cancels the request); later reads return None."""
         self.done = True
         self._call.cancel()
 
@@ -278,9 +330,10 @@ class TritonClient:
     async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
         """Ask the generator to abort ``request_id`` now and free its KV pages.
 
-        Ensembles do not pass cancellation into a running decoupled step (ARCHITECTURE.md, "Platform facts"), so this
-        control request (only ``abort_request_id``) goes straight to the generator. Returns
-        True when the generator acknowledged with its final response within ``timeout`` s.
+        Ensembles do not pass cancellation into a running decoupled step (ARCHITECTURE.md,
+        "Platform facts"), so this control request (only ``abort_request_id``) goes straight to
+        the generator. Returns True when the generator acknowledged with its final response
+        (and the stream ended) within ``timeout`` s.
         """
         try:
             request = await self._request(
@@ -290,22 +343,48 @@ class TritonClient:
             log.warning("abort %s not sent: %s", request_id, exc.message)
             return False
         stream = ResponseStream(self._stub.ModelStreamInfer(iter([request])))
+        acknowledged = await stream.drain(timeout)
+        if not stream.done:
+            stream.cancel()
+        if not acknowledged:
+            log.warning("abort %s not acknowledged within %.1f s", request_id, timeout)
+        return acknowledged
 
-        async def drain() -> None:
-            while await stream.read() is not None:
-                pass
+    async def finish(
+        self, stream: ResponseStream, abort_request_id: str | None = None, timeout: float = 5.0
+    ) -> None:
+        """End ``stream`` by reading it to its end, after aborting ``abort_request_id`` (its
+        request id) in the generator when given; only a stream that has not ended after
+        ``timeout`` s is cancelled.
 
-        try:
-            await asyncio.wait_for(drain(), timeout)
-            return True
-        except (TritonError, asyncio.TimeoutError) as exc:
-            log.warning("abort %s not acknowledged: %r", request_id, exc)
-            return False
-        finally:
+        Cancelling a stream leaves work behind in Triton 2.51, in two ways:
+
+        - a cancelled ensemble request is never released when its decoupled generator step
+          still sends responses: the cancellation fails the next detokenizer step (CANCELLED),
+          and once a step failed the ensemble ignores the other steps' later responses, the
+          generator's final one included, so its count of steps in flight never reaches 0 (an
+          in-flight ``llm`` inference forever; shutdown waits for it until killed);
+        - a stream cancelled after its final response, while other requests run, can leave
+          that request unreleased by the gRPC endpoint: its model then never unloads.
+
+        The abort brings the generator's final response (finish_reason ``"abort"``) within
+        milliseconds, and the stream then ends by itself.
+        """
+        if abort_request_id is not None and not stream.finished:
+            # Read while the abort is on its way, so the responses sent meanwhile never pile up.
+            ended = asyncio.ensure_future(stream.drain(timeout))
+            if not await self.abort(abort_request_id, timeout):
+                stream.cancel()  # the generator may go on: at least stop listening
+            await ended
+        else:
+            await stream.drain(timeout)
+        if not stream.done:
+            log.warning("a stream did not end within %.1f s; cancelling it", timeout)
             stream.cancel()
 
-    def abort_soon(self, request_id: str) -> None:
-        """Schedule ``abort`` without awaiting it (safe inside a cancelled task's cleanup)."""
-        task = asyncio.get_running_loop().create_task(self.abort(request_id))
+    def close_soon(self, stream: ResponseStream, abort_request_id: str | None = None) -> None:
+        """Schedule ``finish`` without awaiting it (safe inside a cancelled task's cleanup);
+        ``close()`` waits for it."""
+        task = asyncio.get_running_loop().create_task(self.finish(stream, abort_request_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
