@@ -28,6 +28,39 @@ from tritonllm.sampling_params import SamplingParams
 MODES = {"graph+overlap": (True, True), "graph": (True, False), "eager": (False, False)}
 
 
+def decoding_engine(
+    model: str,
+    device: str,
+    backend: str,
+    batch_size: int,
+    mode: str,
+    prompt_len: int,
+    max_tokens: int,
+    temperature: float,
+    engine_args: dict[str, str],
+) -> LLMEngine:
+    """An engine with `batch_size` random `prompt_len`-token requests, prefilled and past 4
+    warm-up decode steps (device synchronised), ready for timed decode steps.
+
+    Raises:
+        KeyError: unknown `mode` (see MODES).
+    """
+    graph, overlap = MODES[mode]
+    extra = {"cuda_graph": str(graph), "overlap_schedule": str(overlap), **engine_args}
+    engine = LLMEngine(engine_config(model, device, backend, max(batch_size, 1), engine_args=extra))
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+    for i in range(batch_size):
+        engine.add_request(f"r{i}", [rng.randint(0, 10000) for _ in range(prompt_len)], params)
+    sched = engine.scheduler
+    while sched.waiting or any(not r.is_decoding for r in sched.running):
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    common.synchronize(device)
+    return engine
+
+
 def time_decode_step(
     model: str,
     device: str,
@@ -43,21 +76,10 @@ def time_decode_step(
     Raises:
         KeyError: unknown `mode` (see MODES).
     """
-    graph, overlap = MODES[mode]
-    extra = {"cuda_graph": str(graph), "overlap_schedule": str(overlap), **engine_args}
-    config = engine_config(model, device, backend, max(batch_size, 1), engine_args=extra)
-    engine = LLMEngine(config)
-    rng = random.Random(0)
-    params = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
-    for i in range(batch_size):
-        engine.add_request(f"r{i}", [rng.randint(0, 10000) for _ in range(prompt_len)], params)
-    # Prefill everything, then a few decode steps of warm-up.
-    sched = engine.scheduler
-    while sched.waiting or any(not r.is_decoding for r in sched.running):
-        engine.step()
-    for _ in range(4):
-        engine.step()
-    common.synchronize(device)
+    engine = decoding_engine(
+        model, device, backend, batch_size, mode, prompt_len, steps + 16, 0.0, engine_args
+    )
+    config, sched = engine.config, engine.scheduler
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()

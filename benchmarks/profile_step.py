@@ -18,7 +18,6 @@ import cProfile
 import gc
 import io
 import pstats
-import random
 import time
 from pathlib import Path
 
@@ -26,49 +25,20 @@ import torch
 from torch.autograd import DeviceType
 
 from benchmarks import common
-from benchmarks.decode_step import MODES
+from benchmarks.decode_step import MODES, decoding_engine
 from benchmarks.offline import engine_config
-from tritonllm.engine.engine import LLMEngine
-from tritonllm.sampling_params import SamplingParams
-
-
-def _engine(
-    model: str,
-    device: str,
-    backend: str,
-    bs: int,
-    mode: str,
-    prompt_len: int,
-    steps: int,
-    temperature: float,
-    engine_args: dict[str, str],
-) -> LLMEngine:
-    graph, overlap = MODES[mode]
-    extra = {**engine_args, "cuda_graph": str(graph), "overlap_schedule": str(overlap)}
-    engine = LLMEngine(engine_config(model, device, backend, max(bs, 1), engine_args=extra))
-    rng = random.Random(0)
-    params = SamplingParams(max_tokens=3 * steps + 16, temperature=temperature, ignore_eos=True)
-    for i in range(bs):
-        engine.add_request(f"r{i}", [rng.randint(0, 10000) for _ in range(prompt_len)], params)
-    sched = engine.scheduler
-    while sched.waiting or any(not r.is_decoding for r in sched.running):
-        engine.step()
-    for _ in range(4):
-        engine.step()
-    common.synchronize(device)
-    return engine
 
 
 def profile_batch(args, model: str, bs: int, out_dir: Path) -> str:
     """Profile `args.steps` decode steps at batch size `bs`; returns a one-paragraph summary."""
-    engine = _engine(
+    engine = decoding_engine(
         model,
         args.device,
         args.attention_backend,
         bs,
         args.mode,
         args.prompt_len,
-        args.steps,
+        3 * args.steps + 16,
         args.temperature,
         common.engine_args(args),
     )
