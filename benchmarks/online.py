@@ -23,6 +23,7 @@ from typing import Any
 
 from benchmarks import common
 from benchmarks.common import Workload, fmt, log, percentile
+from benchmarks.load_probe import LoadProbe
 from benchmarks.streaming_client import LevelResult, run_level, served_model_name
 from tritonllm.launch import sidecar_command
 from tritonllm.triton_server import (
@@ -145,37 +146,51 @@ async def run_levels_online(
     level_inputs: dict[int, tuple[list[str], Workload]],
     temperature: float,
     endpoint: str,
-) -> dict[int, LevelResult]:
-    """Warm up with one short request, then run each level in order."""
+    probe: LoadProbe | None = None,
+) -> tuple[dict[int, LevelResult], dict[int, dict[str, str]]]:
+    """Warm up with one short request, then run each level in order.
+
+    Returns:
+        the results per level, and per level the `probe`'s report over it ({} without one).
+    """
     model = served_model_name(base_url)
     warm = await run_level(base_url, model, ["warm up " * 8], [8], 1, temperature, endpoint)
     if warm.records[0].error:
         raise RuntimeError(f"warm-up request failed: {warm.records[0].error}")
-    results = {}
+    results, loads = {}, {}
     for c, (texts, workload) in level_inputs.items():
+        before = probe.snapshot() if probe else None
         results[c] = res = await run_level(
             base_url, model, texts, workload.output_lens, c, temperature, endpoint
         )
+        if probe and before:
+            loads[c] = probe.report(before, probe.snapshot())
         failed = len(res.records) - len(res.ok)
         log(f"online, concurrency {c}: {res.output_tokens_per_s:,.0f} tok/s, {failed} failed")
-    return results
+        for key, value in loads.get(c, {}).items():
+            log(f"  {key}: {value}")
+    return results, loads
 
 
 def serve_and_run(
     args: argparse.Namespace, model: Path, level_inputs: dict[int, tuple[list[str], Workload]]
-) -> dict[int, LevelResult]:
-    """Start what `args` does not point at (tritonserver, sidecar), run the levels, stop them."""
+) -> tuple[dict[int, LevelResult], dict[int, dict[str, str]]]:
+    """Start what `args` does not point at (tritonserver, sidecar), run the levels, stop them.
 
-    def go(base_url: str) -> dict[int, LevelResult]:
+    Returns `run_levels_online`'s results and load reports (CPU per process of what this
+    function started, and the generator's time counters when it started tritonserver).
+    """
+
+    def go(base_url: str, probe: LoadProbe | None = None):
         return asyncio.run(
-            run_levels_online(base_url, level_inputs, args.temperature, args.endpoint)
+            run_levels_online(base_url, level_inputs, args.temperature, args.endpoint, probe)
         )
 
     if args.openai_url:
         return go(args.openai_url)
     if args.triton_url:
         with Sidecar(args.triton_url) as sidecar:
-            return go(sidecar.base_url)
+            return go(sidecar.base_url, LoadProbe([sidecar.proc.pid], args.metrics_url))
     env = {
         "TRITONLLM_DEVICE": args.device,
         "TRITONLLM_ATTENTION_BACKEND": args.attention_backend,
@@ -190,7 +205,8 @@ def serve_and_run(
         server.start(timeout=600)
         log(f"tritonserver ready on {server.grpc_url}; starting the sidecar")
         with Sidecar(server.grpc_url) as sidecar:
-            return go(sidecar.base_url)
+            probe = LoadProbe([server.process.pid, sidecar.proc.pid], server.metrics_url)
+            return go(sidecar.base_url, probe)
     except RuntimeError:
         print(server.log_tail(), file=sys.stderr)
         raise
@@ -204,6 +220,22 @@ def ms_pair(values: list[float]) -> str:
     if p50 is None:
         return "-"
     return f"{p50 * 1e3:,.1f} / {p99 * 1e3:,.1f}"
+
+
+def load_report(loads: dict[int, dict[str, str]]) -> str:
+    """Markdown table of the per-level load reports (`LoadProbe.report`); '' without any."""
+    if not loads:
+        return ""
+    keys = sorted(
+        {k for load in loads.values() for k in load}, key=["cpu", "engine", "sender"].index
+    )
+    names = {
+        "cpu": "CPU cores per process",
+        "engine": "generator engine thread",
+        "sender": "generator sender thread",
+    }
+    rows = [[str(c)] + [load.get(k, "-") for k in keys] for c, load in loads.items()]
+    return common.markdown_table(["concurrency"] + [names[k] for k in keys], rows)
 
 
 def report(results: dict[int, LevelResult], offline: dict[int, float] | None) -> str:
@@ -245,7 +277,9 @@ def report(results: dict[int, LevelResult], offline: dict[int, float] | None) ->
     return common.markdown_table(headers, rows)
 
 
-def run(args: argparse.Namespace) -> tuple[dict[int, LevelResult], dict[int, float] | None]:
+def run(
+    args: argparse.Namespace,
+) -> tuple[dict[int, LevelResult], dict[int, float] | None, dict[int, dict[str, str]]]:
     """Offline engine per level (subprocess) first, then the served stack per level."""
     from transformers import AutoTokenizer
 
@@ -259,7 +293,8 @@ def run(args: argparse.Namespace) -> tuple[dict[int, LevelResult], dict[int, flo
         offline = dict(zip(args.concurrency, values, strict=True))
     elif not args.no_offline:
         offline = offline_tokens_per_s(args, model, {c: w for c, (_, w) in level_inputs.items()})
-    return serve_and_run(args, model, level_inputs), offline
+    results, loads = serve_and_run(args, model, level_inputs)
+    return results, offline, loads
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -284,20 +319,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offline-tokens-per-s", help="skip the offline run: tok/s (one or per level)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
     p.add_argument("--triton-url", help="use a running tritonserver (gRPC HOST:PORT)")
+    p.add_argument(
+        "--metrics-url",
+        help="with --triton-url: its metrics endpoint (http://HOST:PORT/metrics), for the "
+        "generator's time counters per level",
+    )
     p.add_argument("--openai-url", help="use a running sidecar (http://HOST:PORT)")
     p.add_argument("--server-log", help="tritonserver log file (default: a temp file)")
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> tuple[dict[int, LevelResult], dict[int, float] | None]:
+def main(
+    argv: list[str] | None = None,
+) -> tuple[dict[int, LevelResult], dict[int, float] | None, dict[int, dict[str, str]]]:
     """Run the benchmark, print its table, append it to BENCHMARKS.md (unless `--no-append`).
 
     Returns:
-        the online results per concurrency level, and the offline engine's output tokens/s per
-        level (None when skipped).
+        the online results per concurrency level, the offline engine's output tokens/s per
+        level (None when skipped), and the load report per level (`LoadProbe.report`).
     """
     args = parse_args(argv)
-    results, offline = run(args)
+    results, offline, loads = run(args)
     notes = [
         f"{args.endpoint} completions, streamed, closed loop; prompts: random ids in "
         f"[{args.min_len}, {args.max_input_len}] decoded to text (+ chat template); outputs "
@@ -305,8 +347,17 @@ def main(argv: list[str] | None = None) -> tuple[dict[int, LevelResult], dict[in
         f"{args.temperature}; device {args.device}, attention {args.attention_backend}",
         "offline engine: the same prompt ids, same concurrency cap (closed loop), same run",
     ]
-    common.publish("Online serving", report(results, offline), notes, args)
-    return results, offline
+    table = report(results, offline)
+    if loads:
+        table += "\n\nWhere the time goes per level (averages over the level's wall time):\n\n"
+        table += load_report(loads)
+        notes.append(
+            "CPU cores: user+system CPU seconds per process (/proc) over the level's wall time; "
+            "engine/sender: the generator's tritonllm_* time counters over the same interval "
+            "(busy = had work, cpu = thread CPU time, gpu wait = waiting for a launched step)"
+        )
+    common.publish("Online serving", table, notes, args)
+    return results, offline, loads
 
 
 if __name__ == "__main__":

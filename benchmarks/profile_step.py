@@ -147,6 +147,8 @@ def _offline_pass(args, model: str, out_dir: Path, profiled: bool) -> list[str]:
             common.synchronize(args.device)
             window["wall"] = (time.perf_counter() - window["t0"]) / 20
             window["prof"].stop()
+            if args.trace:
+                window["prof"].export_chrome_trace(str(out_dir / "offline_window_trace.json"))
 
     def timed_step():
         profile_window(sum(1 for s in steps if s[0] is True))
@@ -245,6 +247,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--window-start", type=int, default=450, help="offline: first profiled decode step"
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="offline: also write the window's Chrome trace (host and device timelines) to "
+        "--out/offline_window_trace.json",
     )
     args = p.parse_args(argv)
     out_dir = Path(args.out)

@@ -2,8 +2,9 @@
 
 `python -m kernels.bench_attention` (CUDA only). For Qwen3-0.6B's attention shape (16 query
 heads, 8 KV heads, head_dim 128, bf16, page size 16) and several batch sizes and context
-lengths, it times one layer's decode attention and reports the KV bytes read per second, next
-to the device-to-device copy bandwidth measured in the same run (the physical bound).
+lengths (equal, and spread over 100..2047 tokens as in the offline workload's mid-run batches), it
+times one layer's decode attention and reports the KV bytes read per second, next to the
+device-to-device copy bandwidth measured in the same run (the physical bound).
 """
 
 from __future__ import annotations
@@ -37,17 +38,31 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / _time(lambda: dst.copy_(src), iters=20)
 
 
-def bench_case(batch: int, ctx: int, copy_bw: float, flashinfer) -> str:
-    """One line: Triton (and FlashInfer, if given) decode bandwidth for `batch` x `ctx` tokens."""
+def bench_case(lens: list[int], copy_bw: float, flashinfer, label: str = "") -> str:
+    """One line: Triton (and FlashInfer, if given) decode bandwidth for sequences of `lens`
+    tokens (one per batch row; pages scattered at random over the pool).
+
+    FlashInfer runs four ways: CUDA-core or tensor-core kernels (`-tc`), each planned by a
+    plain wrapper or by a `use_cuda_graph=True` wrapper (`-graph`, what the engine's CUDA-graph
+    decode replays; its plan may split KV differently). Bandwidth = K/V bytes of all `lens`
+    tokens over the kernel time.
+    """
     dev = torch.device("cuda")
-    pages = math.ceil(ctx / PAGE)
-    num_pages = batch * pages + 1
+    batch, ctx = len(lens), max(lens)
+    num_seq_pages = [math.ceil(n / PAGE) for n in lens]
+    num_pages = sum(num_seq_pages) + 1
     k_cache = torch.randn(num_pages, PAGE, HKV, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     v_cache = torch.randn_like(k_cache)
-    table = (torch.randperm(num_pages - 1, device=dev) + 1).int().view(batch, pages)
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    perm = (torch.randperm(num_pages - 1, device=dev) + 1).int()
+    max_pages = max(num_seq_pages)
+    table = torch.zeros(batch, max_pages, dtype=torch.int32, device=dev)
+    indptr = [0]
+    for b, n in enumerate(num_seq_pages):
+        table[b, :n] = perm[indptr[-1] : indptr[-1] + n]
+        indptr.append(indptr[-1] + n)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
     q = torch.randn(batch, HQ, HEAD_DIM, dtype=torch.bfloat16, device=dev)
-    kv_bytes = 2 * batch * ctx * HKV * HEAD_DIM * 2
+    kv_bytes = 2 * sum(lens) * HKV * HEAD_DIM * 2
     splits = default_num_kv_splits(batch, HKV, ctx, dev)
     ws = decode_workspace(batch, HQ, splits, HEAD_DIM, dev)
     out = torch.empty_like(q)
@@ -58,41 +73,58 @@ def bench_case(batch: int, ctx: int, copy_bw: float, flashinfer) -> str:
         )
 
     t = _time(triton_decode)
-    line = (
-        f"B={batch:4d} ctx={ctx:6d} splits={splits:2d}  triton "
-        f"{kv_bytes / t / 1e12:5.2f} TB/s ({kv_bytes / t / copy_bw:4.0%})"
-    )
+    name = label or f"B={batch:4d} ctx={ctx:6d}"
+    line = f"{name} splits={splits:2d}  triton {kv_bytes / t / 1e12:5.2f} TB/s ({kv_bytes / t / copy_bw:4.0%})"
     if flashinfer is None:
         return line
-    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
-    last = torch.full((batch,), (ctx - 1) % PAGE + 1, dtype=torch.int32)
+    indptr_t = torch.tensor(indptr, dtype=torch.int32)
+    indices = torch.cat([table[b, :n] for b, n in enumerate(num_seq_pages)])
+    last = torch.tensor([(n - 1) % PAGE + 1 for n in lens], dtype=torch.int32)
     for tensor_cores in (False, True):
-        # use_tensor_cores=True runs FlashInfer's prefill (tensor-core) kernels for decode.
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            torch.zeros(128 << 20, dtype=torch.uint8, device=dev),
-            "NHD",
-            use_tensor_cores=tensor_cores,
-        )
-        wrapper.plan(
-            indptr,
-            table.flatten(),
-            last,
-            HQ,
-            HKV,
-            HEAD_DIM,
-            PAGE,
-            q_data_type=torch.bfloat16,
-            kv_data_type=torch.bfloat16,
-        )
+        for graph in (False, True):
+            workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+            extra = {}
+            if graph:
+                extra = dict(
+                    use_cuda_graph=True,
+                    paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=dev),
+                    paged_kv_indices_buffer=torch.zeros(
+                        indices.numel(), dtype=torch.int32, device=dev
+                    ),
+                    paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=dev),
+                )
+            # use_tensor_cores=True runs FlashInfer's prefill (tensor-core) kernels for decode.
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_tensor_cores=tensor_cores, **extra
+            )
+            wrapper.plan(
+                indptr_t,
+                indices,
+                last,
+                HQ,
+                HKV,
+                HEAD_DIM,
+                PAGE,
+                q_data_type=torch.bfloat16,
+                kv_data_type=torch.bfloat16,
+            )
 
-        def flashinfer_decode(wrapper=wrapper):
-            return wrapper.run(q, (k_cache, v_cache))
+            def flashinfer_decode(wrapper=wrapper):
+                return wrapper.run(q, (k_cache, v_cache))
 
-        torch.testing.assert_close(flashinfer_decode(), out, atol=2e-2, rtol=2e-2)
-        t = _time(flashinfer_decode)
-        name = "flashinfer-tc" if tensor_cores else "flashinfer"
-        line += f"  {name} {kv_bytes / t / 1e12:5.2f} TB/s ({kv_bytes / t / copy_bw:4.0%})"
+            torch.testing.assert_close(flashinfer_decode(), out, atol=2e-2, rtol=2e-2)
+            t = _time(flashinfer_decode)
+            name = "flashinfer" + ("-tc" if tensor_cores else "") + ("-graph" if graph else "")
+            line += f"  {name} {kv_bytes / t / 1e12:5.2f} TB/s ({kv_bytes / t / copy_bw:4.0%})"
     return line
+
+
+def mixed_lengths(batch: int, lo: int, hi: int, order: str, seed: int = 0) -> list[int]:
+    """`batch` context lengths uniform in [lo, hi] (fixed seed), in `order`: "random" or
+    "descending" (longest first: the longest work items start first, so fewer stragglers)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (batch,), generator=gen).tolist()
+    return sorted(lens, reverse=True) if order == "descending" else lens
 
 
 def main() -> None:
@@ -104,7 +136,13 @@ def main() -> None:
         flashinfer = None
     cases = [(1, 512), (1, 4096), (32, 1024), (64, 640), (128, 640), (256, 640), (256, 4096)]
     for batch, ctx in cases:
-        print(bench_case(batch, ctx, copy_bw, flashinfer), flush=True)
+        print(bench_case([ctx] * batch, copy_bw, flashinfer), flush=True)
+    # Mid-run batches of the offline workload: contexts spread over 100..2047 tokens.
+    for batch in (64, 150, 256):
+        for order in ("random", "descending"):
+            lens = mixed_lengths(batch, 100, 2047, order)
+            label = f"B={batch:4d} ctx=100..2047 {order:10s}"
+            print(bench_case(lens, copy_bw, flashinfer, label), flush=True)
 
 
 if __name__ == "__main__":

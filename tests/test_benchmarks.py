@@ -4,6 +4,7 @@ token accounting of each benchmark are checked; speeds never are."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -153,10 +154,17 @@ def test_online_benchmark_streams_exact_token_counts(tiny_model_dir, triton_serv
         "torch",
         "--triton-url",
         triton_server.grpc_url,
+        "--metrics-url",
+        triton_server.metrics_url,
         "--no-append",
     ]
-    results, offline_tps = online.main(args)
+    results, offline_tps, loads = online.main(args)
     assert set(results) == {1, 2} and set(offline_tps) == {1, 2}
+    # Per level: CPU of the sidecar and this client, and the generator's time counters.
+    for load in loads.values():
+        assert "sidecar" in load["cpu"] and "client" in load["cpu"], load
+        assert re.match(r"busy \d+%, cpu \d+%, gpu wait \d+%; [\d,]+ steps/s", load["engine"])
+        assert re.search(r"[1-9][\d,]* responses/s", load["sender"]), load
     inputs = online.level_workloads(online.parse_args(args), tokenizer)
     for c, level in results.items():
         texts, workload = inputs[c]

@@ -66,6 +66,10 @@ def test_concurrent_submissions_from_many_threads(thread):
         assert last.finish_reason == "length" and last.num_output_tokens == 12
         assert sum(o.finished for o in sink.outputs[f"r{i}"]) == 1
     assert thread.stats().num_running == 0
+    times = thread.loop_times()
+    assert times.loops >= 12  # one loop per step, 12 decode steps at least
+    assert 0 < times.cpu_s and times.callback_s < times.busy_s
+    assert thread.stats().gpu_wait_s <= times.busy_s
 
 
 def test_invalid_submit_raises_synchronously_and_thread_keeps_serving(thread):

@@ -303,6 +303,13 @@ def test_concurrent_streams_batch_and_match_hf(triton_server, stream, tokenizer,
         assert _last(results[rid], "finish_reason") == "length"
     assert metric(triton_server, "tritonllm_batch_size_max") > 1
     assert metric(triton_server, "tritonllm_generated_tokens_total") >= n * len(PROMPTS)
+    # Time counters: the engine thread did work and used CPU for it; the sender answered.
+    busy = wait_metric(triton_server, "tritonllm_engine_busy_seconds_total", bool, timeout=2.0)
+    assert 0 < metric(triton_server, "tritonllm_engine_cpu_seconds_total") <= busy * 1.05 + 0.01
+    assert metric(triton_server, "tritonllm_engine_steps_total") >= n
+    assert metric(triton_server, "tritonllm_engine_gpu_wait_seconds_total") <= busy
+    assert metric(triton_server, "tritonllm_responses_total") >= len(PROMPTS)
+    assert metric(triton_server, "tritonllm_sender_busy_seconds_total") > 0
 
 
 @pytest.mark.parametrize(

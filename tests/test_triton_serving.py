@@ -116,6 +116,11 @@ def test_streamer_coalesces_outputs_that_pile_up_while_sending():
     release.set()
     streamer.stop()
     assert delivered == [[("a", [1])], [("a", [2, 3, 4]), ("b", [9])]]
+    # Three responses; the sender was busy for the 0.01+ s the first deliver blocked, with
+    # little CPU time spent (it was blocked, not computing).
+    times = streamer.times()
+    assert times.responses == 3
+    assert times.busy_s > 0 and times.cpu_s <= times.busy_s + 0.05
 
 
 def test_streamer_ticks_after_a_finish_and_survives_errors():

@@ -163,7 +163,10 @@ class EngineConfig:
         model: path of a Hugging Face model directory (config.json + safetensors).
         device: "cpu" or "cuda" (or "cuda:N").
         dtype: "float32" | "bfloat16" | "float16"; None → float32 on CPU, bfloat16 on CUDA.
-        page_size: tokens per KV page.
+        page_size: tokens per KV page; None → 16 on CPU, 64 on CUDA (fewer, larger pages: less
+            page-table work per step on the host and fewer page lookups in the attention
+            kernels; measured on an H200, the offline benchmark went from 54% to 58% of its
+            bandwidth bound at 64 vs 16). The prefix cache reuses whole pages only.
         num_pages: KV pages in the pool (page 0 is reserved, so num_pages - 1 are usable);
             None → on CPU enough for `max_running_requests` sequences of min(max_model_len,
             2048) tokens capped at 1 GiB, on CUDA `gpu_memory_utilization` of free memory
@@ -192,7 +195,7 @@ class EngineConfig:
     model: str
     device: str = "cpu"
     dtype: str | None = None
-    page_size: int = 16
+    page_size: int | None = None
     num_pages: int | None = None
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192
@@ -206,6 +209,9 @@ class EngineConfig:
     overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.page_size is None:  # frozen: derived once, here
+            cpu = torch.device(self.device).type == "cpu"
+            object.__setattr__(self, "page_size", 16 if cpu else 64)
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_prefill_tokens < 1:

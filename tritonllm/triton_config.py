@@ -12,7 +12,7 @@ is a field of ``EngineConfig``; each can be set by the environment variable
 ``TRITONLLM_DEVICE`` / ``device``      ``cpu``, ``cuda`` or ``cuda:N``; default ``cuda`` when
                                        torch sees a GPU, else ``cpu``
 ``TRITONLLM_DTYPE``                    ``float32`` | ``bfloat16`` | ``float16``; default by device
-``TRITONLLM_PAGE_SIZE``                tokens per KV page
+``TRITONLLM_PAGE_SIZE``                tokens per KV page (16 on CPU, 64 on CUDA)
 ``TRITONLLM_NUM_PAGES``                KV pages in the pool (default: derived by the engine)
 ``TRITONLLM_MAX_RUNNING_REQUESTS``     most requests in one batch
 ``TRITONLLM_MAX_PREFILL_TOKENS``       per-step token budget of a prefill batch

@@ -12,6 +12,8 @@ buffers; `prepare_capture(bs)` creates a `use_cuda_graph=True` decode wrapper fo
 `bs` over slices of them and plans it with a dummy batch; `prepare_replay(meta, bs)` re-plans
 that wrapper with the real batch padded to `bs` (padding: one token on reserved page 0).
 FlashInfer's plan() copies into the fixed buffers, so the captured kernels see the new batch.
+Decode batches of `TENSOR_CORE_DECODE_MIN_BATCH` or more sequences use the tensor-core decode
+kernels (load balance over uneven context lengths; see the constant).
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ except ImportError:  # the registry still lists the backend; constructing it rai
     flashinfer = None
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-K)
+
+# Decode batches of at least this many sequences run FlashInfer's tensor-core (prefill-kernel)
+# decode even for small GQA groups: its planner splits long sequences into chunks, so a batch
+# whose contexts differ (100..2047 tokens) no longer waits for its longest sequences. Measured
+# on an H200 (`python -m kernels.bench_attention`, 2026-11-30, CUDA-graph wrappers, Qwen3-0.6B
+# heads): contexts 100..2047 at batch 150 75% -> 90% of copy bandwidth, at batch 256 85% -> 95%;
+# equal contexts at batch 128 88% -> 81%, at batch 64 80% -> 74% (hence no lower).
+TENSOR_CORE_DECODE_MIN_BATCH = 128
 
 
 @dataclass
@@ -116,6 +126,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
+        self._decode_large = self._decode  # decode batches >= TENSOR_CORE_DECODE_MIN_BATCH
+        if not self.use_tensor_cores:
+            self._decode_large = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_tensor_cores=True
+            )
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._wrapper = self._decode
         self._out_cache_loc: torch.Tensor | None = None
@@ -127,8 +142,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         args = paged_kv_args(meta.page_table, meta.seq_lens_cpu, self.page_size)
         self._out_cache_loc = meta.out_cache_loc
         if meta.is_decode:
-            self._plan_decode(self._decode, args)
-            self._wrapper = self._decode
+            large = meta.num_seqs >= TENSOR_CORE_DECODE_MIN_BATCH
+            self._wrapper = self._decode_large if large else self._decode
+            self._plan_decode(self._wrapper, args)
             return
         qo_indptr = [0]
         for n in meta.extend_lens_cpu:
@@ -211,7 +227,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self._workspace,
                 "NHD",
                 use_cuda_graph=True,
-                use_tensor_cores=self.use_tensor_cores,
+                use_tensor_cores=self.use_tensor_cores or bs >= TENSOR_CORE_DECODE_MIN_BATCH,
                 paged_kv_indptr_buffer=g.kv_indptr[: bs + 1],
                 paged_kv_indices_buffer=g.kv_indices,
                 paged_kv_last_page_len_buffer=g.kv_last_page_len[:bs],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 from dataclasses import dataclass
 
 from tritonllm.config import EngineConfig
@@ -39,6 +40,9 @@ class EngineStats:
         max_batch_size_seen: the largest decode batch so far.
         num_steps: steps that ran a forward pass.
         num_preemptions: requests preempted for lack of pages.
+        gpu_wait_s: seconds `step()` spent so far waiting for the device to finish a launched
+            step (in `LaunchedStep.result`); with overlap scheduling a step that waits is
+            device-bound, one that does not is host-bound.
     """
 
     num_running: int
@@ -51,6 +55,7 @@ class EngineStats:
     max_batch_size_seen: int
     num_steps: int
     num_preemptions: int
+    gpu_wait_s: float = 0.0
 
 
 class LLMEngine:
@@ -85,6 +90,7 @@ class LLMEngine:
         self._gen_ids = itertools.count()
         self._num_steps = 0
         self._max_batch = 0
+        self._gpu_wait_s = 0.0
         self._overlap = config.use_overlap_schedule
         self._in_flight: LaunchedStep | None = None  # overlap: launched, not yet processed
         self._detok: Detokenizer | None = None
@@ -248,7 +254,9 @@ class LLMEngine:
 
     def _process(self, step: LaunchedStep, outputs: list[RequestOutput]) -> None:
         """Fill in the sampled tokens of a finished step; stop checks; append to `outputs`."""
+        start = time.perf_counter()
         samples = step.result()
+        self._gpu_wait_s += time.perf_counter() - start
         for j, (req, pos) in enumerate(zip(step.sample_reqs, step.token_pos, strict=True)):
             if self._requests.get(req.request_id) is not req:
                 continue  # finished (overlap: its extra token is discarded) or aborted
@@ -352,6 +360,7 @@ class LLMEngine:
             max_batch_size_seen=self._max_batch,
             num_steps=self._num_steps,
             num_preemptions=self.scheduler.num_preemptions,
+            gpu_wait_s=self._gpu_wait_s,
         )
 
     def generate(

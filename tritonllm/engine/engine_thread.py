@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from tritonllm.engine.engine import EngineStats, LLMEngine
 from tritonllm.engine.request import RequestOutput
@@ -19,6 +21,26 @@ from tritonllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 OutputCallback = Callable[[RequestOutput], None]
+
+
+@dataclass(frozen=True)
+class LoopTimes:
+    """Where the engine thread's time went since it started (seconds, monotonic counters).
+
+    Attributes:
+        busy_s: wall time with work to do (submissions, aborts, `engine.step()`, callbacks);
+            the rest of the thread's life it slept waiting for work.
+        cpu_s: CPU time of the thread itself (`time.thread_time`). `busy_s - cpu_s` is time
+            blocked: waiting for the GPU (`EngineStats.gpu_wait_s`) or for the GIL, which the
+            thread shares with every other Python thread of its process.
+        callback_s: wall time spent in the output callbacks.
+        loops: iterations of the loop that did work (about one engine step each).
+    """
+
+    busy_s: float = 0.0
+    cpu_s: float = 0.0
+    callback_s: float = 0.0
+    loops: int = 0
 
 
 class EngineThread:
@@ -38,6 +60,7 @@ class EngineThread:
         self._live: dict[str, int] = {}  # request id → outputs still to finish (n children)
         self._stop = False
         self._stats = engine.stats()
+        self._times = LoopTimes()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -78,6 +101,10 @@ class EngineThread:
         """The engine stats as of the end of the last step."""
         return self._stats
 
+    def loop_times(self) -> LoopTimes:
+        """The engine thread's time counters as of the end of its last step."""
+        return self._times
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stop the thread (requests in flight get no further outputs) and join it."""
         with self._cv:
@@ -91,6 +118,9 @@ class EngineThread:
     # ---- engine thread -----------------------------------------------------------------------
     def _loop(self) -> None:
         engine = self.engine
+        cpu0 = time.thread_time()
+        busy = callbacks = 0.0
+        loops = 0
         while True:
             with self._cv:
                 while not (
@@ -101,6 +131,7 @@ class EngineThread:
                     return
                 submissions, self._submissions = list(self._submissions), deque()
                 aborts, self._aborts = list(self._aborts), deque()
+            start = time.perf_counter()
             outputs: list[RequestOutput] = []
             for request_id, prompt_ids, params in submissions:
                 try:
@@ -118,8 +149,14 @@ class EngineThread:
                 logger.exception("engine step failed; failing the requests in flight")
                 outputs.extend(engine.abort_all(f"engine error: {exc}"))
             self._stats = engine.stats()
+            delivered = time.perf_counter()
             for out in outputs:
                 self._deliver(out)
+            end = time.perf_counter()
+            busy += end - start
+            callbacks += end - delivered
+            loops += 1
+            self._times = LoopTimes(busy, time.thread_time() - cpu0, callbacks, loops)
 
     def _deliver(self, out: RequestOutput) -> None:
         key = out.request_id

@@ -166,6 +166,13 @@ class Scheduler:
                 kept.append(req)
         if not kept:
             return None
+        # Longest context first (ties: oldest first). Attention kernels hand out one work item
+        # per sequence (and head) in batch order; starting the longest ones first leaves short
+        # ones for the tail instead of a few long stragglers (longest-processing-time-first
+        # list scheduling, Graham 1969). Measured on an H200, FlashInfer decode at batch 150
+        # with contexts 100..2047: 75% -> 89% of copy bandwidth on its CUDA-core kernels, 90% ->
+        # 93% on the tensor-core ones used at that batch size (kernels/bench_attention.py).
+        kept.sort(key=lambda r: -r.num_computed)
         return ScheduledBatch(kept, [1] * len(kept), is_decode=True)
 
     def preempt(self, req: Request) -> None:

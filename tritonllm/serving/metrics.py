@@ -1,4 +1,5 @@
-"""The engine gauges the generator exports as Triton custom metrics (``tritonllm_*``)."""
+"""The engine gauges and time counters the generator exports as Triton custom metrics
+(``tritonllm_*``)."""
 
 from __future__ import annotations
 
@@ -56,4 +57,81 @@ def gauge_values(stats: Any) -> dict[str, float]:
     return {
         spec.name: float(values[attr] if attr in values else getattr(stats, attr, 0))
         for spec, attr in ENGINE_GAUGES
+    }
+
+
+# Cumulative counters: metric spec → attribute of ``EngineStats``, ``LoopTimes`` (engine
+# thread) or ``SenderTimes`` (sender thread), read by ``counter_values``. Rates of these over
+# an interval say where a served engine's time goes (``benchmarks/online.py`` reports them).
+TIME_COUNTERS: tuple[tuple[MetricSpec, str, str], ...] = (
+    (
+        MetricSpec(
+            "tritonllm_engine_busy_seconds_total",
+            "Seconds the engine thread had work (steps, admissions, output callbacks)",
+            "counter",
+        ),
+        "loop",
+        "busy_s",
+    ),
+    (
+        MetricSpec(
+            "tritonllm_engine_cpu_seconds_total", "CPU seconds of the engine thread", "counter"
+        ),
+        "loop",
+        "cpu_s",
+    ),
+    (
+        MetricSpec(
+            "tritonllm_engine_gpu_wait_seconds_total",
+            "Seconds the engine thread waited for the device to finish a launched step",
+            "counter",
+        ),
+        "engine",
+        "gpu_wait_s",
+    ),
+    (
+        MetricSpec(
+            "tritonllm_engine_steps_total", "Engine loop iterations with work (steps)", "counter"
+        ),
+        "loop",
+        "loops",
+    ),
+    (
+        MetricSpec(
+            "tritonllm_sender_busy_seconds_total",
+            "Seconds the generator's sender thread spent on the Triton response path",
+            "counter",
+        ),
+        "sender",
+        "busy_s",
+    ),
+    (
+        MetricSpec(
+            "tritonllm_sender_cpu_seconds_total",
+            "CPU seconds of the generator's sender thread",
+            "counter",
+        ),
+        "sender",
+        "cpu_s",
+    ),
+    (
+        MetricSpec(
+            "tritonllm_responses_total", "Streaming responses the generator sent", "counter"
+        ),
+        "sender",
+        "responses",
+    ),
+)
+
+
+def counter_values(stats: Any, loop_times: Any, sender_times: Any) -> dict[str, float]:
+    """``{metric name: cumulative value}`` of ``TIME_COUNTERS``.
+
+    Args:
+        stats: an ``EngineStats``; loop_times: the engine thread's ``LoopTimes``;
+        sender_times: the sender thread's ``SenderTimes``. Missing attributes read as 0.
+    """
+    sources = {"engine": stats, "loop": loop_times, "sender": sender_times}
+    return {
+        spec.name: float(getattr(sources[source], attr, 0)) for spec, source, attr in TIME_COUNTERS
     }

@@ -15,11 +15,28 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tritonllm.serving.pacer import ResponsePacer
 
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class SenderTimes:
+    """The sender thread's counters since it started.
+
+    Attributes:
+        busy_s: wall seconds in ``deliver`` and ``tick`` (the Triton response path).
+        cpu_s: CPU seconds of the thread (``time.thread_time``); ``busy_s - cpu_s`` is time
+            blocked in Triton's IPC or waiting for the GIL.
+        responses: outputs handed to ``deliver`` (about one Triton response each).
+    """
+
+    busy_s: float = 0.0
+    cpu_s: float = 0.0
+    responses: int = 0
 
 
 class ResponseStreamer:
@@ -48,6 +65,7 @@ class ResponseStreamer:
         self._on_error = on_error or (lambda text: print(text, flush=True))
         self._pacer = ResponsePacer(max_responses_per_s)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._times = SenderTimes()
         self._thread = threading.Thread(target=self._run, name="tritonllm-sender", daemon=True)
 
     def start(self) -> ResponseStreamer:
@@ -57,6 +75,10 @@ class ResponseStreamer:
     def put(self, output: Any) -> None:
         """Enqueue one ``RequestOutput`` (thread-safe, never blocks): the engine callback."""
         self._queue.put(output)
+
+    def times(self) -> SenderTimes:
+        """The sender thread's counters as of its last batch."""
+        return self._times
 
     def stop(self, timeout: float = 5.0) -> None:
         """Deliver what is queued, then end the thread."""
@@ -82,16 +104,24 @@ class ResponseStreamer:
 
     def _run(self) -> None:
         next_tick = time.monotonic()
+        cpu0 = time.thread_time()
+        busy = 0.0
+        responses = 0
         while True:
             due = self._pacer.next_due()
             wake = next_tick if due is None else min(next_tick, due)
             outputs, stopping = self._drain(max(0.0, wake - time.monotonic()))
-            merged = self._pacer.admit(outputs, time.monotonic())
+            start = time.monotonic()
+            merged = self._pacer.admit(outputs, start)
             if merged:
                 self._call(self._deliver, merged)
             now = time.monotonic()
             if now >= next_tick or any(o.finished for o in merged):
                 self._call(self._tick)
-                next_tick = now + self._interval_s
+                next_tick = now = time.monotonic()
+                next_tick += self._interval_s
+            busy += now - start
+            responses += len(merged)
+            self._times = SenderTimes(busy, time.thread_time() - cpu0, responses)
             if stopping:
                 return

@@ -27,7 +27,13 @@ from tritonllm.engine.engine import LLMEngine
 from tritonllm.engine.engine_thread import EngineThread
 from tritonllm.serving.inputs import SAMPLING_INPUTS, sampling_params, scalar
 from tritonllm.serving.logprobs import flatten_top_logprobs
-from tritonllm.serving.metrics import ENGINE_GAUGES, GENERATED_TOKENS, gauge_values
+from tritonllm.serving.metrics import (
+    ENGINE_GAUGES,
+    GENERATED_TOKENS,
+    TIME_COUNTERS,
+    counter_values,
+    gauge_values,
+)
 from tritonllm.serving.request_table import RequestTable
 from tritonllm.serving.response_streamer import ResponseStreamer
 from tritonllm.serving.stream_state import ResponseChunk, StreamState
@@ -99,7 +105,8 @@ def _send_error(sender, message):
 
 
 class _Metrics:
-    """The ``tritonllm_*`` Triton custom metrics (``serving.metrics`` names them)."""
+    """The ``tritonllm_*`` Triton custom metrics (``serving.metrics`` names them). Triton
+    counters only increment: the cumulative ``TIME_COUNTERS`` go in as deltas."""
 
     def __init__(self):
         labels = {"model": "generator"}
@@ -114,12 +121,24 @@ class _Metrics:
         )
         self.families.append(family)
         self.generated_tokens = family.Metric(labels=labels)
+        self.counters, self.totals = {}, {}
+        for spec, _, _ in TIME_COUNTERS:
+            family = pb_utils.MetricFamily(
+                spec.name, spec.description, pb_utils.MetricFamily.COUNTER
+            )
+            self.families.append(family)
+            self.counters[spec.name] = family.Metric(labels=labels)
+            self.totals[spec.name] = 0.0
 
-    def update(self, stats, new_tokens):
+    def update(self, stats, new_tokens, loop_times, sender_times):
         for name, value in gauge_values(stats).items():
             self.gauges[name].set(value)
         if new_tokens:
             self.generated_tokens.increment(new_tokens)
+        for name, total in counter_values(stats, loop_times, sender_times).items():
+            if total > self.totals[name]:
+                self.counters[name].increment(total - self.totals[name])
+                self.totals[name] = total
 
 
 class TritonPythonModel:
@@ -138,7 +157,8 @@ class TritonPythonModel:
             interval_s=serving.metrics_interval_s,
             on_error=self.logger.log_error,
             max_responses_per_s=serving.max_responses_per_s,
-        ).start()
+        )
+        self.streamer.start()  # after the assignment: its first tick reads self.streamer
 
     def execute(self, requests):
         for request in requests:
@@ -245,7 +265,12 @@ class TritonPythonModel:
             for key, entry in self.requests.items():
                 if not entry.cancelled and self._cancelled(entry, now):
                     self._cancel(key, entry)
-        self.metrics.update(self.engine_thread.stats(), self.new_tokens)
+        self.metrics.update(
+            self.engine_thread.stats(),
+            self.new_tokens,
+            self.engine_thread.loop_times(),
+            self.streamer.times(),
+        )
         self.new_tokens = 0
 
     def finalize(self):

@@ -1,0 +1,142 @@
+"""Where a served level's time goes: CPU per process and the generator's time counters.
+
+`LoadProbe.snapshot()` before and after a level; `LoadProbe.report(before, after)` gives, over
+that interval:
+
+- CPU cores used by each process of the watched process groups (tritonserver and its Python
+  stubs, labelled by model; the sidecar) and by this client process, from `/proc/<pid>/stat`
+  (`utime + stime`, Linux only; elsewhere the column is empty). A process near 1.0 core that
+  is single-threaded Python is saturated.
+- The generator's `tritonllm_*` time counters (`tritonllm/serving/metrics.py`) as fractions
+  of the interval: engine thread busy / its CPU / waiting for the GPU, sender thread busy /
+  CPU, engine steps/s and responses/s. With overlap scheduling an engine that is busy ~100% of
+  the time but rarely waits for the GPU is host-bound; `busy - cpu - gpu wait` is time the
+  engine thread waited for the GIL (or in other blocking calls).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One reading: monotonic time (s), CPU seconds per process label, metric values."""
+
+    at: float
+    cpu_s: dict[str, float]
+    metrics: dict[str, float]
+
+
+def _label(pid: int) -> str:
+    """A short name for a process: `stub:<model>` for Triton's Python stubs."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return f"pid {pid}"
+    args = [a.decode(errors="replace") for a in argv if a]
+    if not args:
+        return f"pid {pid}"
+    exe = Path(args[0]).name
+    if "triton_python_backend_stub" in exe:
+        # argv[1] is the model's model.py: .../<model>/<version>/model.py
+        parts = Path(args[1]).parts if len(args) > 1 else ()
+        return f"stub:{parts[-3]}" if len(parts) >= 3 else "stub"
+    if exe == "tritonserver":
+        return "tritonserver"
+    if "openai_frontend" in args:
+        return "sidecar"
+    return exe
+
+
+def process_cpu_seconds(pgids: list[int]) -> dict[str, float]:
+    """CPU seconds (user + system) of every live process in the process groups `pgids`, summed
+    per label; {} where `/proc` is not available."""
+    out: dict[str, float] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    wanted = set(pgids)
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state ppid pgrp ... utime(14) stime(15).
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) not in wanted:
+            continue
+        label = _label(int(entry))
+        out[label] = out.get(label, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
+def scrape(metrics_url: str | None) -> dict[str, float]:
+    """The `tritonllm_*` values on a Triton metrics endpoint ({} without one or on error)."""
+    if not metrics_url:
+        return {}
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("tritonllm_"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            values[name] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+class LoadProbe:
+    """Snapshots of the process groups `pgids` and the metrics at `metrics_url` (either may be
+    empty: what is missing is left out of the report)."""
+
+    def __init__(self, pgids: list[int], metrics_url: str | None) -> None:
+        self.pgids = pgids
+        self.metrics_url = metrics_url
+
+    def snapshot(self) -> Snapshot:
+        cpu = process_cpu_seconds(self.pgids)
+        cpu["client"] = time.process_time()
+        return Snapshot(time.monotonic(), cpu, scrape(self.metrics_url))
+
+    @staticmethod
+    def report(before: Snapshot, after: Snapshot) -> dict[str, str]:
+        """`{column: value}` over the interval: `cpu` (cores per process, busiest first) and,
+        with metrics, `engine` and `sender` (busy / CPU / GPU-wait fractions, rates)."""
+        dt = max(after.at - before.at, 1e-9)
+        cores = {k: (v - before.cpu_s.get(k, 0.0)) / dt for k, v in after.cpu_s.items()}
+        cpu = ", ".join(
+            f"{k} {v:.2f}" for k, v in sorted(cores.items(), key=lambda kv: -kv[1]) if v >= 0.01
+        )
+        out = {"cpu": cpu}
+        m0, m1 = before.metrics, after.metrics
+        if m1:
+
+            def rate(name: str) -> float:
+                return (m1.get(f"tritonllm_{name}", 0.0) - m0.get(f"tritonllm_{name}", 0.0)) / dt
+
+            steps = rate("engine_steps_total")
+            tokens = rate("generated_tokens_total")
+            out["engine"] = (
+                f"busy {rate('engine_busy_seconds_total'):.0%}, cpu "
+                f"{rate('engine_cpu_seconds_total'):.0%}, gpu wait "
+                f"{rate('engine_gpu_wait_seconds_total'):.0%}; {steps:,.0f} steps/s, "
+                f"{tokens / steps if steps else 0:.0f} tok/step"
+            )
+            out["sender"] = (
+                f"busy {rate('sender_busy_seconds_total'):.0%}, cpu "
+                f"{rate('sender_cpu_seconds_total'):.0%}; "
+                f"{rate('responses_total'):,.0f} responses/s"
+            )
+        return out
