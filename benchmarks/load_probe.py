@@ -4,14 +4,16 @@
 that interval:
 
 - CPU cores used by each process of the watched process groups (tritonserver and its Python
-  stubs, labelled by model; the sidecar) and by this client process, from `/proc/<pid>/stat`
+  stubs, labelled by model; the generator's engine process; the sidecar) and by this client
+  process, from `/proc/<pid>/stat`
   (`utime + stime`, Linux only; elsewhere the column is empty). A process near 1.0 core that
   is single-threaded Python is saturated.
 - The generator's `tritonllm_*` time counters (`tritonllm/serving/metrics.py`) as fractions
-  of the interval: engine thread busy / its CPU / waiting for the GPU, sender thread busy /
+  of the interval: engine loop busy / its CPU / waiting for the GPU, sender thread busy /
   CPU, engine steps/s and responses/s. With overlap scheduling an engine that is busy ~100% of
   the time but rarely waits for the GPU is host-bound; `busy - cpu - gpu wait` is time the
-  engine thread waited for the GIL (or in other blocking calls).
+  engine loop waited for the GIL (when it shares a process: the engine thread) or in other
+  blocking calls.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ def _label(pid: int) -> str:
     args = [a.decode(errors="replace") for a in argv if a]
     if not args:
         return f"pid {pid}"
+    try:  # EngineProcess names its process (comm is cut to 15 characters)
+        if Path(f"/proc/{pid}/comm").read_text().startswith("tritonllm-engin"):
+            return "engine process"
+    except OSError:
+        pass
     exe = Path(args[0]).name
     if "triton_python_backend_stub" in exe:
         # argv[1] is the model's model.py: .../<model>/<version>/model.py

@@ -231,7 +231,7 @@ def load_report(loads: dict[int, dict[str, str]]) -> str:
     )
     names = {
         "cpu": "CPU cores per process",
-        "engine": "generator engine thread",
+        "engine": "generator engine loop",
         "sender": "generator sender thread",
     }
     rows = [[str(c)] + [load.get(k, "-") for k in keys] for c, load in loads.items()]

@@ -129,12 +129,13 @@ def _offline_pass(args, model: str, out_dir: Path, profiled: bool) -> list[str]:
 
     window = {"prof": None, "steps": 0, "t0": 0.0, "lens": []}
 
-    def profile_window(num_decode: int) -> None:
-        # Kernel times over decode steps [start, start + 20) of the real workload.
-        start = args.window_start
+    def profile_window(num_done: int) -> None:
+        # Kernel times over steps [start, start + n) of the window's kind (decode or prefill
+        # launching) of the real workload.
+        start, n = args.window_start, args.window_steps
         if profiled:
             return
-        if num_decode == start:
+        if num_done == start and window["prof"] is None:
             common.synchronize(args.device)
             acts = [torch.profiler.ProfilerActivity.CPU]
             if args.device.startswith("cuda"):
@@ -143,15 +144,15 @@ def _offline_pass(args, model: str, out_dir: Path, profiled: bool) -> list[str]:
             window["prof"].start()
             window["t0"] = time.perf_counter()
             window["lens"] = [r.num_computed for r in engine.scheduler.running]
-        elif num_decode == start + 20 and window["prof"] is not None:
+        elif num_done == start + n and window["prof"] is not None and "wall" not in window:
             common.synchronize(args.device)
-            window["wall"] = (time.perf_counter() - window["t0"]) / 20
+            window["wall"] = (time.perf_counter() - window["t0"]) / n
             window["prof"].stop()
             if args.trace:
                 window["prof"].export_chrome_trace(str(out_dir / "offline_window_trace.json"))
 
     def timed_step():
-        profile_window(sum(1 for s in steps if s[0] is True))
+        profile_window(sum(1 for s in steps if s[0] is (args.window_kind == "decode")))
         t, w = time.perf_counter(), wait[0]
         launched.clear()
         outs = original_step()
@@ -184,17 +185,19 @@ def _offline_pass(args, model: str, out_dir: Path, profiled: bool) -> list[str]:
         return lines
     if window["prof"] is not None and "wall" in window:
         kernels = [e for e in window["prof"].key_averages() if e.device_type == DeviceType.CUDA]
-        busy = sum(e.self_device_time_total for e in kernels) / 20
-        lens = window["lens"]
+        n = args.window_steps
+        busy = sum(e.self_device_time_total for e in kernels) / n
+        lens = window["lens"] or [0]  # no request running yet (a prefill window at the start)
         lines.append(
-            f"  decode steps {args.window_start}-{args.window_start + 19} under torch.profiler: "
+            f"  {args.window_kind} steps {args.window_start}-{args.window_start + n - 1} under "
+            "torch.profiler: "
             f"batch {len(lens)}, context min/mean/max {min(lens)}/{sum(lens) // len(lens)}/"
             f"{max(lens)} tokens; wall {window['wall'] * 1e3:.3f} ms/step, kernels "
             f"{busy / 1e3:.3f} ms/step"
         )
         for e in sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:8]:
             lines.append(
-                f"     {e.self_device_time_total / 20:9.1f} us/step  x{e.count / 20:5.1f}"
+                f"     {e.self_device_time_total / n:9.1f} us/step  x{e.count / n:5.1f}"
                 f"  {e.key[:80]}"
             )
     prefill = [s for s in steps if s[0] is False]
@@ -218,7 +221,8 @@ def _offline_pass(args, model: str, out_dir: Path, profiled: bool) -> list[str]:
 
 def profile_offline(args, model: str, out_dir: Path) -> str:
     """The offline workload (BENCHMARKS.md) once with cheap per-step timers and kernel times
-    over 20 decode steps from `--window-start`, then (`--offline-cprofile`) once under cProfile
+    over `--window-steps` steps of `--window-kind` (decode- or prefill-launching) from
+    `--window-start`, then (`--offline-cprofile`) once under cProfile
     (host hot spots to `profile_detail.txt`). The summary gives the time in prefill vs
     decode steps and, per decode batch-size bucket, the mean step wall time and the part of it
     spent waiting for the GPU (in `LaunchedStep.result`): a step that hardly waits is
@@ -246,7 +250,14 @@ def main(argv: list[str] | None = None) -> None:
         help="offline: a second run under cProfile (about 10x slower)",
     )
     p.add_argument(
-        "--window-start", type=int, default=450, help="offline: first profiled decode step"
+        "--window-start", type=int, default=450, help="offline: first profiled step of the kind"
+    )
+    p.add_argument("--window-steps", type=int, default=20, help="offline: steps profiled")
+    p.add_argument(
+        "--window-kind",
+        choices=("decode", "prefill"),
+        default="decode",
+        help="offline: profile decode-launching or prefill-launching steps",
     )
     p.add_argument(
         "--trace",

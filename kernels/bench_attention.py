@@ -1,11 +1,10 @@
 """Decode-attention bandwidth on the GPU: Triton kernel vs FlashInfer vs the copy roofline.
 
 `python -m kernels.bench_attention` (CUDA only). For Qwen3-0.6B's attention shape (16 query
-heads, 8 KV heads, head_dim 128, bf16, page size 16) and several batch sizes and context
-lengths (equal, and spread over 100..2047 tokens as in the offline workload's mid-run batches), it
-times one layer's decode attention and reports the KV bytes read per second, next to the
-device-to-device copy bandwidth measured in the same run (the physical bound).
-"""
+heads, 8 KV heads, head_dim 128, bf16, page size 16, some cases 64) and several batch sizes and
+context lengths (equal, and spread over 100..2047 tokens as in the offline workload's mid-run
+batches), it times one layer's decode attention and reports the KV bytes read per second, next
+to the device-to-device copy bandwidth measured in the same run (the physical bound)."""
 
 from __future__ import annotations
 
@@ -38,9 +37,11 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / _time(lambda: dst.copy_(src), iters=20)
 
 
-def bench_case(lens: list[int], copy_bw: float, flashinfer, label: str = "") -> str:
+def bench_case(
+    lens: list[int], copy_bw: float, flashinfer, label: str = "", page: int = PAGE
+) -> str:
     """One line: Triton (and FlashInfer, if given) decode bandwidth for sequences of `lens`
-    tokens (one per batch row; pages scattered at random over the pool).
+    tokens (one per batch row; pages of `page` tokens scattered at random over the pool).
 
     FlashInfer runs four ways: CUDA-core or tensor-core kernels (`-tc`), each planned by a
     plain wrapper or by a `use_cuda_graph=True` wrapper (`-graph`, what the engine's CUDA-graph
@@ -49,9 +50,9 @@ def bench_case(lens: list[int], copy_bw: float, flashinfer, label: str = "") -> 
     """
     dev = torch.device("cuda")
     batch, ctx = len(lens), max(lens)
-    num_seq_pages = [math.ceil(n / PAGE) for n in lens]
+    num_seq_pages = [math.ceil(n / page) for n in lens]
     num_pages = sum(num_seq_pages) + 1
-    k_cache = torch.randn(num_pages, PAGE, HKV, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    k_cache = torch.randn(num_pages, page, HKV, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     v_cache = torch.randn_like(k_cache)
     perm = (torch.randperm(num_pages - 1, device=dev) + 1).int()
     max_pages = max(num_seq_pages)
@@ -79,7 +80,7 @@ def bench_case(lens: list[int], copy_bw: float, flashinfer, label: str = "") -> 
         return line
     indptr_t = torch.tensor(indptr, dtype=torch.int32)
     indices = torch.cat([table[b, :n] for b, n in enumerate(num_seq_pages)])
-    last = torch.tensor([(n - 1) % PAGE + 1 for n in lens], dtype=torch.int32)
+    last = torch.tensor([(n - 1) % page + 1 for n in lens], dtype=torch.int32)
     for tensor_cores in (False, True):
         for graph in (False, True):
             workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
@@ -104,7 +105,7 @@ def bench_case(lens: list[int], copy_bw: float, flashinfer, label: str = "") -> 
                 HQ,
                 HKV,
                 HEAD_DIM,
-                PAGE,
+                page,
                 q_data_type=torch.bfloat16,
                 kv_data_type=torch.bfloat16,
             )
@@ -143,6 +144,11 @@ def main() -> None:
             lens = mixed_lengths(batch, 100, 2047, order)
             label = f"B={batch:4d} ctx=100..2047 {order:10s}"
             print(bench_case(lens, copy_bw, flashinfer, label), flush=True)
+    # The same longest-first batches (the engine's decode order) with 64-token pages.
+    for batch in (64, 150, 256):
+        lens = mixed_lengths(batch, 100, 2047, "descending")
+        label = f"B={batch:4d} ctx=100..2047 page 64 desc"
+        print(bench_case(lens, copy_bw, flashinfer, label, page=64), flush=True)
 
 
 if __name__ == "__main__":

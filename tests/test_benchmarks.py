@@ -239,3 +239,23 @@ def test_only_publishing_tools_offer_benchmarks_md_flags(capsys):
         decode_step.main(["--help"])
     text = capsys.readouterr().out
     assert "--no-append" in text and "--benchmarks-md" in text
+
+
+@pytest.mark.parametrize("sampler", ["fused", "cpu", "stub"])
+def test_host_step_times_decode_steps_of_the_whole_batch(tiny_model_dir, sampler):
+    """host_step's engine decodes every request each step; "fused" runs the sampler's CUDA fast
+    path (host side) and leaves the sampler unpatched afterwards, "cpu" the real CPU path."""
+    from benchmarks import host_step
+    from tritonllm.engine import sampler as sampler_module
+
+    use_fused = sampler_module.use_fused
+    engine = host_step.stubbed_engine(str(tiny_model_dir), 4, 20, 40, sampler)
+    assert len(engine.scheduler.running) == 4
+    assert all(r.is_decoding for r in engine.scheduler.running)
+    before = engine.stats().num_steps
+    assert host_step.time_steps(engine, 3, sampler) > 0
+    assert engine.stats().num_steps == before + 8  # 5 warm-up steps + 3 timed
+    assert engine.stats().max_batch_size_seen == 4
+    fast = engine.runner.sampler.fast_steps
+    assert (fast > 0) == (sampler == "fused")
+    assert sampler_module.use_fused is use_fused

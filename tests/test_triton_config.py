@@ -73,6 +73,20 @@ def test_serving_config_interval():
     assert serving_config({}, {"TRITONLLM_METRICS_INTERVAL_MS": "20"}).metrics_interval_s == 0.02
 
 
+def test_engine_process_defaults_to_a_process_on_cuda_only():
+    default = serving_config({}, {})
+    assert default.engine_process is None
+    assert default.use_engine_process("cuda") and default.use_engine_process("cuda:1")
+    assert not default.use_engine_process("cpu")  # the CPU default stays the engine thread
+    forced = serving_config({"engine_process": "false"}, {"TRITONLLM_ENGINE_PROCESS": "1"})
+    assert forced.engine_process is True and forced.use_engine_process("cpu")
+    off = serving_config({"engine_process": "off"}, {"TRITONLLM_ENGINE_PROCESS": ""})
+    assert not off.use_engine_process("cuda")
+    assert serving_config({}, {"TRITONLLM_ENGINE_PROCESS": "none"}).engine_process is None
+    with pytest.raises(ValueError, match="TRITONLLM_ENGINE_PROCESS"):
+        serving_config({}, {"TRITONLLM_ENGINE_PROCESS": "sometimes"})
+
+
 def test_every_engine_field_is_documented():
     from dataclasses import fields
 
@@ -80,6 +94,8 @@ def test_every_engine_field_is_documented():
 
     for field in fields(EngineConfig):
         assert f"TRITONLLM_{field.name.upper()}" in module.__doc__, field.name
+    for name in ("METRICS_INTERVAL_MS", "MAX_RESPONSES_PER_S", "ENGINE_PROCESS"):
+        assert f"TRITONLLM_{name}" in module.__doc__, name
 
 
 def test_repository_parameters_name_the_default_model():

@@ -28,6 +28,10 @@ is a field of ``EngineConfig``; each can be set by the environment variable
 ``TRITONLLM_MAX_RESPONSES_PER_S``      generator: response budget shared by all streaming
                                        requests; under load several tokens go per response
                                        (``serving/pacer.py``); 0 disables pacing (2000)
+``TRITONLLM_ENGINE_PROCESS``           generator: ``true``: run the engine in its own process
+                                       (``engine/engine_process.py``: a GIL of its own),
+                                       ``false``: on a thread of the Python stub; default: a
+                                       process when the device is CUDA, else the thread
 ``TRITONLLM_LINEAR``                   env only: GEMMs of <= 256 rows on CUDA: ``cublas``
                                        (default), ``auto``, ``triton`` (``layers/linear.py``)
 =====================================  ===================================================
@@ -59,10 +63,22 @@ class ServingConfig:
         metrics_interval_s: most seconds between two updates of the ``tritonllm_*`` metrics
             while requests run (they are also updated at once after a request finishes).
         max_responses_per_s: response budget of ``tritonllm.serving.pacer.ResponsePacer``.
+        engine_process: run the engine in a child process (``EngineProcess``) rather than on a
+            thread of the generator's Python stub (``EngineThread``); None: a process when the
+            engine's device is CUDA (the stub's GIL bounds a fast GPU engine, ARCHITECTURE.md
+            "Platform facts"), the thread otherwise. See ``use_engine_process``.
     """
 
     metrics_interval_s: float = 0.05
     max_responses_per_s: float = 2000.0
+    engine_process: bool | None = None
+
+    def use_engine_process(self, device: str) -> bool:
+        """Whether the generator runs an engine on ``device`` (``cpu``, ``cuda``, ``cuda:N``)
+        in its own process."""
+        if self.engine_process is None:
+            return device.split(":")[0] == "cuda"
+        return self.engine_process
 
 
 def model_parameters(model_config: str | Mapping[str, Any]) -> dict[str, str]:
@@ -158,17 +174,20 @@ def serving_config(
     params: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None
 ) -> ServingConfig:
     """The generator's ``ServingConfig`` (``TRITONLLM_METRICS_INTERVAL_MS``,
-    ``TRITONLLM_MAX_RESPONSES_PER_S``).
+    ``TRITONLLM_MAX_RESPONSES_PER_S``, ``TRITONLLM_ENGINE_PROCESS``).
 
     Raises:
-        ValueError: a value that is not a number.
+        ValueError: a value that is not a number (a boolean for ``engine_process``).
     """
     env = os.environ if env is None else env
-    kwargs: dict[str, float] = {}
+    kwargs: dict[str, Any] = {}
     interval = _setting("metrics_interval_ms", params or {}, env)
     if interval is not None:
         kwargs["metrics_interval_s"] = _parse(interval, "float", "metrics_interval_ms") / 1e3
     budget = _setting("max_responses_per_s", params or {}, env)
     if budget is not None:
         kwargs["max_responses_per_s"] = _parse(budget, "float", "max_responses_per_s")
+    process = _setting("engine_process", params or {}, env)
+    if process is not None:
+        kwargs["engine_process"] = _parse(process, "bool | None", "engine_process")
     return ServingConfig(**kwargs)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.store_kv import store_kv
@@ -57,33 +58,54 @@ class PagedKVArgs:
     kv_last_page_len: torch.Tensor
 
 
-def paged_kv_args(page_table: torch.Tensor, seq_lens_cpu: list[int], page_size: int) -> PagedKVArgs:
+def paged_kv_args(
+    page_table: torch.Tensor, seq_lens_cpu: list[int], page_size: int, num_padding: int = 0
+) -> PagedKVArgs:
     """Build FlashInfer's page list from our page table without a device-to-host sync.
+
+    The host computes, with numpy, where each listed page sits in the row-major table (row b,
+    columns 0..ceil(seq_lens[b] / page_size) - 1); one pinned, non-blocking copy takes those
+    positions to the device and one `torch.take` gathers the page ids there.
 
     Args:
         page_table: `[B, max_pages]` int32 (device), row b holds sequence b's pages in order.
         seq_lens_cpu: B host ints >= 1, tokens per sequence.
         page_size: tokens per page.
+        num_padding: sequences of one token on page 0 appended after the B real ones (the
+            padding rows of a CUDA-graph batch).
     """
-    num_pages = [math.ceil(n / page_size) for n in seq_lens_cpu]
-    indptr = [0]
-    for n in num_pages:
-        indptr.append(indptr[-1] + n)
+    seq_lens = np.asarray(seq_lens_cpu, dtype=np.int64)
+    batch, width = page_table.shape
+    num_pages = -(-seq_lens // page_size)
+    # Row-major positions of the listed pages, in sequence order (flatnonzero walks row by row).
+    positions = np.flatnonzero(np.arange(width) < num_pages[:, None])
+    num_listed = positions.shape[0]
+    indptr = np.empty(batch + num_padding + 1, dtype=np.int32)
+    indptr[0] = 0
+    np.cumsum(num_pages, out=indptr[1 : batch + 1])
+    indptr[batch + 1 :] = num_listed + np.arange(1, num_padding + 1)
+    last_page_len = np.ones(batch + num_padding, dtype=np.int32)
+    last_page_len[:batch] = (seq_lens - 1) % page_size + 1
     dev = page_table.device
-    # One pinned host buffer, one non-blocking copy (a pageable copy could block on the stream).
-    host = torch.tensor([num_pages, indptr[:-1]], dtype=torch.int64, pin_memory=dev.type == "cuda")
-    counts, starts = host.to(dev, non_blocking=True)
-    rows = torch.repeat_interleave(
-        torch.arange(len(num_pages), device=dev), counts, output_size=indptr[-1]
-    )
-    cols = torch.arange(indptr[-1], device=dev) - starts[rows]
+    host = torch.from_numpy(positions)
+    if dev.type == "cuda":  # a pageable copy could block on the stream
+        host = host.pin_memory()
+    index = host.to(dev, non_blocking=True)
+    kv_indices = torch.empty(num_listed + num_padding, dtype=torch.int32, device=dev)
+    torch.take(page_table, index, out=kv_indices[:num_listed])
+    if num_padding:
+        kv_indices[num_listed:] = 0  # padding rows: page 0
     return PagedKVArgs(
-        kv_indptr=torch.tensor(indptr, dtype=torch.int32),
-        kv_indices=page_table[rows, cols].to(torch.int32),
-        kv_last_page_len=torch.tensor(
-            [(n - 1) % page_size + 1 for n in seq_lens_cpu], dtype=torch.int32
-        ),
+        kv_indptr=torch.from_numpy(indptr),
+        kv_indices=kv_indices,
+        kv_last_page_len=torch.from_numpy(last_page_len),
     )
+
+
+def replay_kv_args(meta: AttentionMetadata, bs: int, page_size: int) -> PagedKVArgs:
+    """`paged_kv_args` of decode batch `meta` padded to `bs` sequences (CUDA-graph replay):
+    rows `meta.num_seqs..bs-1` are one token on page 0."""
+    return paged_kv_args(meta.page_table, meta.seq_lens_cpu, page_size, bs - meta.num_seqs)
 
 
 @dataclass
@@ -146,11 +168,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._wrapper = self._decode_large if large else self._decode
             self._plan_decode(self._wrapper, args)
             return
-        qo_indptr = [0]
-        for n in meta.extend_lens_cpu:
-            qo_indptr.append(qo_indptr[-1] + n)
+        qo_indptr = np.zeros(meta.num_seqs + 1, dtype=np.int32)
+        np.cumsum(meta.extend_lens_cpu, out=qo_indptr[1:])
         self._prefill.plan(
-            torch.tensor(qo_indptr, dtype=torch.int32),
+            torch.from_numpy(qo_indptr),
             args.kv_indptr,
             args.kv_indices,
             args.kv_last_page_len,
@@ -253,12 +274,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if wrapper is None:
             raise RuntimeError(f"prepare_capture({bs}) was never called")
         g = self._graph
-        table = meta.page_table
-        if n < bs:
-            table = torch.zeros(bs, max(1, table.shape[1]), dtype=torch.int32, device=self.device)
-            table[:n, : meta.page_table.shape[1]] = meta.page_table
-        seq_lens = list(meta.seq_lens_cpu) + [1] * (bs - n)
-        self._plan_decode(wrapper, paged_kv_args(table, seq_lens, self.page_size))
+        self._plan_decode(wrapper, replay_kv_args(meta, bs, self.page_size))
         g.out_cache_loc[:n].copy_(meta.out_cache_loc, non_blocking=True)
         if n < bs:
             g.out_cache_loc[n:bs] = 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import time
 from dataclasses import dataclass
 
@@ -19,7 +18,8 @@ from tritonllm.engine.model_runner import ModelRunner
 from tritonllm.engine.overlap import LaunchedStep, num_unknown_tail
 from tritonllm.engine.radix_cache import RadixCache
 from tritonllm.engine.request import Request, RequestOutput, RequestStatus
-from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
+from tritonllm.engine.request_limits import RequestLimits
+from tritonllm.engine.scheduler import Scheduler
 from tritonllm.engine.stop_strings import StopStringChecker
 from tritonllm.sampling_params import SamplingParams
 from tritonllm.tokenization.detokenizer import Detokenizer
@@ -83,6 +83,7 @@ class LLMEngine:
             config.max_prefill_tokens,
         )
         self.max_model_len = config.effective_max_model_len
+        self.limits = RequestLimits.of(self)  # what check_request validates against
         self._requests: dict[str, Request] = {}
         self._children: dict[str, list[str]] = {}
         self._pending: list[RequestOutput] = []
@@ -103,43 +104,7 @@ class LLMEngine:
             ValueError: invalid params, an empty prompt, token ids outside the vocabulary,
                 prompt + max_tokens over max_model_len, or more KV pages than the pool has.
         """
-        params.validate()
-        self._max_tokens(prompt_ids, params)
-
-    def _max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """The request's output limit in tokens: `params.max_tokens`, or for None as many as fit
-        in max_model_len and in the whole KV pool. Raises ValueError as `check_request`."""
-        n = len(prompt_ids)
-        if n == 0:
-            raise ValueError("prompt must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        # The last sampled token is never fed back, so its K/V never needs a slot: a sequence
-        # of `total` tokens needs ceil((total - 1) / page_size) pages.
-        pool_tokens = self.allocator.num_usable * self.config.page_size + 1
-        if params.max_tokens is None:
-            room = min(self.max_model_len, pool_tokens) - n
-            if room < 1:
-                raise ValueError(
-                    f"prompt ({n} tokens) leaves no room for output: max_model_len is "
-                    f"{self.max_model_len}, the KV cache holds {pool_tokens - 1} tokens"
-                )
-            return room
-        total = n + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"max_model_len ({self.max_model_len})"
-            )
-        pages = math.ceil((total - 1) / self.config.page_size)
-        if pages > self.allocator.num_usable:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {pages} KV pages "
-                f"of {self.config.page_size} tokens; the cache has {self.allocator.num_usable}"
-            )
-        return params.max_tokens
+        self.limits.check(prompt_ids, params)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; it joins the running batch at a later step.
@@ -150,7 +115,7 @@ class LLMEngine:
         """
         params.validate()
         # max_tokens=None becomes the room left in the context (and the KV pool) for this prompt.
-        params = dataclasses.replace(params, max_tokens=self._max_tokens(prompt_ids, params))
+        params = dataclasses.replace(params, max_tokens=self.limits.max_tokens(prompt_ids, params))
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         live = self._requests
         if request_id in live or request_id in self._children or any(i in live for i in ids):
@@ -214,7 +179,8 @@ class LLMEngine:
             self.scheduler.abort(req)
         req.finish_reason = reason
         del self._requests[req.request_id]
-        self._pending.append(self._output(req, [], None, None, error=error))
+        num_output = req.num_output_tokens - num_unknown_tail(req.token_ids)
+        self._pending.append(self._output(req, [], num_output, error=error))
 
     # ---- stepping --------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -257,30 +223,38 @@ class LLMEngine:
         start = time.perf_counter()
         samples = step.result()
         self._gpu_wait_s += time.perf_counter() - start
+        if samples is None:
+            return
+        live, is_prefill = self._requests, not step.batch.is_decode
+        tokens, logprobs, top_logprobs = samples.token_ids, samples.logprobs, samples.top_logprobs
         for j, (req, pos) in enumerate(zip(step.sample_reqs, step.token_pos, strict=True)):
-            if self._requests.get(req.request_id) is not req:
+            if live.get(req.request_id) is not req:
                 continue  # finished (overlap: its extra token is discarded) or aborted
-            req.token_ids[pos] = samples.token_ids[j]
-            outputs.append(self._append_token(req, step.batch, pos, j, samples))
+            req.token_ids[pos] = tokens[j]
+            if is_prefill:
+                self.scheduler.cache_prefix(req)
+            outputs.append(self._append_token(req, pos, logprobs[j], top_logprobs[j]))
 
     def _append_token(
-        self, req: Request, batch: ScheduledBatch, pos: int, j: int, samples
+        self, req: Request, pos: int, lp: float | None, top: dict[int, float] | None
     ) -> RequestOutput:
+        """Stop checks for the token just filled in at `req.token_ids[pos]` (with its logprob
+        and top logprobs when asked); finishes the request if it stops. Returns its output."""
         token = req.token_ids[pos]
-        if not batch.is_decode:
-            self.scheduler.cache_prefix(req)
         p = req.params
-        num_out = pos + 1 - req.num_prompt_tokens
+        num_out = pos + 1 - req.num_prompt_tokens  # every id after `pos` is a placeholder
         reason = None
         if token in req.stop_ids and num_out >= p.min_tokens:
             reason = "stop"
         elif num_out >= p.max_tokens or pos + 1 >= self.max_model_len:
             reason = "length"
-        lp = None if samples.logprobs[j] is None else [samples.logprobs[j]]
-        top = None if samples.top_logprobs[j] is None else [samples.top_logprobs[j]]
+        lps = None if lp is None else [lp]
+        tops = None if top is None else [top]
         released, trim = [token], 0
         if req.stop_checker is not None:
-            released, trim, stopped, lp, top = self._check_stop_strings(req, token, reason, lp, top)
+            released, trim, stopped, lps, tops = self._check_stop_strings(
+                req, token, reason, lps, tops
+            )
             if stopped:
                 reason = "stop"
         if reason is not None:
@@ -288,9 +262,7 @@ class LLMEngine:
             req.finish_reason = reason
             self.scheduler.abort(req)  # running (pages released) or preempted (dequeued)
             del self._requests[req.request_id]
-        out = self._output(req, released, lp, top)
-        out.trim_chars = trim
-        return out
+        return self._output(req, released, num_out, lps, tops, trim)
 
     def _check_stop_strings(self, req: Request, token: int, reason: str | None, lp, top):
         """Run the request's stop-string checker on its new token.
@@ -319,23 +291,36 @@ class LLMEngine:
         return released, result.trim_chars, result.stopped, lp, top
 
     def _output(
-        self, req: Request, tokens: list[int], lp, top, error: str | None = None
+        self,
+        req: Request,
+        tokens: list[int],
+        num_output: int,
+        lp: list[float] | None = None,
+        top: list[dict[int, float]] | None = None,
+        trim: int = 0,
+        error: str | None = None,
     ) -> RequestOutput:
+        """`req`'s output releasing `tokens`; `num_output`: its known output ids (sampled and
+        filled in), of which those the stop-string checker holds or withholds do not count."""
         finished = req.finish_reason is not None
         if finished:
             self._forget_child(req.request_id)
-        unreleased = req.num_withheld + (req.stop_checker.num_held if req.stop_checker else 0)
+        if req.stop_checker is not None:
+            num_output -= req.num_withheld + req.stop_checker.num_held
+        # Positional, in RequestOutput's field order: once per request per step, and keyword
+        # arguments would double the cost of this call.
         return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=tokens,
-            finished=finished,
-            finish_reason=req.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens - num_unknown_tail(req.token_ids) - unreleased,
-            cached_tokens=req.cached_tokens,
-            logprobs=lp,
-            top_logprobs=top,
-            error=error,
+            req.request_id,
+            tokens,
+            finished,
+            req.finish_reason,
+            req.num_prompt_tokens,
+            num_output,
+            req.cached_tokens,
+            lp,
+            top,
+            error,
+            trim,
         )
 
     def _forget_child(self, request_id: str) -> None:

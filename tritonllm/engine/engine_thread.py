@@ -2,7 +2,8 @@
 
 Submissions and aborts from any thread are queued under one condition variable and applied
 between steps; the thread sleeps on it when there is no work. Outputs are delivered by calling
-each request's callback on the engine thread.
+each request's callback on the engine thread. `CallbackTable` (the routing of outputs to
+callbacks, n > 1 children included) is shared with `engine_process.EngineProcess`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,84 @@ from tritonllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 OutputCallback = Callable[[RequestOutput], None]
+Submission = tuple[str, list[int], SamplingParams]  # (request id, prompt ids, params)
+
+
+class _Route:
+    __slots__ = ("callback", "live", "num_prompt_tokens")
+
+    def __init__(self, callback: OutputCallback, live: int, num_prompt_tokens: int) -> None:
+        self.callback = callback
+        self.live = live  # outputs still to finish: n children
+        self.num_prompt_tokens = num_prompt_tokens
+
+
+class CallbackTable:
+    """Routes each `RequestOutput` to the callback of its request (thread-safe).
+
+    A request registered as `request_id` with `n` choices gets its own outputs and, for n > 1,
+    those of its children `"{request_id}#{i}"`. Its entry is dropped after the last child's
+    final output, or at once after a final output that carries `request_id` itself (n == 1, or
+    a request that failed before the engine split it into children). Callbacks run outside the
+    table's lock; an exception in one is logged and does not reach the caller.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._routes: dict[str, _Route] = {}
+
+    def add(
+        self, request_id: str, callback: OutputCallback, n: int = 1, num_prompt_tokens: int = 0
+    ) -> None:
+        """Register a request (`num_prompt_tokens` goes into `fail_all`'s outputs).
+
+        Raises:
+            ValueError: `request_id` is still registered (in flight).
+        """
+        with self._lock:
+            if request_id in self._routes:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._routes[request_id] = _Route(callback, n, num_prompt_tokens)
+
+    def discard(self, request_id: str) -> bool:
+        """Forget a request without calling its callback (it never reached the engine).
+        Returns False when it was not registered (any more)."""
+        with self._lock:
+            return self._routes.pop(request_id, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def deliver(self, out: RequestOutput) -> None:
+        """Call the callback of `out`'s request with it; outputs of unknown ids are dropped."""
+        key = out.request_id
+        with self._lock:
+            route = self._routes.get(key)
+            if route is None:
+                key = key.rpartition("#")[0]
+                route = self._routes.get(key)
+            if route is None:
+                return
+            if out.finished:
+                route.live = 0 if key == out.request_id else route.live - 1
+                if route.live == 0:
+                    del self._routes[key]
+        _call(route.callback, out)
+
+    def fail_all(self, message: str) -> None:
+        """End every registered request with one final "error" output carrying `message`
+        (under its registered id, so it ends all n children) and forget them all."""
+        with self._lock:
+            routes, self._routes = self._routes, {}
+        for request_id, route in routes.items():
+            _call(route.callback, error_output(request_id, route.num_prompt_tokens, message))
+
+
+def _call(callback: OutputCallback, out: RequestOutput) -> None:
+    try:
+        callback(out)
+    except Exception:
+        logger.exception("output callback failed for %s", out.request_id)
 
 
 @dataclass(frozen=True)
@@ -54,10 +133,9 @@ class EngineThread:
     def __init__(self, engine: LLMEngine, name: str = "tritonllm-engine") -> None:
         self.engine = engine
         self._cv = threading.Condition()
-        self._submissions: deque[tuple[str, list[int], SamplingParams]] = deque()
+        self._submissions: deque[Submission] = deque()
         self._aborts: deque[str] = deque()
-        self._callbacks: dict[str, OutputCallback] = {}  # request id → callback
-        self._live: dict[str, int] = {}  # request id → outputs still to finish (n children)
+        self._routes = CallbackTable()
         self._stop = False
         self._stats = engine.stats()
         self._times = LoopTimes()
@@ -83,10 +161,7 @@ class EngineThread:
         with self._cv:
             if self._stop:
                 raise RuntimeError("engine thread is shut down")
-            if request_id in self._callbacks:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._callbacks[request_id] = callback
-            self._live[request_id] = params.n
+            self._routes.add(request_id, callback, params.n)
             self._submissions.append((request_id, list(prompt_ids), params))
             self._cv.notify()
 
@@ -132,51 +207,48 @@ class EngineThread:
                 submissions, self._submissions = list(self._submissions), deque()
                 aborts, self._aborts = list(self._aborts), deque()
             start = time.perf_counter()
-            outputs: list[RequestOutput] = []
-            for request_id, prompt_ids, params in submissions:
-                try:
-                    engine.add_request(request_id, prompt_ids, params)
-                except Exception as exc:  # validated in submit(); reaching here is unexpected
-                    logger.exception("add_request failed for %s", request_id)
-                    with self._cv:
-                        self._live[request_id] = 1  # one error output ends it, even for n > 1
-                    outputs.append(_error_output(request_id, len(prompt_ids), str(exc)))
-            for request_id in aborts:
-                engine.abort(request_id)
-            try:
-                outputs.extend(engine.step())
-            except Exception as exc:
-                logger.exception("engine step failed; failing the requests in flight")
-                outputs.extend(engine.abort_all(f"engine error: {exc}"))
+            outputs = admit_and_step(engine, submissions, aborts)
             self._stats = engine.stats()
             delivered = time.perf_counter()
             for out in outputs:
-                self._deliver(out)
+                self._routes.deliver(out)
             end = time.perf_counter()
             busy += end - start
             callbacks += end - delivered
             loops += 1
             self._times = LoopTimes(busy, time.thread_time() - cpu0, callbacks, loops)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        key = out.request_id
-        if key not in self._callbacks:
-            key = out.request_id.rpartition("#")[0]
-        with self._cv:
-            callback = self._callbacks.get(key)
-            if callback is not None and out.finished:
-                self._live[key] -= 1
-                if self._live[key] == 0:
-                    del self._live[key], self._callbacks[key]
-        if callback is None:
-            return
+
+def admit_and_step(
+    engine: LLMEngine, submissions: list[Submission], aborts: list[str]
+) -> list[RequestOutput]:
+    """One iteration of an engine loop: add the submitted requests, apply the aborts, run one
+    `engine.step()`; return the outputs to deliver.
+
+    A request that `add_request` refuses (validated before it was queued, so unexpected) gets
+    one "error" output under its own id, which ends all its n choices (see `CallbackTable`).
+    An exception inside the step fails every request in flight with finish_reason "error";
+    the engine stays usable.
+    """
+    outputs: list[RequestOutput] = []
+    for request_id, prompt_ids, params in submissions:
         try:
-            callback(out)
-        except Exception:
-            logger.exception("output callback failed for %s", out.request_id)
+            engine.add_request(request_id, prompt_ids, params)
+        except Exception as exc:
+            logger.exception("add_request failed for %s", request_id)
+            outputs.append(error_output(request_id, len(prompt_ids), str(exc)))
+    for request_id in aborts:
+        engine.abort(request_id)
+    try:
+        outputs.extend(engine.step())
+    except Exception as exc:
+        logger.exception("engine step failed; failing the requests in flight")
+        outputs.extend(engine.abort_all(f"engine error: {exc}"))
+    return outputs
 
 
-def _error_output(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
+def error_output(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
+    """A request's final output after an engine failure: no ids, finish_reason "error"."""
     return RequestOutput(
         request_id=request_id,
         new_token_ids=[],

@@ -96,52 +96,63 @@ class ModelRunner:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def build_inputs(self, batch: ScheduledBatch) -> ForwardInputs:
-        """Flatten `batch` (before its requests' `num_computed` advance) into model inputs."""
+        """Flatten `batch` (before its requests' `num_computed` advance) into model inputs.
+
+        Per request only its counters and new token ids are read in Python; positions, slots
+        and the page table are numpy over the whole batch (the page table is one gather from
+        the scheduler's `HostPageTable`).
+        """
         ps = self.page_size
         reqs, exts = batch.reqs, batch.extend_lens
         num_seqs = len(reqs)
-        sample_rows = [i for i in range(num_seqs) if batch.samples(i)]
-        seq_lens = [r.num_computed + e for r, e in zip(reqs, exts, strict=True)]
-        if batch.is_decode:
-            positions = [r.num_computed for r in reqs]
-            ids = [r.token_ids[p] for r, p in zip(reqs, positions, strict=True)]
-            out_loc = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, positions, strict=True)]
-            logits_idx = sample_rows
-            cu = list(range(num_seqs + 1))
+        computed = np.fromiter((r.num_computed for r in reqs), np.int64, count=num_seqs)
+        # The new tokens, flattened: token t is row rows[t]'s token at position positions[t];
+        # row b's tokens start at cu[b].
+        if batch.is_decode:  # one token per row (the last sampled one); every row samples
+            ids = [r.token_ids[r.num_computed] for r in reqs]
+            rows = np.arange(num_seqs)
+            positions, cu, extend = computed, np.arange(num_seqs + 1), 1
+            sample_reqs, logits_idx = list(reqs), rows
         else:
-            ids, positions, out_loc = [], [], []
-            cu = [0]
+            ids = []
             for r, ext in zip(reqs, exts, strict=True):
-                start = r.num_computed
-                pos = np.arange(start, start + ext)
-                ids.extend(r.token_ids[start : start + ext])
-                positions.append(pos)
-                out_loc.append(np.asarray(r.pages, dtype=np.int64)[pos // ps] * ps + pos % ps)
-                cu.append(cu[-1] + ext)
-            positions = np.concatenate(positions)
-            out_loc = np.concatenate(out_loc)
-            logits_idx = [cu[i + 1] - 1 for i in sample_rows]
+                ids.extend(r.token_ids[r.num_computed : r.num_computed + ext])
+            extend = np.asarray(exts, dtype=np.int64)
+            cu = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(extend, out=cu[1:])
+            rows = np.repeat(np.arange(num_seqs), extend)
+            positions = computed[rows] + np.arange(len(ids)) - cu[rows]
+            sample_rows = [i for i in range(num_seqs) if batch.samples(i)]
+            sample_reqs = [reqs[i] for i in sample_rows]
+            # Each sampling row projects its last new token; with only prompt chunks the
+            # forward still wants one row.
+            logits_idx = cu[1:][sample_rows] - 1 if sample_rows else [0]
         num_tokens = len(ids)
-        if not logits_idx:  # only prompt chunks: the forward still wants one row to project
-            logits_idx = [0]
-        width = max(-(-s // ps) for s in seq_lens)
+        seq_lens = computed + extend
+        width = -(-int(seq_lens.max()) // ps)
+        int32 = np.empty(4 * num_seqs + 1 + num_seqs * width, dtype=np.int32)
+        int32[:num_seqs] = seq_lens
+        int32[num_seqs : 2 * num_seqs] = extend
+        int32[2 * num_seqs : 3 * num_seqs] = computed
+        int32[3 * num_seqs : 4 * num_seqs + 1] = cu
+        table = int32[4 * num_seqs + 1 :].reshape(num_seqs, width)
+        batch.page_table.gather(reqs, width, out=table)
+        pages = table[rows, positions // ps].astype(np.int64)
         int64 = np.empty(3 * num_tokens + len(logits_idx), dtype=np.int64)
         int64[:num_tokens] = ids
         int64[num_tokens : 2 * num_tokens] = positions
-        int64[2 * num_tokens : 3 * num_tokens] = out_loc
+        int64[2 * num_tokens : 3 * num_tokens] = pages * ps + positions % ps  # K/V slots
         int64[3 * num_tokens :] = logits_idx
-        int32 = np.zeros(4 * num_seqs + 1 + num_seqs * width, dtype=np.int32)
-        int32[:num_seqs] = seq_lens
-        int32[num_seqs : 2 * num_seqs] = exts
-        int32[2 * num_seqs : 3 * num_seqs] = int32[:num_seqs] - int32[num_seqs : 2 * num_seqs]
-        int32[3 * num_seqs : 4 * num_seqs + 1] = cu
-        table = int32[4 * num_seqs + 1 :].reshape(num_seqs, width)
-        for i, r in enumerate(reqs):
-            n = min(len(r.pages), width)
-            table[i, :n] = r.pages[:n]
+        # Placeholders stand for ids of a step still on the device (see `engine.overlap`). When
+        # every id is one, the first segment carries their future-map slots instead.
+        all_future = max(ids) < 0
+        if all_future:
+            int64[:num_tokens] = -int64[:num_tokens] - 1
         d64, d32 = self._upload(int64), self._upload(int32)
         input_ids = d64[:num_tokens]
-        if min(ids) < 0:  # placeholders of a step whose ids are still on the device
+        if all_future:
+            input_ids = self.future.lookup(input_ids)
+        elif min(ids) < 0:
             input_ids = self.future.resolve(input_ids)
         meta = AttentionMetadata(
             num_seqs=num_seqs,
@@ -152,7 +163,7 @@ class ModelRunner:
             cu_extend_lens=d32[3 * num_seqs : 4 * num_seqs + 1],
             page_table=d32[4 * num_seqs + 1 :].view(num_seqs, width),
             out_cache_loc=d64[2 * num_tokens : 3 * num_tokens],
-            seq_lens_cpu=seq_lens,
+            seq_lens_cpu=seq_lens.tolist(),
             extend_lens_cpu=list(exts),
         )
         return ForwardInputs(
@@ -160,7 +171,7 @@ class ModelRunner:
             d64[num_tokens : 2 * num_tokens],
             meta,
             d64[3 * num_tokens :],
-            [reqs[i] for i in sample_rows],
+            sample_reqs,
         )
 
     def build_metadata(

@@ -67,6 +67,11 @@ class FutureMap:
         slots = (-ids - 1).clamp_(min=0)
         return torch.where(ids >= 0, ids, self.ids[slots])
 
+    def lookup(self, slots: torch.Tensor) -> torch.Tensor:
+        """`[N]` int64 device slots → the ids stored there: `resolve` for a batch whose ids are
+        all placeholders (the usual decode step under overlap), as one gather."""
+        return self.ids[slots]
+
 
 @dataclass
 class LaunchedStep:
@@ -116,10 +121,10 @@ class LaunchedStep:
         lengths and each sampling request gets its placeholder id."""
         for req, ext in zip(self.batch.reqs, self.batch.extend_lens, strict=True):
             req.num_computed += ext
-        self.token_pos = []
+        token_pos = self.token_pos = []
         for req, slot in zip(self.sample_reqs, self.slots, strict=True):
-            self.token_pos.append(len(req.token_ids))
-            req.token_ids.append(placeholder(slot))
+            token_pos.append(len(req.token_ids))
+            req.token_ids.append(-(slot + 1))  # placeholder(slot), inlined (hot loop)
 
     def result(self) -> SamplerOutput | None:
         """Wait for the copies and return the host samples (None if nothing sampled)."""

@@ -18,13 +18,19 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is only ever equal to itself (list.remove, `in`)
 class Request:
     """One sequence being generated.
 
     `token_ids` is prompt + generated tokens. `num_computed` tokens of it have K/V in the
     cache (in `pages`); the first `num_tree_pages` pages belong to the radix cache and are
-    locked through `tree_node` while the request holds them.
+    locked through `tree_node` while the request holds them. `page_row` is the request's row
+    in the scheduler's `HostPageTable` (-1 while it holds no pages).
+
+    The prompt and the sampling params never change after construction, so what the hot path
+    asks of them each step is computed once: `num_prompt_tokens`, `uses_penalties` (any of
+    repetition/presence/frequency penalty or min_tokens) and `plain_sampling` (no top-k, top-p,
+    min-p or logprobs).
     """
 
     request_id: str
@@ -34,6 +40,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     pages: list[int] = field(default_factory=list)
+    page_row: int = -1
     num_tree_pages: int = 0
     tree_node: Any = None
     cached_tokens: int = 0
@@ -48,22 +55,32 @@ class Request:
     held_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
     # Ids generated after the start of a matched stop string: never released, not counted.
     num_withheld: int = 0
+    num_prompt_tokens: int = field(init=False)
+    uses_penalties: bool = field(init=False)
+    plain_sampling: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
+        p = self.params
+        self.num_prompt_tokens = len(self.prompt_ids)
+        self.uses_penalties = bool(
+            p.repetition_penalty != 1.0
+            or p.presence_penalty
+            or p.frequency_penalty
+            or p.min_tokens > 0
+        )
+        self.plain_sampling = not (
+            p.top_k_enabled or p.top_p < 1.0 or p.min_p > 0 or p.logprobs is not None
+        )
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_ids) :]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_pending(self) -> int:
@@ -72,8 +89,10 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        """Prefill done: each step feeds exactly the last sampled token."""
-        return self.num_pending == 1 and self.num_output_tokens > 0
+        """Prefill done: each step feeds exactly the last sampled token (one pending token,
+        and it is an output token)."""
+        n = len(self.token_ids)
+        return n == self.num_computed + 1 and n > self.num_prompt_tokens
 
 
 @dataclass

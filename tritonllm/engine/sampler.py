@@ -146,7 +146,9 @@ class Sampler:
         if ids_to_device is None:
             ids_to_device = lambda ids: to_device(ids, torch.int64, device)  # noqa: E731
         params = [r.params for r in reqs]
-        self._apply_penalties(logits, reqs, ids_to_device)
+        penalised = [i for i, r in enumerate(reqs) if r.uses_penalties]
+        if penalised:
+            self._apply_penalties(logits, reqs, penalised, ids_to_device)
         if use_fused(logits) and _is_plain(logits, reqs):
             return self._gumbel_sample(logits, params)
         if any(p.temperature > 0 and p.temperature != 1.0 for p in params):
@@ -183,7 +185,7 @@ class Sampler:
         docstring); greedy rows get inverse temperature 0 (exact argmax)."""
         from kernels.sampling import gumbel_argmax
 
-        inv_temps = [0.0 if p.is_greedy else 1.0 / p.temperature for p in params]
+        inv_temps = [0.0 if p.temperature == 0.0 else 1.0 / p.temperature for p in params]
         inv: float | torch.Tensor
         if len(set(inv_temps)) == 1:
             inv = inv_temps[0]  # one shared temperature (the usual batch): a kernel argument
@@ -213,11 +215,14 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(
-        logits: torch.Tensor, reqs: list[Request], ids_to_device: IdsToDevice
+        logits: torch.Tensor, reqs: list[Request], rows: list[int], ids_to_device: IdsToDevice
     ) -> None:
+        """Repetition/presence/frequency penalties and min_tokens masking of `logits` rows
+        `rows` (the requests with `uses_penalties`), in place."""
         vocab = logits.shape[1]
         device = logits.device
-        for i, req in enumerate(reqs):
+        for i in rows:
+            req = reqs[i]
             p = req.params
             if p.repetition_penalty != 1.0:
                 seen = torch.zeros(vocab, dtype=torch.bool, device=device)
@@ -243,17 +248,7 @@ def _is_plain(logits: torch.Tensor, reqs: list[Request]) -> bool:
     batch, vocab = logits.shape
     if logits.dtype != torch.float32 or logits.stride(1) != 1 or batch * vocab > 1 << 32:
         return False
-    for req in reqs:
-        p = req.params
-        if (
-            p.top_k_enabled
-            or p.top_p < 1.0
-            or p.min_p > 0
-            or p.logprobs is not None
-            or req.generator is not None
-        ):
-            return False
-    return True
+    return all(r.plain_sampling and r.generator is None for r in reqs)
 
 
 def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:

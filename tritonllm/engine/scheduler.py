@@ -25,20 +25,78 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
+
+import numpy as np
 
 from tritonllm.engine.kv_cache import PageAllocator
 from tritonllm.engine.radix_cache import RadixCache
 from tritonllm.engine.request import Request, RequestStatus
 
 
+class HostPageTable:
+    """Host mirror of the page lists of requests that hold pages: one zero-padded row each.
+
+    Row `req.page_row` holds `req.pages` followed by zeros. The scheduler writes a row whenever
+    it changes a request's pages (a decode step changes at most one page per request, and most
+    change none), so the model runner gets a batch's `[B, width]` page table with one numpy
+    gather instead of a copy per request. The idea is SGLang's `req_to_token` pool and vLLM
+    v1's `BlockTable`: per-request page rows that persist across steps.
+
+    Attributes:
+        rows: `[num_rows, num_cols]` int32 page ids; rows and columns grow on demand
+            (doubling), so no request is ever refused a row (a few MB at 256 requests of 2,560
+            pages).
+    """
+
+    def __init__(self, num_rows: int, num_cols: int = 64) -> None:
+        self.rows = np.zeros((max(num_rows, 1), max(num_cols, 1)), dtype=np.int32)
+        self._free = list(range(self.rows.shape[0] - 1, -1, -1))  # pop() hands out row 0 first
+
+    def write(self, req: Request, start: int = 0) -> None:
+        """Copy `req.pages[start:]` into columns `start..` of its row (taking a row first if it
+        has none). Pages are only ever appended or replaced in place, never dropped, except
+        all at once through `release`."""
+        n = len(req.pages)
+        if req.page_row < 0:
+            if not self._free:
+                self._grow(rows=2 * self.rows.shape[0])
+            req.page_row = self._free.pop()
+        if n > self.rows.shape[1]:
+            self._grow(cols=max(n, 2 * self.rows.shape[1]))
+        self.rows[req.page_row, start:n] = req.pages[start:]
+
+    def release(self, req: Request) -> None:
+        """Zero `req`'s row and give it back (its pages are gone)."""
+        if req.page_row >= 0:
+            self.rows[req.page_row] = 0
+            self._free.append(req.page_row)
+            req.page_row = -1
+
+    def gather(self, reqs: list[Request], width: int, out: np.ndarray) -> None:
+        """Fill `out` (`[len(reqs), width]` int32) with the first `width` columns of each
+        request's row: its pages, zero-padded (`width` <= the most pages any request holds)."""
+        index = np.fromiter((r.page_row for r in reqs), dtype=np.intp, count=len(reqs))
+        self.rows[:, :width].take(index, axis=0, out=out)
+
+    def _grow(self, rows: int | None = None, cols: int | None = None) -> None:
+        old_rows, old_cols = self.rows.shape
+        grown = np.zeros((rows or old_rows, cols or old_cols), dtype=np.int32)
+        grown[:old_rows, :old_cols] = self.rows
+        self.rows = grown
+        self._free.extend(range(grown.shape[0] - 1, old_rows - 1, -1))
+
+
 @dataclass
 class ScheduledBatch:
     """One step's work: `reqs[i]` runs `extend_lens[i]` new tokens starting at its
-    `num_computed`. `is_decode`: all extend lens are 1 and every request samples."""
+    `num_computed`. `is_decode`: all extend lens are 1 and every request samples.
+    `page_table`: the scheduler's host mirror of the requests' pages."""
 
     reqs: list[Request]
     extend_lens: list[int]
     is_decode: bool
+    page_table: HostPageTable
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +125,8 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # One row per running request, plus the one being admitted.
+        self.page_table = HostPageTable(max_running_requests + 1)
         self._last_was_prefill = False
         self.num_preemptions = 0
         # Eviction walks the whole radix tree (O(cached pages)): when the pool is full, free a
@@ -98,15 +158,15 @@ class Scheduler:
     # ---- step planning -----------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         """Plan the next step (see the module docstring); None when there is nothing to run."""
-        has_decodes = any(r.is_decoding for r in self.running)
-        has_prefills = bool(self.waiting) or any(not r.is_decoding for r in self.running)
-        if has_prefills and not (self._last_was_prefill and has_decodes):
+        decoding = [r for r in self.running if r.is_decoding]
+        has_prefills = bool(self.waiting) or len(decoding) < len(self.running)
+        if has_prefills and not (self._last_was_prefill and decoding):
             batch = self._schedule_prefill()
             if batch is not None:
                 self._last_was_prefill = True
                 return batch
         self._last_was_prefill = False
-        batch = self._schedule_decode() if has_decodes else None
+        batch = self._schedule_decode(decoding) if decoding else None
         if batch is None and has_prefills:
             # Decodes were all preempted (or none existed): use the step for prefill.
             batch = self._schedule_prefill()
@@ -147,16 +207,21 @@ class Scheduler:
             budget -= extend
         if not reqs:
             return None
-        return ScheduledBatch(reqs, extends, is_decode=False)
+        return ScheduledBatch(reqs, extends, is_decode=False, page_table=self.page_table)
 
-    def _schedule_decode(self) -> ScheduledBatch | None:
-        batch = sorted((r for r in self.running if r.is_decoding), key=lambda r: r.arrival)
+    def _schedule_decode(self, decoding: list[Request]) -> ScheduledBatch | None:
+        """Give each decoding request the slot of its next token (oldest first, preempting the
+        newest when pages run out); `decoding` are the running requests that decode."""
+        ps = self.page_size
         kept: list[Request] = []
-        for req in batch:
+        for req in sorted(decoding, key=attrgetter("arrival")):
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted to make room for an older request
+            if req.num_computed < len(req.pages) * ps:
+                kept.append(req)  # the usual case: its last page has room for the token
+                continue
             while not self._grow(req, req.num_computed + 1, reserve=0):
-                victim = max(self.running, key=lambda r: r.arrival)
+                victim = max(self.running, key=attrgetter("arrival"))
                 self.preempt(victim)
                 if victim is req:
                     break
@@ -172,8 +237,9 @@ class Scheduler:
         # list scheduling, Graham 1969). Measured on an H200, FlashInfer decode at batch 150
         # with contexts 100..2047: 75% -> 89% of copy bandwidth on its CUDA-core kernels, 90% ->
         # 93% on the tensor-core ones used at that batch size (kernels/bench_attention.py).
-        kept.sort(key=lambda r: -r.num_computed)
-        return ScheduledBatch(kept, [1] * len(kept), is_decode=True)
+        # (A stable sort: reverse=True keeps equal contexts in arrival order.)
+        kept.sort(key=attrgetter("num_computed"), reverse=True)
+        return ScheduledBatch(kept, [1] * len(kept), is_decode=True, page_table=self.page_table)
 
     def preempt(self, req: Request) -> None:
         """Release a running request's pages and requeue it first, to be recomputed."""
@@ -205,7 +271,9 @@ class Scheduler:
         pages = self._alloc(need, reserve)
         if pages is None:
             return False
+        start = len(req.pages)
         req.pages.extend(pages)
+        self.page_table.write(req, start)
         return True
 
     def _match_prefix(self, req: Request) -> None:
@@ -214,6 +282,7 @@ class Scheduler:
         node, pages = self.radix.match_prefix(req.token_ids)
         self.radix.lock(node)
         req.tree_node, req.pages = node, list(pages)
+        self.page_table.write(req)
         req.num_tree_pages = len(pages)
         req.num_computed = len(pages) * self.page_size
 
@@ -230,7 +299,9 @@ class Scheduler:
         self.radix.lock(node)
         self.radix.unlock(req.tree_node)
         self.allocator.free(duplicates)
-        req.pages[:num_full] = tree_pages
+        if duplicates:
+            req.pages[:num_full] = tree_pages
+            self.page_table.write(req)
         req.tree_node, req.num_tree_pages = node, num_full
 
     def _release(self, req: Request) -> None:
@@ -247,4 +318,5 @@ class Scheduler:
             self.radix.unlock(req.tree_node)
             self.allocator.free(duplicates + owned)
         req.pages, req.num_computed = [], 0
+        self.page_table.release(req)
         req.tree_node, req.num_tree_pages = None, 0

@@ -60,14 +60,15 @@ def gauge_values(stats: Any) -> dict[str, float]:
     }
 
 
-# Cumulative counters: metric spec → attribute of ``EngineStats``, ``LoopTimes`` (engine
-# thread) or ``SenderTimes`` (sender thread), read by ``counter_values``. Rates of these over
-# an interval say where a served engine's time goes (``benchmarks/online.py`` reports them).
+# Cumulative counters: metric spec → attribute of ``EngineStats``, ``LoopTimes`` (the engine
+# loop, in its thread or process) or ``SenderTimes`` (sender thread), read by
+# ``counter_values``. Rates of these over an interval say where a served engine's time goes
+# (``benchmarks/online.py`` reports them).
 TIME_COUNTERS: tuple[tuple[MetricSpec, str, str], ...] = (
     (
         MetricSpec(
             "tritonllm_engine_busy_seconds_total",
-            "Seconds the engine thread had work (steps, admissions, output callbacks)",
+            "Seconds the engine loop had work (steps, admissions, output callbacks)",
             "counter",
         ),
         "loop",
@@ -75,7 +76,9 @@ TIME_COUNTERS: tuple[tuple[MetricSpec, str, str], ...] = (
     ),
     (
         MetricSpec(
-            "tritonllm_engine_cpu_seconds_total", "CPU seconds of the engine thread", "counter"
+            "tritonllm_engine_cpu_seconds_total",
+            "CPU seconds of the engine loop's thread",
+            "counter",
         ),
         "loop",
         "cpu_s",
@@ -83,7 +86,7 @@ TIME_COUNTERS: tuple[tuple[MetricSpec, str, str], ...] = (
     (
         MetricSpec(
             "tritonllm_engine_gpu_wait_seconds_total",
-            "Seconds the engine thread waited for the device to finish a launched step",
+            "Seconds the engine loop waited for the device to finish a launched step",
             "counter",
         ),
         "engine",
@@ -128,7 +131,7 @@ def counter_values(stats: Any, loop_times: Any, sender_times: Any) -> dict[str, 
     """``{metric name: cumulative value}`` of ``TIME_COUNTERS``.
 
     Args:
-        stats: an ``EngineStats``; loop_times: the engine thread's ``LoopTimes``;
+        stats: an ``EngineStats``; loop_times: the engine loop's ``LoopTimes``;
         sender_times: the sender thread's ``SenderTimes``. Missing attributes read as 0.
     """
     sources = {"engine": stats, "loop": loop_times, "sender": sender_times}

@@ -1,8 +1,10 @@
 """Triton adapter of the engine: a decoupled model streaming each request's new token ids.
 
-``execute`` only validates and enqueues into the ``EngineThread``; the engine thread's callback
-puts outputs on a ``ResponseStreamer`` whose sender thread coalesces what piled up per request
-and sends the responses (several tokens per response under load). Control request: input
+``execute`` only validates and enqueues into the engine: an ``EngineProcess`` (the engine in a
+child process with a GIL of its own; the default on CUDA) or an ``EngineThread`` (a thread of
+this stub; the default on CPU), chosen by ``TRITONLLM_ENGINE_PROCESS``. The engine's output
+callback puts outputs on a ``ResponseStreamer`` whose sender thread coalesces what piled up per
+request and sends the responses (several tokens per response under load). Control request: input
 ``abort_request_id`` aborts that request id (its KV pages are freed at once) and is answered
 with one empty final response. Engine gauges are exported as ``tritonllm_*`` custom metrics.
 
@@ -24,6 +26,7 @@ except ImportError:  # not pip-installed: use the checkout that holds this repos
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tritonllm.engine.engine import LLMEngine
+from tritonllm.engine.engine_process import EngineProcess
 from tritonllm.engine.engine_thread import EngineThread
 from tritonllm.serving.inputs import SAMPLING_INPUTS, sampling_params, scalar
 from tritonllm.serving.logprobs import flatten_top_logprobs
@@ -149,8 +152,11 @@ class TritonPythonModel:
         self.metrics = _Metrics()
         self.new_tokens = 0
         self.last_cancel_scan = time.monotonic()
-        self.engine_thread = EngineThread(LLMEngine(engine_config(params)))
-        serving = serving_config(params)
+        config, serving = engine_config(params), serving_config(params)
+        if serving.use_engine_process(config.device):
+            self.engine = EngineProcess(config)  # RuntimeError with the reason fails the load
+        else:
+            self.engine = EngineThread(LLMEngine(config))
         self.streamer = ResponseStreamer(
             self._deliver,
             self._tick,
@@ -173,7 +179,7 @@ class TritonPythonModel:
         abort_id = _input(request, "abort_request_id")
         if abort_id is not None:
             for key in self.requests.abort(scalar(abort_id, "abort_request_id", str)):
-                self.engine_thread.abort(key)
+                self.engine.abort(key)
             sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
             return
         input_ids = _input(request, "input_ids")
@@ -191,7 +197,7 @@ class TritonPythonModel:
         key = self.requests.add(request.request_id(), entry)
         try:
             prompt_ids = input_ids.reshape(-1).tolist()
-            self.engine_thread.submit(key, prompt_ids, params, self.streamer.put)
+            self.engine.submit(key, prompt_ids, params, self.streamer.put)
         except Exception:
             self.requests.pop(key)
             raise
@@ -208,7 +214,7 @@ class TritonPythonModel:
     def _cancel(self, key, entry):
         """Abort a cancelled request; its final flag is sent now (its engine output is ignored)."""
         entry.cancelled = True
-        self.engine_thread.abort(key)
+        self.engine.abort(key)
         try:
             entry.sender.send(flags=FINAL)
         except Exception:  # the stream may already be gone
@@ -241,7 +247,7 @@ class TritonPythonModel:
                 # One error response ends the whole Triton request; the other choices go too.
                 entry.cancelled = True
                 if not final:
-                    self.engine_thread.abort(key)
+                    self.engine.abort(key)
                 self._send(key, entry, _response(chunk), final=True)
                 continue
             if not final and self._cancelled(entry, now):
@@ -266,15 +272,15 @@ class TritonPythonModel:
                 if not entry.cancelled and self._cancelled(entry, now):
                     self._cancel(key, entry)
         self.metrics.update(
-            self.engine_thread.stats(),
+            self.engine.stats(),
             self.new_tokens,
-            self.engine_thread.loop_times(),
+            self.engine.loop_times(),
             self.streamer.times(),
         )
         self.new_tokens = 0
 
     def finalize(self):
-        self.engine_thread.shutdown()
+        self.engine.shutdown()
         self.streamer.stop()
         for _, entry in self.requests.items():
             if not entry.cancelled:

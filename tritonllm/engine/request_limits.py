@@ -1,0 +1,88 @@
+"""`RequestLimits`: the engine facts that decide whether a request fits, without the engine.
+
+`LLMEngine` validates each request against its vocabulary, context limit and KV pool; an
+`EngineProcess` must refuse a bad request synchronously in the parent process, where there is
+no engine. The child sends these facts once at start-up and the parent validates with the same
+code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from tritonllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may ask of an engine (picklable, immutable).
+
+    Attributes:
+        vocab_size: prompt token ids must be in [0, vocab_size).
+        max_model_len: prompt + output limit per request (tokens).
+        page_size: tokens per KV page.
+        num_usable_pages: KV pages a request can hold at most (the whole pool less page 0).
+    """
+
+    vocab_size: int
+    max_model_len: int
+    page_size: int
+    num_usable_pages: int
+
+    @classmethod
+    def of(cls, engine: Any) -> RequestLimits:
+        """The limits of a built `LLMEngine`."""
+        return cls(
+            vocab_size=engine.model_config.vocab_size,
+            max_model_len=engine.max_model_len,
+            page_size=engine.config.page_size,
+            num_usable_pages=engine.allocator.num_usable,
+        )
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Validate a request (the checks of `LLMEngine.check_request`).
+
+        Raises:
+            ValueError: invalid params, an empty prompt, token ids outside the vocabulary,
+                prompt + max_tokens over max_model_len, or more KV pages than the pool has.
+        """
+        params.validate()
+        self.max_tokens(prompt_ids, params)
+
+    def max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """The request's output limit in tokens: `params.max_tokens`, or for None as many as
+        fit in max_model_len and in the whole KV pool. Raises ValueError as `check` (the
+        params themselves are not validated here)."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        # The last sampled token is never fed back, so its K/V never needs a slot: a sequence
+        # of `total` tokens needs ceil((total - 1) / page_size) pages.
+        pool_tokens = self.num_usable_pages * self.page_size + 1
+        if params.max_tokens is None:
+            room = min(self.max_model_len, pool_tokens) - n
+            if room < 1:
+                raise ValueError(
+                    f"prompt ({n} tokens) leaves no room for output: max_model_len is "
+                    f"{self.max_model_len}, the KV cache holds {pool_tokens - 1} tokens"
+                )
+            return room
+        total = n + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        pages = math.ceil((total - 1) / self.page_size)
+        if pages > self.num_usable_pages:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {pages} KV pages "
+                f"of {self.page_size} tokens; the cache has {self.num_usable_pages}"
+            )
+        return params.max_tokens
