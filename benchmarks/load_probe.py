@@ -10,10 +10,11 @@ that interval:
   is single-threaded Python is saturated.
 - The generator's `tritonllm_*` time counters (`tritonllm/serving/metrics.py`) as fractions
   of the interval: engine loop busy / its CPU / waiting for the GPU, sender thread busy /
-  CPU, engine steps/s and responses/s. With overlap scheduling an engine that is busy ~100% of
-  the time but rarely waits for the GPU is host-bound; `busy - cpu - gpu wait` is time the
-  engine loop waited for the GIL (when it shares a process: the engine thread) or in other
-  blocking calls.
+  CPU, engine steps/s and responses/s. Waiting for a CUDA event spins, so GPU wait counts as
+  CPU time too: host work is about `cpu - gpu wait`, and `busy - cpu` is time the loop was
+  blocked otherwise (on the GIL, when the engine thread shares the generator's process). With
+  overlap scheduling a loop that is busy ~100% of the time but rarely waits for the GPU is
+  host-bound.
 """
 
 from __future__ import annotations

@@ -109,9 +109,10 @@ class LoopTimes:
     Attributes:
         busy_s: wall time with work to do (submissions, aborts, `engine.step()`, callbacks);
             the rest of the thread's life it slept waiting for work.
-        cpu_s: CPU time of the thread itself (`time.thread_time`). `busy_s - cpu_s` is time
-            blocked: waiting for the GPU (`EngineStats.gpu_wait_s`) or for the GIL, which the
-            thread shares with every other Python thread of its process.
+        cpu_s: CPU time of the thread itself (`time.thread_time`), including waits for the
+            GPU (`EngineStats.gpu_wait_s`: CUDA event waits spin). `busy_s - cpu_s` is time
+            blocked otherwise, mostly on the GIL, which an engine thread shares with every
+            other Python thread of its process.
         callback_s: wall time spent in the output callbacks.
         loops: iterations of the loop that did work (about one engine step each).
     """
