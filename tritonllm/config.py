@@ -165,8 +165,9 @@ class EngineConfig:
         dtype: "float32" | "bfloat16" | "float16"; None → float32 on CPU, bfloat16 on CUDA.
         page_size: tokens per KV page; None → 16 on CPU, 64 on CUDA (fewer, larger pages: less
             page-table work per step on the host and fewer page lookups in the attention
-            kernels; measured on an H200, the offline benchmark went from 54% to 58% of its
-            bandwidth bound at 64 vs 16). The prefix cache reuses whole pages only.
+            kernels; on an H200 the offline benchmark reached 57.8% of its bandwidth bound at
+            64 and 53.4% at 16, BENCHMARKS.md 2026-11-30). The prefix cache reuses whole pages
+            only.
         num_pages: KV pages in the pool (page 0 is reserved, so num_pages - 1 are usable);
             None → on CPU enough for `max_running_requests` sequences of min(max_model_len,
             2048) tokens capped at 1 GiB, on CUDA `gpu_memory_utilization` of free memory
