@@ -10,7 +10,8 @@ that interval:
   is single-threaded Python is saturated.
 - The generator's `tritonllm_*` time counters (`tritonllm/serving/metrics.py`) as fractions
   of the interval: engine loop busy / its CPU / waiting for the GPU, sender thread busy /
-  CPU, engine steps/s and responses/s. Waiting for a CUDA event spins, so GPU wait counts as
+  CPU, engine steps/s (of which prefill/extend steps, with their mean tokens), output tokens
+  per decode step and responses/s. Waiting for a CUDA event spins, so GPU wait counts as
   CPU time too: host work is about `cpu - gpu wait`, and `busy - cpu` is time the loop was
   blocked otherwise (on the GIL, when the engine thread shares the generator's process). With
   overlap scheduling a loop that is busy ~100% of the time but rarely waits for the GPU is
@@ -135,12 +136,16 @@ class LoadProbe:
                 return (m1.get(f"tritonllm_{name}", 0.0) - m0.get(f"tritonllm_{name}", 0.0)) / dt
 
             steps = rate("engine_steps_total")
+            prefills = rate("engine_prefill_steps_total")
+            decodes = steps - prefills
             tokens = rate("generated_tokens_total")
             out["engine"] = (
                 f"busy {rate('engine_busy_seconds_total'):.0%}, cpu "
                 f"{rate('engine_cpu_seconds_total'):.0%}, gpu wait "
-                f"{rate('engine_gpu_wait_seconds_total'):.0%}; {steps:,.0f} steps/s, "
-                f"{tokens / steps if steps else 0:.0f} tok/step"
+                f"{rate('engine_gpu_wait_seconds_total'):.0%}; {steps:,.0f} steps/s "
+                f"({prefills:,.0f} prefill of "
+                f"{rate('engine_prefill_tokens_total') / prefills if prefills else 0:,.0f} tok), "
+                f"{tokens / decodes if decodes > 0 else 0:.0f} tok/decode step"
             )
             out["sender"] = (
                 f"busy {rate('sender_busy_seconds_total'):.0%}, cpu "

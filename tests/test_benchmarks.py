@@ -163,7 +163,11 @@ def test_online_benchmark_streams_exact_token_counts(tiny_model_dir, triton_serv
     # Per level: CPU of the sidecar and this client, and the generator's time counters.
     for load in loads.values():
         assert "sidecar" in load["cpu"] and "client" in load["cpu"], load
-        assert re.match(r"busy \d+%, cpu \d+%, gpu wait \d+%; [\d,]+ steps/s", load["engine"])
+        assert re.match(
+            r"busy \d+%, cpu \d+%, gpu wait \d+%; [\d,]+ steps/s \([\d,]+ prefill of [\d,]+ "
+            r"tok\), \d+ tok/decode step$",
+            load["engine"],
+        ), load
         assert re.search(r"[1-9][\d,]* responses/s", load["sender"]), load
     inputs = online.level_workloads(online.parse_args(args), tokenizer)
     for c, level in results.items():

@@ -70,6 +70,10 @@ def test_concurrent_submissions_from_many_threads(thread):
     assert times.loops >= 12  # one loop per step, 12 decode steps at least
     assert 0 < times.cpu_s and times.callback_s < times.busy_s
     assert thread.stats().gpu_wait_s <= times.busy_s
+    # Every prompt token was computed by a prefill step (no shared prefixes, no preemption).
+    stats = thread.stats()
+    assert 1 <= stats.num_prefill_steps < stats.num_steps
+    assert stats.prefill_tokens == sum(len(p) for p in ps)
 
 
 def test_invalid_submit_raises_synchronously_and_thread_keeps_serving(thread):

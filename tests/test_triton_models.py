@@ -309,6 +309,12 @@ def test_concurrent_streams_batch_and_match_hf(triton_server, stream, tokenizer,
     assert metric(triton_server, "tritonllm_engine_steps_total") >= n
     assert metric(triton_server, "tritonllm_engine_gpu_wait_seconds_total") <= busy
     assert metric(triton_server, "tritonllm_responses_total") >= len(PROMPTS)
+    assert (
+        1
+        <= metric(triton_server, "tritonllm_engine_prefill_steps_total")
+        < metric(triton_server, "tritonllm_engine_steps_total")
+    )
+    assert metric(triton_server, "tritonllm_engine_prefill_tokens_total") >= len(PROMPTS)
     assert metric(triton_server, "tritonllm_sender_busy_seconds_total") > 0
 
 

@@ -43,6 +43,10 @@ class EngineStats:
         gpu_wait_s: seconds `step()` spent so far waiting for the device to finish a launched
             step (in `LaunchedStep.result`); with overlap scheduling a step that waits is
             device-bound, one that does not is host-bound.
+        num_prefill_steps: the steps of `num_steps` that ran a prefill/extend batch (the rest
+            ran decode batches).
+        prefill_tokens: tokens those prefill/extend steps computed (prompt chunks, recomputed
+            preempted requests).
     """
 
     num_running: int
@@ -56,6 +60,8 @@ class EngineStats:
     num_steps: int
     num_preemptions: int
     gpu_wait_s: float = 0.0
+    num_prefill_steps: int = 0
+    prefill_tokens: int = 0
 
 
 class LLMEngine:
@@ -92,6 +98,8 @@ class LLMEngine:
         self._num_steps = 0
         self._max_batch = 0
         self._gpu_wait_s = 0.0
+        self._num_prefill_steps = 0
+        self._prefill_tokens = 0
         self._overlap = config.use_overlap_schedule
         self._in_flight: LaunchedStep | None = None  # overlap: launched, not yet processed
         self._detok: Detokenizer | None = None
@@ -200,6 +208,9 @@ class LLMEngine:
             if batch is not None:
                 if batch.is_decode:
                     self._max_batch = max(self._max_batch, len(batch.reqs))
+                else:
+                    self._num_prefill_steps += 1
+                    self._prefill_tokens += sum(batch.extend_lens)
                 launched = self.runner.run(batch)
                 launched.commit()
                 self._num_steps += 1
@@ -346,6 +357,8 @@ class LLMEngine:
             num_steps=self._num_steps,
             num_preemptions=self.scheduler.num_preemptions,
             gpu_wait_s=self._gpu_wait_s,
+            num_prefill_steps=self._num_prefill_steps,
+            prefill_tokens=self._prefill_tokens,
         )
 
     def generate(

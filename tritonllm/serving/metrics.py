@@ -101,6 +101,24 @@ TIME_COUNTERS: tuple[tuple[MetricSpec, str, str], ...] = (
     ),
     (
         MetricSpec(
+            "tritonllm_engine_prefill_steps_total",
+            "Engine steps that ran a prefill/extend batch (the others ran decode batches)",
+            "counter",
+        ),
+        "engine",
+        "num_prefill_steps",
+    ),
+    (
+        MetricSpec(
+            "tritonllm_engine_prefill_tokens_total",
+            "Tokens computed by prefill/extend steps (prompt chunks, recomputation)",
+            "counter",
+        ),
+        "engine",
+        "prefill_tokens",
+    ),
+    (
+        MetricSpec(
             "tritonllm_sender_busy_seconds_total",
             "Seconds the generator's sender thread spent on the Triton response path",
             "counter",
