@@ -52,7 +52,7 @@ def level_workloads(
 
     out = {}
     for index, c in enumerate(args.concurrency):
-        n = args.num_prompts_per_level or max(8, 2 * c)
+        n = args.num_prompts_per_level or max(8, args.prompts_per_client * c)
         raw = common.random_workload(
             n,
             args.min_len,
@@ -309,7 +309,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--num-prompts-per-level",
         type=int,
         default=None,
-        help="requests per level (default: max(8, 2 x concurrency))",
+        help="requests per level (default: max(8, --prompts-per-client x concurrency))",
+    )
+    p.add_argument(
+        "--prompts-per-client",
+        type=int,
+        default=2,
+        help="requests each client sends per level when --num-prompts-per-level is not given; "
+        "more make the level's start-up (all clients arriving at once) and tail weigh less",
     )
     p.add_argument("--min-len", type=int, default=100, help="shortest prompt (ids drawn)")
     p.add_argument("--max-input-len", type=int, default=1024)

@@ -263,3 +263,14 @@ def test_host_step_times_decode_steps_of_the_whole_batch(tiny_model_dir, sampler
     fast = engine.runner.sampler.fast_steps
     assert (fast > 0) == (sampler == "fused")
     assert sampler_module.use_fused is use_fused
+
+
+def test_online_levels_send_prompts_per_client_requests_each(tokenizer):
+    """Without --num-prompts-per-level a level has max(8, prompts-per-client x concurrency)."""
+    args = online.parse_args(
+        ["--concurrency", "1,16", "--prompts-per-client", "3", "--max-input-len", "120"]
+        + ["--max-output-len", "110", "--no-append"]
+    )
+    levels = online.level_workloads(args, tokenizer)
+    assert {c: len(w.prompts) for c, (_, w) in levels.items()} == {1: 8, 16: 48}
+    assert all(len(texts) == len(w.prompts) for texts, w in levels.values())
