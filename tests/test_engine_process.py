@@ -234,6 +234,10 @@ def test_killed_child_fails_requests_in_flight_and_later_submits_raise():
         assert last.finish_reason == "error" and "SIGKILL" in last.error
     assert sum(o.finished for outs in sink.outputs.values() for o in outs) == 2
     assert not ep.is_alive()
+    # The gauges a server exports from stats() no longer show the dead engine's requests.
+    stats = ep.stats()
+    assert stats.num_running == 0 and stats.used_pages == 0
+    assert stats.free_pages == stats.total_pages > 0
     with pytest.raises(RuntimeError, match="engine process died"):
         ep.submit("later", [1, 2], GREEDY, sink)
     ep.abort("victim")  # ignored, no hang
@@ -385,3 +389,30 @@ def test_triton_generator_in_process_mode_streams_hf_greedy_and_aborts(process_s
     finally:
         stream.close()
     assert _spawned_engines(process_server.process.pid) == engines  # one engine all along
+
+
+def test_triton_generator_reports_a_dead_engine_as_a_server_error(process_server):
+    """After the engine process is killed: a request and the abort control request (the
+    sidecar's health probe) fail with an "internal error" (the sidecar's 500/503, not a 400),
+    and the gauges no longer count the dead engine's requests. Runs last: it kills the engine."""
+    from test_triton_models import GREEDY, InferenceServerException, Stream, metric, wait_metric
+
+    (engine,) = _spawned_engines(process_server.process.pid)
+    stream = Stream(process_server.grpc_url)
+    try:
+        stream.send("llm", {"text_input": "Hello", "max_tokens": 2000, **GREEDY})
+        stream.next()  # streaming
+        os.kill(engine, signal.SIGKILL)
+        with pytest.raises(InferenceServerException, match="internal error: the engine process"):
+            while True:
+                stream.next()
+        stream.send("llm", {"text_input": "Hello again", "max_tokens": 2, **GREEDY})
+        with pytest.raises(InferenceServerException, match="internal error: the engine process"):
+            stream.next()
+        stream.send("generator", {"abort_request_id": "health-probe"})
+        with pytest.raises(InferenceServerException, match="internal error: the engine is not"):
+            stream.next()
+    finally:
+        stream.close()
+    wait_metric(process_server, "tritonllm_requests_running", 0, timeout=2.0)
+    assert metric(process_server, "tritonllm_kv_pages_used") == 0

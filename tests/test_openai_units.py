@@ -158,6 +158,14 @@ def test_triton_errors_map_to_openai_statuses():
         to_openai_error(TritonError("generator: top_p must be in (0, 1]"), "prompt").status == 400
     )
     assert to_openai_error(TritonError("connection refused", unavailable=True), "x").status == 503
+    # The generator marks the server's own failures (a dead engine): not the client's fault.
+    dead = TritonError(
+        "in ensemble 'llm', generator: internal error: the engine process died (killed by SIGKILL)"
+    )
+    assert (to_openai_error(dead, "x").status, to_openai_error(dead, "x").type) == (
+        500,
+        "server_error",
+    )
 
 
 @pytest.fixture(scope="module")

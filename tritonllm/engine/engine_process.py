@@ -358,6 +358,16 @@ class EngineProcess:
             return  # shut down: requests in flight get no further outputs
         message = f"the engine process died ({_describe_exit(self._process.exitcode)})"
         logger.error("%s; failing %d requests in flight", message, len(self._routes))
+        if self._stats is not None:  # its requests and pages are gone with it
+            self._stats = dataclasses.replace(
+                self._stats,
+                num_running=0,
+                num_waiting=0,
+                free_pages=self._stats.total_pages,
+                used_pages=0,
+                cached_pages=0,
+                evictable_pages=0,
+            )
         self._routes.fail_all(message)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from tritonllm.serving.pacer import ResponsePacer
 
 _STOP = object()
+_FAILED = object()  # what `_call` returns when the callable raised
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class SenderTimes:
         busy_s: wall seconds in ``deliver`` and ``tick`` (the Triton response path).
         cpu_s: CPU seconds of the thread (``time.thread_time``); ``busy_s - cpu_s`` is time
             blocked in Triton's IPC or waiting for the GIL.
-        responses: outputs handed to ``deliver`` (about one Triton response each).
+        responses: responses ``deliver`` reported sending (its return value; a ``deliver``
+            that returns None counts one per output handed to it).
     """
 
     busy_s: float = 0.0
@@ -43,7 +45,8 @@ class ResponseStreamer:
     """A daemon thread draining engine outputs into ``deliver``.
 
     Args:
-        deliver: called on the sender thread with ``list[RequestOutput]``, one per request.
+        deliver: called on the sender thread with ``list[RequestOutput]``, one per request;
+            returns the number of responses it sent (or None).
         tick: called on the sender thread periodically (see module docstring).
         interval_s: seconds between ticks.
         on_error: called with a traceback string when ``deliver`` or ``tick`` raises (the
@@ -53,7 +56,7 @@ class ResponseStreamer:
 
     def __init__(
         self,
-        deliver: Callable[[list[Any]], None],
+        deliver: Callable[[list[Any]], int | None],
         tick: Callable[[], None],
         interval_s: float = 0.05,
         on_error: Callable[[str], None] | None = None,
@@ -96,11 +99,13 @@ class ResponseStreamer:
         stopping = any(item is _STOP for item in batch)
         return [item for item in batch if item is not _STOP], stopping
 
-    def _call(self, fn: Callable[..., None], *args: Any) -> None:
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)`; an exception is reported to `on_error` (the result is then `_FAILED`)."""
         try:
-            fn(*args)
+            return fn(*args)
         except Exception:  # a failing response must not end the sender thread
             self._on_error(traceback.format_exc())
+            return _FAILED
 
     def _run(self) -> None:
         next_tick = time.monotonic()
@@ -114,14 +119,15 @@ class ResponseStreamer:
             start = time.monotonic()
             merged = self._pacer.admit(outputs, start)
             if merged:
-                self._call(self._deliver, merged)
+                sent = self._call(self._deliver, merged)
+                if sent is not _FAILED:
+                    responses += len(merged) if sent is None else sent
             now = time.monotonic()
             if now >= next_tick or any(o.finished for o in merged):
                 self._call(self._tick)
                 next_tick = now = time.monotonic()
                 next_tick += self._interval_s
             busy += now - start
-            responses += len(merged)
             self._times = SenderTimes(busy, time.thread_time() - cpu0, responses)
             if stopping:
                 return

@@ -43,6 +43,9 @@ from tritonllm.serving.stream_state import ResponseChunk, StreamState
 from tritonllm.triton_config import engine_config, model_parameters, serving_config
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# Prefix of errors that are the server's fault, not the request's (the sidecar maps them to
+# 500 server_error; any other generator error is an invalid request).
+INTERNAL = "internal error: "
 # How often a live request's client is asked whether it cancelled (an IPC round trip each).
 CANCEL_CHECK_S = 0.2
 
@@ -73,9 +76,9 @@ def _response(chunk, num_choices=1, num_top=None):
     requested (``num_top`` not None): each tensor costs time on the response path, which
     bounds throughput (ARCHITECTURE.md, "Platform facts"), and the detokenizer reads absent ones as 0 / none.
     """
-    if chunk.error is not None:
+    if chunk.error is not None:  # the engine failed the request: a server-side error
         return pb_utils.InferenceResponse(
-            output_tensors=[], error=pb_utils.TritonError(f"generator: {chunk.error}")
+            output_tensors=[], error=pb_utils.TritonError(f"generator: {INTERNAL}{chunk.error}")
         )
     counts = (chunk.num_input_tokens, chunk.num_output_tokens, chunk.cached_tokens)
     counts += (chunk.trim_chars,)
@@ -105,6 +108,13 @@ def _response(chunk, num_choices=1, num_top=None):
 def _send_error(sender, message):
     error = pb_utils.TritonError(f"generator: {message}")
     sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
+
+
+def _request_error(exc):
+    """The message of a request that failed in ``execute``: a ``ValueError`` is the request's
+    fault (its text as is); anything else (the engine is shut down or died) is the server's,
+    marked ``INTERNAL`` so that clients see a server error, not an invalid request."""
+    return str(exc) if isinstance(exc, ValueError) else f"{INTERNAL}{exc}"
 
 
 class _Metrics:
@@ -172,7 +182,7 @@ class TritonPythonModel:
             try:
                 self._accept(request, sender)
             except Exception as exc:  # a bad request fails alone
-                _send_error(sender, exc)
+                _send_error(sender, _request_error(exc))
         return None
 
     def _accept(self, request, sender):
@@ -180,6 +190,8 @@ class TritonPythonModel:
         if abort_id is not None:
             for key in self.requests.abort(scalar(abort_id, "abort_request_id", str)):
                 self.engine.abort(key)
+            if not self.engine.is_alive():  # the sidecar's health probe must see a dead engine
+                raise RuntimeError("the engine is not running")
             sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
             return
         input_ids = _input(request, "input_ids")
@@ -231,7 +243,9 @@ class TritonPythonModel:
         return True
 
     def _deliver(self, outputs):
+        """Send the responses of a batch of coalesced outputs; returns how many were sent."""
         now = time.monotonic()
+        sent = 0
         for output in outputs:
             key, index, entry = self.requests.lookup(output.request_id)
             self.new_tokens += len(output.new_token_ids)
@@ -248,20 +262,25 @@ class TritonPythonModel:
                 entry.cancelled = True
                 if not final:
                     self.engine.abort(key)
-                self._send(key, entry, _response(chunk), final=True)
+                sent += self._send(key, entry, _response(chunk), final=True)
                 continue
             if not final and self._cancelled(entry, now):
                 self._cancel(key, entry)
                 continue
-            self._send(key, entry, _response(chunk, len(entry.states), entry.num_top), final)
+            response = _response(chunk, len(entry.states), entry.num_top)
+            sent += self._send(key, entry, response, final)
+        return sent
 
     def _send(self, key, entry, response, final):
+        """Send one response; False when the stream is gone (the request is then cancelled)."""
         try:
             entry.sender.send(response, flags=FINAL if final else 0)
+            return True
         except Exception as exc:
             self.logger.log_warn(f"generator: dropping request {key!r}: {exc}")
             if not final and not entry.cancelled:
                 self._cancel(key, entry)
+            return False
 
     def _tick(self):
         now = time.monotonic()
@@ -285,6 +304,6 @@ class TritonPythonModel:
         for _, entry in self.requests.items():
             if not entry.cancelled:
                 try:
-                    _send_error(entry.sender, "the model is being unloaded")
+                    _send_error(entry.sender, f"{INTERNAL}the model is being unloaded")
                 except Exception:
                     pass
