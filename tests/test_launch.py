@@ -293,6 +293,35 @@ def test_failed_tritonserver_start_leaves_no_process(tiny_model_dir):
             _kill_marked(entry)
 
 
+def test_failed_model_load_reports_the_reason_and_the_log(tiny_model_dir):
+    """A model that fails to load (a bad setting) makes the launcher print the reason from the
+    tritonserver log (not only a tail of model tables) and where the log is."""
+    env, entry = _marked_env()
+    env["TRITONLLM_ENGINE_PROCESS"] = "maybe"
+    cmd = [sys.executable, "-m", "tritonllm.launch", f"--model={tiny_model_dir}"]
+    cmd += [f"--{kind}-port={free_port()}" for kind in ("grpc", "http", "metrics")]
+    process = subprocess.Popen(
+        cmd + [f"--port={free_port()}"],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode == 1, output
+        assert "launch failed" in output
+        assert "TRITONLLM_ENGINE_PROCESS" in output and "'maybe'" in output, output
+        log = re.search(r"\(log: (\S+)\)", output)
+        assert log and Path(log.group(1)).is_file(), output
+        assert _wait_none_marked(entry, 5) == {}
+    finally:
+        if process.poll() is None:
+            process.kill()
+        _kill_marked(entry)
+
+
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 def test_sigterm_to_make_serve_stops_everything(tiny_model_dir):
     """``kill <make's pid>`` (what ``timeout make serve`` and supervisors do) stops the launcher,

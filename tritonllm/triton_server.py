@@ -15,6 +15,7 @@ The Python backend stub runs on the environment of the first ``python3`` on ``PA
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -29,6 +30,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+
+# Lines of a tritonserver log that say why something failed.
+_ERROR_LINE = re.compile(r"error|exception|failed to load|traceback", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -349,13 +353,29 @@ class TritonServer:
                 f"http://{self.http_url}/v2/health/ready", timeout, self.process, "tritonserver"
             )
         except RuntimeError as exc:
-            raise RuntimeError(f"{exc}:\n{self.log_tail()}") from None
+            errors = self.log_errors()
+            details = "\n".join(errors) if errors else self.log_tail()
+            raise RuntimeError(f"{exc} (log: {self.log_path}):\n{details}") from None
 
     def log_tail(self, n_chars: int = 6000) -> str:
         """The last ``n_chars`` characters of the server log ("" before there is one)."""
         if self.log_path is None or not Path(self.log_path).exists():
             return ""
         return Path(self.log_path).read_text(errors="replace")[-n_chars:]
+
+    def log_errors(self, limit: int = 12, width: int = 600) -> list[str]:
+        """The server log's last ``limit`` lines that report an error (a model that failed to
+        load, an exception), each cut to ``width`` characters; [] without a log. Triton's
+        model tables make a plain tail mostly padding, which can hide the reason."""
+        if self.log_path is None or not Path(self.log_path).exists():
+            return []
+        lines = Path(self.log_path).read_text(errors="replace").splitlines()
+        hits = [
+            line.strip()[:width]
+            for line in lines
+            if _ERROR_LINE.search(line) and not line.lstrip().startswith("|")
+        ]
+        return hits[-limit:]
 
     def stop(self, timeout: float = 20.0) -> None:
         """Stop the server (SIGTERM to its process group, SIGKILL after ``timeout`` s)."""
