@@ -162,6 +162,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, which on shutdown first aborts the generations in flight: uvicorn
+        waits for open responses to finish, and a long stream would otherwise hold the
+        shutdown until the launcher's SIGKILL (and leave its work in Triton)."""
+
+        async def shutdown(self, sockets=None) -> None:
+            state = getattr(self.config.app.state, "server", None)
+            if state is not None and state.live:
+                await state.abort_all(timeout=5.0)
+            await super().shutdown(sockets)
+
+    return Server
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the sidecar with uvicorn until SIGINT/SIGTERM."""
     import uvicorn
@@ -172,4 +189,5 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(
         args.triton_url, name, args.triton_model, max_request_bytes=args.max_request_bytes
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    _server_class()(config).run()

@@ -90,6 +90,8 @@ class Generation:
         prompt_param: the request field named by prompt errors (``messages`` or ``prompt``).
         n: choices the backend generates (its ``n`` input).
         logprobs: whether the backend was asked for logprobs (its ``logprobs`` input).
+        registry: a set this generation belongs to from ``start`` until ``close`` (the
+            server's generations in flight, aborted together on shutdown).
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class Generation:
         prompt_param: str = "messages",
         n: int = 1,
         logprobs: bool = False,
+        registry: set[Generation] | None = None,
     ) -> None:
         self.client, self.request_id, self.inputs = client, request_id, inputs
         self.prompt_param = prompt_param
@@ -110,6 +113,7 @@ class Generation:
         self._last: dict[int, LLMChunk] = {}  # choice index → its latest response
         self._backend_finished = False
         self._closed = False
+        self._registry = registry
 
     @property
     def finish_reason(self) -> str | None:
@@ -122,6 +126,8 @@ class Generation:
         Raises:
             OpenAIError: the backend rejected the request or is unavailable.
         """
+        if self._registry is not None and not self._closed:
+            self._registry.add(self)
         try:
             self._stream = await self.client.stream(self.request_id, self.inputs)
         except TritonError as exc:
@@ -229,6 +235,8 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        if self._registry is not None:
+            self._registry.discard(self)
         if self._stream is None or self._stream.done:
             return
         # Also before the first response (``start`` cancelled): the generator remembers an

@@ -183,8 +183,37 @@ def test_launch_serves_then_sigint_stops_everything(tiny_model_dir):
         for name, p in {"sidecar": port, **triton_ports}.items():
             assert _listen_addresses(p) == {"127.0.0.1"}, name
 
+        # Streams in flight at shutdown are aborted, not waited for: they end with
+        # finish_reason "abort" and the whole stop takes seconds (it took ~36 s, ending in
+        # SIGKILLs, when the sidecar waited for them).
+        first_chunk, ends = threading.Barrier(4), queue.Queue()
+
+        def stream_until_stopped():
+            stream = client.chat.completions.create(
+                model=Path(tiny_model_dir).name,
+                messages=[{"role": "user", "content": "Hello"}],
+                max_tokens=1900,
+                stream=True,
+            )
+            finish, started = None, False
+            try:
+                for chunk in stream:
+                    if not started:
+                        started = True
+                        first_chunk.wait(60)
+                    finish = chunk.choices[0].finish_reason if chunk.choices else finish
+                ends.put(finish)
+            except Exception as exc:  # noqa: BLE001 (reported to the test thread)
+                ends.put(exc)
+
+        for _ in range(3):
+            threading.Thread(target=stream_until_stopped, daemon=True).start()
+        first_chunk.wait(60)
+        stop = time.monotonic()
         process.send_signal(signal.SIGINT)
         assert process.wait(60) == 0
+        assert time.monotonic() - stop < 12.0
+        assert [ends.get(timeout=10) for _ in range(3)] == ["abort"] * 3
         assert not _alive(triton_pid) and not _alive(sidecar_pid)
         # tritonserver's Python backend stubs live in its process group: none may survive.
         assert _process_group_members(triton_pid) == []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
@@ -25,10 +25,18 @@ CLIENT_CLOSED_REQUEST = 499
 
 @dataclass
 class ServerState:
-    """Per-app state: the shared Triton client and the served model name."""
+    """Per-app state: the shared Triton client, the served model name and the generations in
+    flight (``live``: started, not yet closed)."""
 
     client: TritonClient
     model_name: str
+    live: set[Generation] = field(default_factory=set)
+
+    async def abort_all(self, timeout: float = 5.0) -> None:
+        """Abort every generation in flight in the generator (on shutdown: their streams then
+        end at once with finish_reason "abort" instead of holding the server open)."""
+        live = list(self.live)
+        await asyncio.gather(*(self.client.abort(gen.request_id, timeout) for gen in live))
 
     async def input_specs(self, prompt_param: str) -> Mapping[str, InputSpec]:
         """The ensemble's inputs. Raises: OpenAIError 503 when Triton is unavailable."""
@@ -104,7 +112,13 @@ async def start_generation(
     inputs = build_inputs(body, specs, body.stream or body.n > 1)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     gen = Generation(
-        state.client, request_id, inputs, prompt_param, n=body.n, logprobs=body.wants_logprobs
+        state.client,
+        request_id,
+        inputs,
+        prompt_param,
+        n=body.n,
+        logprobs=body.wants_logprobs,
+        registry=state.live,
     )
     try:
         await unless_disconnected(request, gen.start())
