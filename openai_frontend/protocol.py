@@ -52,6 +52,8 @@ class SamplingFields(_Lenient):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     user: str | None = None
+    # Token id (as a string) → bias added to its logit; not supported (an empty map is a no-op).
+    logit_bias: dict[str, float] | None = None
     # vLLM-style extensions (sent by OpenAI clients through ``extra_body``).
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)

@@ -56,6 +56,8 @@ def sampling_inputs(
         OpenAIError: 400 for a field the backend cannot honour (e.g. ``n > 1`` on a backend
             without an ``n`` input).
     """
+    if req.logit_bias:  # would change sampling: refused rather than silently ignored
+        raise unsupported("logit_bias")
     inputs: dict[str, InputValue] = {}
     _put(inputs, specs, "max_tokens", max_tokens, None)
     _put(inputs, specs, "n", req.n, 1)

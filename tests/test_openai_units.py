@@ -131,7 +131,7 @@ def test_unsupported_fields_are_400_unless_noop():
     base = {"messages": [{"role": "user", "content": "hi"}]}
     # No-op values of inputs the backend lacks are accepted silently.
     chat_inputs(
-        ChatCompletionRequest(**base, presence_penalty=0.0, repetition_penalty=1.0),
+        ChatCompletionRequest(**base, presence_penalty=0.0, repetition_penalty=1.0, logit_bias={}),
         specs,
         backend_stream=True,
     )
@@ -141,11 +141,18 @@ def test_unsupported_fields_are_400_unless_noop():
         {"logprobs": True},
         {"n": 2},
         {"tools": [{"type": "function"}]},
+        {"logit_bias": {"50256": -100}},
     ):
         with pytest.raises(OpenAIError) as info:
             chat_inputs(ChatCompletionRequest(**base, **extra), specs, backend_stream=True)
         assert info.value.status == 400
-    for extra in ({"echo": True}, {"logprobs": 1}, {"prompt": [1, 2]}, {"prompt": ["a", "b"]}):
+    for extra in (
+        {"echo": True},
+        {"logprobs": 1},
+        {"prompt": [1, 2]},
+        {"prompt": ["a", "b"]},
+        {"logit_bias": {"7": 5.0}},
+    ):
         with pytest.raises(OpenAIError):
             completion_inputs(CompletionRequest(**{"prompt": "x", **extra}), specs, True)
 

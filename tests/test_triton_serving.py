@@ -177,6 +177,13 @@ def test_bad_sampling_inputs_raise_value_error(inputs):
         sampling_params(inputs)
 
 
+def test_negative_max_tokens_names_the_triton_range():
+    """At the Triton level 0 is valid (until EOS), so the error says >= 0, not >= 1."""
+    with pytest.raises(ValueError, match=r"max_tokens must be >= 0 .*got -3"):
+        sampling_params({"max_tokens": np.array([-3], np.int32)})
+    assert sampling_params({"max_tokens": np.array([0], np.int32)}).max_tokens is None
+
+
 def test_scalar_decodes_bytes_and_defaults():
     assert scalar(np.array([b"abc"], dtype=object), "x", str) == "abc"
     assert scalar(None, "stream", bool, default=True) is True

@@ -72,6 +72,12 @@ def sampling_params(inputs: Mapping[str, np.ndarray | None]) -> SamplingParams:
             kwargs[name] = [_text(t) for t in np.asarray(array).reshape(-1)]
         else:
             kwargs[name] = scalar(array, name, kind)
-    if kwargs.get("max_tokens") == 0:  # 0: until EOS, a stop condition or the context limit
+    max_tokens = kwargs.get("max_tokens")
+    if max_tokens is not None and max_tokens < 0:  # (SamplingParams would say ">= 1")
+        raise ValueError(
+            f"max_tokens must be >= 0 (0: until EOS, a stop condition or the context limit), "
+            f"got {max_tokens}"
+        )
+    if max_tokens == 0:
         kwargs["max_tokens"] = None
     return SamplingParams(**kwargs).validate()
