@@ -24,6 +24,10 @@ from .triton_client import TritonClient
 # Largest request body accepted (bytes). Far above any prompt a 128k-token context can take, and
 # small enough that tokenizing a rejected giant prompt cannot stall other requests for seconds.
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+# Longer than any silence a healthy backend has (a fresh GPU machine compiles its prefill
+# kernels on the first request: ~60-80 s on the H200), short enough that a request whose
+# generator died does not hang its client forever.
+DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
 
 
 class BodySizeLimit:
@@ -103,6 +107,7 @@ def create_app(
     triton_model: str = "llm",
     generator_model: str = "generator",
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    stream_idle_timeout_s: float | None = DEFAULT_STREAM_IDLE_TIMEOUT_S,
 ) -> FastAPI:
     """An OpenAI-compatible app in front of the Triton ensemble at ``triton_url`` (gRPC).
 
@@ -111,13 +116,18 @@ def create_app(
         model_name: the name clients use in ``model`` (others get 404 ``model_not_found``).
         triton_model: the ensemble to call; ``generator_model``: the model that takes aborts.
         max_request_bytes: larger bodies (announced or received) get a 413 OpenAI error.
+        stream_idle_timeout_s: a generation that gets no response from Triton for this many
+            seconds fails (and is aborted) instead of waiting forever, e.g. when the
+            generator's stub process died; None: no limit.
     """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The gRPC channel binds to the running event loop, so it is made here, not at import.
         client = TritonClient(triton_url, triton_model, generator_model)
-        app.state.server = ServerState(client=client, model_name=model_name)
+        app.state.server = ServerState(
+            client=client, model_name=model_name, stream_idle_timeout_s=stream_idle_timeout_s
+        )
         try:
             yield
         finally:
@@ -159,6 +169,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="largest accepted request body in bytes (larger: 413)",
     )
+    p.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=DEFAULT_STREAM_IDLE_TIMEOUT_S,
+        help="seconds without any response from Triton after which a generation fails "
+        "(0: wait forever; the default allows a first request's kernel compilation)",
+    )
     return p.parse_args(argv)
 
 
@@ -187,7 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper())
     name = args.model_name or default_model_name(args.model)
     app = create_app(
-        args.triton_url, name, args.triton_model, max_request_bytes=args.max_request_bytes
+        args.triton_url,
+        name,
+        args.triton_model,
+        max_request_bytes=args.max_request_bytes,
+        stream_idle_timeout_s=args.stream_idle_timeout or None,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     _server_class()(config).run()

@@ -92,6 +92,9 @@ class Generation:
         logprobs: whether the backend was asked for logprobs (its ``logprobs`` input).
         registry: a set this generation belongs to from ``start`` until ``close`` (the
             server's generations in flight, aborted together on shutdown).
+        idle_timeout_s: most seconds to wait for the next response; past it the generation
+            fails with a 504 (a backend that stopped answering, e.g. a dead generator stub,
+            which Triton never reports for requests in flight). None: wait forever.
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class Generation:
         n: int = 1,
         logprobs: bool = False,
         registry: set[Generation] | None = None,
+        idle_timeout_s: float | None = None,
     ) -> None:
         self.client, self.request_id, self.inputs = client, request_id, inputs
         self.prompt_param = prompt_param
@@ -114,6 +118,7 @@ class Generation:
         self._backend_finished = False
         self._closed = False
         self._registry = registry
+        self._idle_timeout_s = idle_timeout_s
 
     @property
     def finish_reason(self) -> str | None:
@@ -137,7 +142,16 @@ class Generation:
     async def _read(self) -> LLMChunk | None:
         assert self._stream is not None
         try:
-            chunk = await self._stream.read()
+            # A timed-out read is cancelled safely: the stream keeps its gRPC read (see
+            # ``ResponseStream``), and ``close`` then aborts the request.
+            chunk = await asyncio.wait_for(self._stream.read(), self._idle_timeout_s)
+        except asyncio.TimeoutError:  # (not the builtin before Python 3.11)
+            raise OpenAIError(
+                f"no response from the backend for {self._idle_timeout_s:g} s",
+                504,
+                "server_error",
+                code="timeout",
+            ) from None
         except TritonError as exc:
             self._backend_finished = True  # an error response ends the request in Triton
             raise to_openai_error(exc, self.prompt_param) from exc

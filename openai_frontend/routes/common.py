@@ -25,11 +25,13 @@ CLIENT_CLOSED_REQUEST = 499
 
 @dataclass
 class ServerState:
-    """Per-app state: the shared Triton client, the served model name and the generations in
-    flight (``live``: started, not yet closed)."""
+    """Per-app state: the shared Triton client, the served model name, how long a generation
+    may go without a response (seconds; None: no limit) and the generations in flight
+    (``live``: started, not yet closed)."""
 
     client: TritonClient
     model_name: str
+    stream_idle_timeout_s: float | None = None
     live: set[Generation] = field(default_factory=set)
 
     async def abort_all(self, timeout: float = 5.0) -> None:
@@ -119,6 +121,7 @@ async def start_generation(
         n=body.n,
         logprobs=body.wants_logprobs,
         registry=state.live,
+        idle_timeout_s=state.stream_idle_timeout_s,
     )
     try:
         await unless_disconnected(request, gen.start())

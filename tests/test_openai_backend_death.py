@@ -1,0 +1,77 @@
+"""A generator stub that dies mid-stream: Triton never answers its requests in flight, so the
+sidecar's idle timeout ends them with an error instead of leaving the client waiting forever.
+
+Runs its own tritonserver (the test kills a stub of it) and a sidecar with a 3 s idle timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import SERVER_ENV
+
+from tritonllm.launch import sidecar_command
+from tritonllm.triton_server import (
+    TritonServer,
+    free_port,
+    start_process_group,
+    stop_process_group,
+    wait_http_ok,
+)
+
+IDLE_TIMEOUT_S = 3.0
+
+
+def _stub_pid(pgid: int, model: str) -> int:
+    """The pid of the Python backend stub of `model` in process group `pgid`."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) != pgid or fields[0] == "Z" or len(argv) < 2:
+            continue
+        if b"triton_python_backend_stub" in argv[0] and f"/{model}/".encode() in argv[1]:
+            return int(stat.parent.name)
+    raise LookupError(f"no stub of {model} in process group {pgid}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_stream_whose_generator_died_ends_with_an_error(tiny_model_dir, tmp_path):
+    server = TritonServer(
+        model_path=tiny_model_dir, env=dict(SERVER_ENV), log_path=tmp_path / "tritonserver.log"
+    )
+    sidecar = None
+    try:
+        server.start(timeout=float(os.environ.get("TRITONLLM_TEST_SERVER_TIMEOUT", "300")))
+        port = free_port()
+        command = sidecar_command(server.grpc_url, port, model_name="tiny")
+        command.append(f"--stream-idle-timeout={IDLE_TIMEOUT_S}")
+        sidecar = start_process_group(command, tmp_path / "sidecar.log")
+        wait_http_ok(f"http://127.0.0.1:{port}/health", 120, sidecar, "sidecar")
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+        )
+        stream = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=1900,
+            stream=True,
+        )
+        chunks = iter(stream)
+        next(chunks)  # streaming
+        os.kill(_stub_pid(server.process.pid, "generator"), signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError, match="no response from the backend for 3 s"):
+            for _ in chunks:
+                pass
+        assert time.monotonic() - killed < IDLE_TIMEOUT_S + 10
+    finally:
+        stop_process_group(sidecar, 10.0)
+        server.stop()
