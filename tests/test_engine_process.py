@@ -416,3 +416,26 @@ def test_triton_generator_reports_a_dead_engine_as_a_server_error(process_server
         stream.close()
     wait_metric(process_server, "tritonllm_requests_running", 0, timeout=2.0)
     assert metric(process_server, "tritonllm_kv_pages_used") == 0
+
+
+def test_a_stalled_child_is_not_alive_until_it_resumes():
+    """SIGSTOP (a hung engine) with a request in flight: `is_alive()` turns False after the
+    stall timeout (the sidecar's health probe then fails); SIGCONT: alive again, and the
+    request completes."""
+    ep = EngineProcess(_config(), stall_timeout_s=1.0)
+    try:
+        sink = StartCollector()
+        ep.submit("slow", [1, 2, 3, 4], SamplingParams(max_tokens=500, ignore_eos=True), sink)
+        assert sink.started.wait(TIMEOUT)
+        os.kill(ep.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while ep.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not ep.is_alive()
+        os.kill(ep.pid, signal.SIGCONT)
+        sink.wait(["slow"])
+        assert sink.outputs["slow"][-1].finish_reason == "length"
+        assert ep.is_alive()  # nothing in flight: idle is not a stall
+    finally:
+        os.kill(ep.pid, signal.SIGCONT)
+        ep.shutdown()

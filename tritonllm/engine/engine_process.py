@@ -119,6 +119,10 @@ class EngineProcess:
         name: the child process' name (and its receiver thread's, with "-receiver").
         start_timeout: most seconds to wait for the engine to be built (None: no limit; a
             child that dies while building is noticed either way).
+        stall_timeout_s: `is_alive()` turns False while requests are in flight and the child
+            has sent no step for this many seconds (a hung engine; it turns True again if the
+            child resumes). None: never. The default stays above a fresh GPU machine's
+            first-request kernel compilation (~60-80 s on the H200).
     Raises:
         RuntimeError: the engine could not be built (the message carries the child's error
             and traceback), the child died or was not ready within `start_timeout`.
@@ -129,8 +133,12 @@ class EngineProcess:
         config: EngineConfig,
         name: str = "tritonllm-engine",
         start_timeout: float | None = None,
+        stall_timeout_s: float | None = 300.0,
     ) -> None:
         self.config = config
+        self.stall_timeout_s = stall_timeout_s
+        # Last sign of progress: a step message, or a submit that found nothing in flight.
+        self._last_progress = time.monotonic()
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         ctx.set_executable(python_executable())
         child_commands, self._commands = ctx.Pipe(duplex=False)
@@ -189,6 +197,8 @@ class EngineProcess:
         with self._lock:
             if not self._running:
                 raise RuntimeError(self._not_running())
+            if not len(self._routes):  # the engine was idle: its silence so far was no stall
+                self._last_progress = time.monotonic()
             self._routes.add(request_id, callback, params.n, len(prompt_ids))
         try:
             self._post((_SUBMIT, request_id, list(prompt_ids), params))
@@ -222,8 +232,13 @@ class EngineProcess:
         self._stop_child(timeout)
 
     def is_alive(self) -> bool:
-        """Whether the engine serves: ready, not shut down, and its process running."""
-        return self._running and self._process.is_alive()
+        """Whether the engine serves: ready, not shut down, its process running, and not
+        stalled (see `stall_timeout_s`)."""
+        if not (self._running and self._process.is_alive()):
+            return False
+        stall = self.stall_timeout_s
+        silent = time.monotonic() - self._last_progress
+        return stall is None or not len(self._routes) or silent <= stall
 
     @property
     def pid(self) -> int | None:
@@ -326,6 +341,7 @@ class EngineProcess:
             except (EOFError, OSError):
                 return
             outputs, self._stats, self._times = decode_step(data)
+            self._last_progress = time.monotonic()
             for out in outputs:
                 self._routes.deliver(out)
 
