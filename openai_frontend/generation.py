@@ -80,6 +80,18 @@ class Choice:
     logprobs: list[dict[str, Any]] | None
 
 
+async def _read_within(stream: ResponseStream, timeout_s: float | None) -> LLMChunk | None:
+    """``stream.read()``, raising ``asyncio.TimeoutError`` after ``timeout_s`` seconds (None:
+    no limit). A timed-out read is cancelled safely: the stream keeps its gRPC read (see
+    ``ResponseStream``), and ``Generation.close`` then aborts the request."""
+    if timeout_s is None:
+        return await stream.read()
+    if hasattr(asyncio, "timeout"):  # Python 3.11+: no extra task per read, unlike wait_for
+        async with asyncio.timeout(timeout_s):
+            return await stream.read()
+    return await asyncio.wait_for(stream.read(), timeout_s)
+
+
 class Generation:
     """Text deltas of one request through the ``llm`` ensemble.
 
@@ -142,9 +154,7 @@ class Generation:
     async def _read(self) -> LLMChunk | None:
         assert self._stream is not None
         try:
-            # A timed-out read is cancelled safely: the stream keeps its gRPC read (see
-            # ``ResponseStream``), and ``close`` then aborts the request.
-            chunk = await asyncio.wait_for(self._stream.read(), self._idle_timeout_s)
+            chunk = await _read_within(self._stream, self._idle_timeout_s)
         except asyncio.TimeoutError:  # (not the builtin before Python 3.11)
             raise OpenAIError(
                 f"no response from the backend for {self._idle_timeout_s:g} s",

@@ -12,7 +12,7 @@ import math
 import openai
 import pytest
 import torch
-from openai_helpers import chat_prompt_ids, engine_gauges, engine_idle, wait_for_gauges
+from openai_helpers import chat_prompt_ids, engine_idle, wait_for_gauges
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 MESSAGES = [{"role": "user", "content": "Tell me a story about a fox."}]
@@ -247,7 +247,9 @@ def test_out_of_range_n_and_logprobs_are_400(client, sidecar, extra, param):
 
 
 def test_closing_an_n_stream_frees_every_choice(client, sidecar):
-    assert engine_idle(engine_gauges(sidecar.metrics_url))
+    # Earlier tests' requests may still be ending (a closed generation is aborted in the
+    # background): start from an idle engine.
+    assert engine_idle(wait_for_gauges(sidecar.metrics_url, engine_idle, timeout_s=5.0))
     stream = client.chat.completions.create(
         model=sidecar.model_name,
         messages=MESSAGES,
