@@ -80,13 +80,16 @@ class Choice:
     logprobs: list[dict[str, Any]] | None
 
 
+_HAS_ASYNCIO_TIMEOUT = hasattr(asyncio, "timeout")
+
+
 async def _read_within(stream: ResponseStream, timeout_s: float | None) -> LLMChunk | None:
     """``stream.read()``, raising ``asyncio.TimeoutError`` after ``timeout_s`` seconds (None:
     no limit). A timed-out read is cancelled safely: the stream keeps its gRPC read (see
     ``ResponseStream``), and ``Generation.close`` then aborts the request."""
     if timeout_s is None:
         return await stream.read()
-    if hasattr(asyncio, "timeout"):  # Python 3.11+: no extra task per read, unlike wait_for
+    if _HAS_ASYNCIO_TIMEOUT:  # Python 3.11+: no extra task per read, unlike wait_for
         async with asyncio.timeout(timeout_s):
             return await stream.read()
     return await asyncio.wait_for(stream.read(), timeout_s)

@@ -210,7 +210,7 @@ class LLMEngine:
                     self._max_batch = max(self._max_batch, len(batch.reqs))
                 else:
                     self._num_prefill_steps += 1
-                    self._prefill_tokens += sum(batch.extend_lens)
+                    self._prefill_tokens += batch.num_tokens
                 launched = self.runner.run(batch)
                 launched.commit()
                 self._num_steps += 1

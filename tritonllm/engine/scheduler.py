@@ -75,7 +75,8 @@ class HostPageTable:
 
     def gather(self, reqs: list[Request], width: int, out: np.ndarray) -> None:
         """Fill `out` (`[len(reqs), width]` int32) with the first `width` columns of each
-        request's row: its pages, zero-padded (`width` <= the most pages any request holds)."""
+        request's row: its pages, zero-padded. `width` (pages) may not exceed the table's
+        columns, which always cover the most pages any request holds."""
         index = np.fromiter((r.page_row for r in reqs), dtype=np.intp, count=len(reqs))
         self.rows[:, :width].take(index, axis=0, out=out)
 
