@@ -5,14 +5,14 @@ the wrappers launch, through Triton's full pipeline (TTIR → TTGIR → LLVM →
 bundled ptxas) for sm_80 and sm_90, and fails if a kernel does not compile, spills registers or
 needs more shared memory than the target has.
 
-All 148 configurations × 2 targets = 296 compilations (about 2 minutes of CPU): the
-attention kernels (52), the layer kernels incl. fused add + RMSNorm and q/k-norm + RoPE (27),
-the sampler's Gumbel-max kernels (5), and the skinny GEMM (`kernels/linear.py`: the 15 distinct
+All 154 configurations × 2 targets = 308 compilations (about 2 minutes of CPU): the
+attention kernels (52), the layer kernels incl. fused add + RMSNorm and q/k-norm + RoPE with
+and without the K/V store (33), the sampler's Gumbel-max kernels (5), and the skinny GEMM (`kernels/linear.py`: the 15 distinct
 tiles `candidate_configs` yields for Qwen3-0.6B's projections at M = 1..256 × bf16/fp16 × bias
 or not, plus 4 split-K reduces). `--quick` (what the CPU tests run, a few seconds): sm_90 only,
 27 configurations: attention at head_dim 128, bf16/fp32, GQA groups 2 and 3; the older layer
 kernels in bf16/fp32; one bf16 configuration of each kernel added since (fused add + RMSNorm,
-q/k-norm + RoPE, Gumbel chunk + chunk argmax, skinny GEMM + split-K reduce). The CPU tests run
+q/k-norm + RoPE + K/V store, Gumbel chunk + chunk argmax, skinny GEMM + split-K reduce). The CPU tests run
 it in a subprocess: Triton must not be in interpreter mode for this, and a process cannot have
 both.
 
@@ -49,7 +49,7 @@ from kernels.linear import (  # noqa: E402
     candidate_configs,
 )
 from kernels.rmsnorm import _fused_add_rmsnorm_kernel, _rmsnorm_kernel  # noqa: E402
-from kernels.rotary import _qk_norm_rotary_kernel, _rotary_kernel  # noqa: E402
+from kernels.rotary import _rotary_kernel  # noqa: E402
 from kernels.sampling import BLOCK as SAMPLING_BLOCK  # noqa: E402
 from kernels.sampling import _chunk_argmax_kernel, _gumbel_chunk_kernel  # noqa: E402
 from kernels.silu_mul import _silu_mul_kernel  # noqa: E402
@@ -176,18 +176,11 @@ def _layer_configs(quick: bool):
                 warps,
                 3,
             )
+        # RoPE alone (Qwen2/Llama, `rotary` without norm weights or a KV store).
         yield (
             _rotary_kernel,
-            {
-                "q_ptr": dt,
-                "k_ptr": dt,
-                "q_out_ptr": dt,
-                "k_out_ptr": dt,
-                "pos_ptr": "i64",
-                "cos_ptr": "fp32",
-                "sin_ptr": "fp32",
-            },
-            dict(BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64),
+            _rotary_pointers(dt),
+            dict(BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64, NORM=False, STORE=False),
             4,
             3,
         )
@@ -204,24 +197,32 @@ def _layer_configs(quick: bool):
                 warps,
                 3,
             )
-        # Qwen3's q/k RMSNorm + RoPE (`rotary` with norm weights): 16 q heads, 8 kv heads, D 128.
-        yield (
-            _qk_norm_rotary_kernel,
-            {
-                "q_ptr": dt,
-                "k_ptr": dt,
-                "q_out_ptr": dt,
-                "k_out_ptr": dt,
-                "q_w_ptr": dt,
-                "k_w_ptr": dt,
-                "pos_ptr": "i64",
-                "cos_ptr": "fp32",
-                "sin_ptr": "fp32",
-            },
-            dict(BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64),
-            4,
-            3,
-        )
+        # Qwen3's q/k RMSNorm + RoPE (`rotary` with norm weights): 16 q heads, 8 kv heads, D 128;
+        # what the engine launches stores K/V into the cache in the same kernel (STORE).
+        for norm, store in (
+            ((True, True),) if quick else ((True, True), (True, False), (False, True))
+        ):
+            yield (
+                _rotary_kernel,
+                _rotary_pointers(dt),
+                dict(BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64, NORM=norm, STORE=store),
+                4,
+                3,
+            )
+
+
+def _rotary_pointers(dt: str) -> dict[str, str]:
+    """Pointer types of `_rotary_kernel` for activations and KV cache of dtype `dt`."""
+    names = ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "q_w_ptr", "k_w_ptr", "v_ptr")
+    return {
+        **dict.fromkeys(names, dt),
+        "k_cache_ptr": dt,
+        "v_cache_ptr": dt,
+        "pos_ptr": "i64",
+        "cos_ptr": "fp32",
+        "sin_ptr": "fp32",
+        "loc_ptr": "i64",
+    }
 
 
 def _sampling_configs(quick: bool):

@@ -45,7 +45,9 @@ def _store_kv_kernel(
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_cache(cache: torch.Tensor) -> None:
+def check_cache(cache: torch.Tensor) -> None:
+    """Raise ValueError unless `cache` is `[num_pages, page_size, Hkv, D]` with a contiguous
+    head dim and contiguous pages (slot `s` at `(s // page_size, s % page_size)`)."""
     pages, page_size, _, _ = cache.shape
     if cache.stride(3) != 1 or (pages > 1 and cache.stride(0) != page_size * cache.stride(1)):
         raise ValueError("KV cache must be [num_pages, page_size, Hkv, D] with contiguous pages")
@@ -78,8 +80,8 @@ def store_kv(
         )
     if k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape:
         raise ValueError(f"cache shape {tuple(k_cache.shape)} does not match k {tuple(k.shape)}")
-    _check_cache(k_cache)
-    _check_cache(v_cache)
+    check_cache(k_cache)
+    check_cache(v_cache)
     if num_tokens == 0:
         return
     if k.stride(2) != 1:

@@ -245,6 +245,69 @@ def test_qk_norm_rotary_kernel_matches_norm_then_rope(device, dtype):
         _assert_matches_eager(got_k, exp_k, device, atol=6e-2, exact_fraction=None)
 
 
+STORE_CASES = {
+    "cpu": [(5, 4, 2, 32, 4, True), (3, 6, 2, 16, 8, False)],
+    "cuda": [(1, 16, 8, 128, 64, True), (37, 16, 8, 128, 64, True), (300, 14, 2, 64, 16, False)],
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_kv_store_writes_what_store_kv_writes(device, dtype):
+    """With a `KVStore` the rotary launch returns the same q/k as without one and writes the
+    rotated k and v into exactly the given cache slots (== `ref_store_kv` of its own outputs;
+    every other slot keeps its contents), with and without the q/k norms, from q/k/v views of
+    one fused qkv tensor."""
+    from kernels.reference import ref_store_kv
+    from kernels.rotary import KVStore
+
+    for num_tokens, hq, hk, head_dim, page_size, norm in STORE_CASES[device]:
+        gen = torch.Generator().manual_seed(num_tokens + head_dim)
+        qkv = torch.randn(num_tokens, hq + 2 * hk, head_dim, generator=gen).to(dtype).to(device)
+        q, k, v = qkv[:, :hq], qkv[:, hq : hq + hk], qkv[:, hq + hk :]
+        rope = RotaryEmbedding(head_dim, 4096, 1e6, None)
+        cos, sin = rope.cos_cache.to(device), rope.sin_cache.to(device)
+        positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(device)
+        weights = ()
+        if norm:
+            weights = tuple(
+                _norm_layer(head_dim, dtype, seed=s).weight.to(device) for s in (21, 22)
+            ) + (1e-6,)
+        num_pages = num_tokens // page_size + 3
+        shape = (num_pages, page_size, hk, head_dim)
+        k_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+        v_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+        ref_k, ref_v = k_cache.clone(), v_cache.clone()
+        # Distinct slots in a shuffled order, skipping page 0 like the engine.
+        slots = page_size + torch.randperm((num_pages - 1) * page_size, generator=gen)
+        loc = slots[:num_tokens].to(device)
+        exp_q, exp_k = rotary(positions, q, k, cos, sin, *weights)
+        got_q, got_k = rotary(
+            positions, q, k, cos, sin, *weights, kv_store=KVStore(v, k_cache, v_cache, loc)
+        )
+        torch.testing.assert_close(got_q, exp_q, rtol=0, atol=0)
+        torch.testing.assert_close(got_k, exp_k, rtol=0, atol=0)
+        ref_store_kv(exp_k, v, ref_k, ref_v, loc)
+        torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0)
+        torch.testing.assert_close(v_cache, ref_v, rtol=0, atol=0)
+
+
+def test_rotary_kv_store_rejects_a_cache_that_does_not_fit():
+    from kernels.rotary import KVStore
+
+    q, k = _qkv(2, 4, 2, 32, torch.float32, "cpu")
+    rope = RotaryEmbedding(32, 8, 1e6, None)
+    pos = torch.zeros(2, dtype=torch.long)
+    cache = torch.zeros(3, 4, 2, 32)
+    with pytest.raises(ValueError, match="kv_store"):  # one slot for two tokens
+        rotary(
+            pos, q, k, rope.cos_cache, rope.sin_cache, kv_store=KVStore(k, cache, cache, pos[:1])
+        )
+    with pytest.raises(ValueError, match="kv_store"):  # 3 KV heads in the cache, 2 in k
+        bad = torch.zeros(3, 4, 3, 32)
+        rotary(pos, q, k, rope.cos_cache, rope.sin_cache, kv_store=KVStore(k, bad, bad, pos))
+
+
 def _force_fused_on_cpu(monkeypatch):
     """Route the norm and rotary layers to their kernels on CPU tensors too (the interpreter
     runs them); `fused.ENABLED` still switches them off."""
@@ -338,3 +401,66 @@ def test_decoder_with_fused_kernels_matches_unfused(device, dtype, monkeypatch):
         # bf16 values by an ulp; logits stay within a few bf16 steps of their scale.
         torch.testing.assert_close(on, off, rtol=2e-2, atol=2e-2 * off.abs().max().item())
     assert torch.equal(on.argmax(-1), off.argmax(-1))
+
+
+@pytest.mark.parametrize(("device", "dtype"), DECODER_CASES)
+def test_decoder_stores_kv_in_the_rope_kernel_on_the_triton_backend(device, dtype, monkeypatch):
+    """On a backend that offers `fused_kv_store_target` (triton), the fused RoPE kernel writes
+    each layer's K/V and the backend's own `store_kv` is skipped: the logits and the KV cache
+    are bit-identical to the same fused kernels with the backend storing K/V itself, and equal
+    the unfused path (torch norm + RoPE, then `store_kv`) within the kernels' rounding."""
+    from test_engine_helpers import checkpoint, prompts
+
+    import tritonllm.attention.triton_backend as triton_backend
+    from tritonllm.config import EngineConfig
+    from tritonllm.engine import LLMEngine
+
+    if device == "cpu":
+        _force_fused_on_cpu(monkeypatch)
+    backend_stores = _count_calls(monkeypatch, triton_backend, "store_kv")
+    engine = LLMEngine(
+        EngineConfig(
+            model=checkpoint("qwen3"),
+            device=device,
+            dtype=dtype,
+            page_size=4,
+            num_pages=64,
+            attention_backend="triton",
+            cuda_graph=False,
+            overlap_schedule=False,
+        )
+    )
+    num_layers = engine.runner.model_config.num_layers
+    logits = _prefill_logits(engine, prompts([9, 14], seed=5))
+    kv, backend = engine.runner.kv_cache, engine.runner.backend
+
+    def run(enabled: bool, fuse_store: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for i in range(num_layers):  # each run must write every slot itself
+            kv.k_cache(i).zero_()
+            kv.v_cache(i).zero_()
+        if fuse_store:
+            out = logits(enabled)
+        else:
+            with monkeypatch.context() as m:
+                m.setattr(backend, "fused_kv_store_target", lambda layer_id: None)
+                out = logits(enabled)
+        caches = [kv.k_cache(i).clone() for i in range(num_layers)]
+        return out, caches + [kv.v_cache(i).clone() for i in range(num_layers)]
+
+    unfused, unfused_cache = run(False, fuse_store=True)  # no kernel: the backend stores
+    assert backend_stores[0] == num_layers
+    separate, separate_cache = run(True, fuse_store=False)
+    assert backend_stores[0] == 2 * num_layers
+    fused_store, fused_cache = run(True, fuse_store=True)
+    assert backend_stores[0] == 2 * num_layers  # no further backend stores
+    torch.testing.assert_close(fused_store, separate, rtol=0, atol=0)
+    for got, expected in zip(fused_cache, separate_cache, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # Against the unfused layers: the q/k norm kernel's float32 statistic may round a rare
+    # bf16 element one step differently (`test_qk_norm_rotary_kernel_matches_norm_then_rope`).
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=6e-2)
+    for got, expected in zip(fused_cache, unfused_cache, strict=True):
+        torch.testing.assert_close(got, expected, **tol)
+    scale = max(unfused.abs().max().item(), 1.0)
+    torch.testing.assert_close(fused_store, unfused, rtol=tol["rtol"], atol=tol["atol"] * scale)
+    assert torch.equal(fused_store.argmax(-1), unfused.argmax(-1))

@@ -153,6 +153,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # CPU has no memory probe worth trusting; the KV pool defaults to this many bytes at most.
 CPU_KV_CACHE_BYTES = 1 << 30
 CPU_DEFAULT_CONTEXT = 2048
+# Default admission delay on CUDA (EngineConfig.prefill_delay_steps), in decode steps.
+CUDA_PREFILL_DELAY_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,10 @@ class EngineConfig:
         max_running_requests: most requests in one batch (admitted at the same time).
         max_prefill_tokens: the per-step token budget of a prefill/extend batch (chunked
             prefill splits longer prompts across steps).
+        prefill_delay_steps: most decode steps a new request waits, while others decode, so
+            that arrivals share prefill steps (admission delay; see `engine.scheduler`); 0 =
+            admit at the next step. None → 0 on CPU, `CUDA_PREFILL_DELAY_STEPS` on CUDA, where
+            each eager prefill step costs milliseconds of host time.
         enable_prefix_cache: reuse KV pages of earlier prompts through the radix cache.
         attention_backend: a key of `tritonllm.attention.ATTENTION_BACKENDS`, or "auto": on
             CUDA "flashinfer" (bf16/fp16, when installed), else "triton" (when installed), else
@@ -200,6 +206,7 @@ class EngineConfig:
     num_pages: int | None = None
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192
+    prefill_delay_steps: int | None = None
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"
     max_model_len: int | None = None
@@ -217,6 +224,11 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.prefill_delay_steps is None:
+            cpu = torch.device(self.device).type == "cpu"
+            object.__setattr__(self, "prefill_delay_steps", 0 if cpu else CUDA_PREFILL_DELAY_STEPS)
+        if self.prefill_delay_steps < 0:
+            raise ValueError(f"prefill_delay_steps must be >= 0, got {self.prefill_delay_steps}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.num_pages is not None and self.num_pages < 2:

@@ -68,17 +68,32 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        """Write k/v into the cache at `out_cache_loc`, then attend.
+        """Write k/v into the cache at `out_cache_loc` (unless `kv_stored`), then attend.
 
         Args:
             q: `[T, Hq, D]` (after RoPE/norm), model dtype.
-            k, v: `[T, Hkv, D]`, model dtype.
+            k, v: `[T, Hkv, D]`, model dtype, last dim contiguous (v may be a strided view).
             layer_id: index into the KV cache's layers.
+            kv_stored: the caller already wrote k and v into the cache slots that
+                `fused_kv_store_target(layer_id)` gave for this forward.
 
         Returns:
             `[T, Hq, D]`: causal attention of each new token over its sequence's cached prefix
             and the new tokens up to itself, scale `1/sqrt(D)`; query head h reads KV head
             `h // (Hq // Hkv)` (GQA).
         """
+
+    def fused_kv_store_target(
+        self, layer_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`(k_cache, v_cache, out_cache_loc)` of layer `layer_id` in the planned forward, when
+        this backend lets the caller's RoPE kernel write the new K/V (`kernels.rotary.KVStore`:
+        one launch instead of two); None (the default) when `forward` must store them."""
+        return None

@@ -19,6 +19,7 @@ kernels (load balance over uneven context lengths; see the constant).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,8 +41,12 @@ WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace 
 # whose contexts differ (100..2047 tokens) no longer waits for its longest sequences. Measured
 # on an H200 (`python -m kernels.bench_attention`, 2026-11-30, CUDA-graph wrappers, Qwen3-0.6B
 # heads): contexts 100..2047 at batch 150 75% -> 90% of copy bandwidth, at batch 256 85% -> 95%;
-# equal contexts at batch 128 88% -> 81%, at batch 64 80% -> 74% (hence no lower).
-TENSOR_CORE_DECODE_MIN_BATCH = 128
+# equal contexts at batch 128 88% -> 81%, at batch 64 80% -> 74%. Served and offline batches
+# have uneven contexts, and the offline benchmark (same run, 2026-11-30 11:04 UTC) reached
+# 60.6% of its bound with 128, 63.3% with 64 and 63.2% with 1: hence 64.
+TENSOR_CORE_DECODE_MIN_BATCH = 64
+# Overrides TENSOR_CORE_DECODE_MIN_BATCH when set (an int; read when a backend is built).
+TENSOR_CORE_DECODE_ENV = "TRITONLLM_TENSOR_CORE_DECODE_MIN_BATCH"
 
 
 @dataclass
@@ -143,12 +148,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         # FlashInfer's decode kernels on CUDA cores suit small GQA groups; larger groups go
         # faster through its tensor-core (prefill) kernels (the same rule SGLang applies).
         self.use_tensor_cores = self.num_q_heads // self.num_kv_heads >= 4
+        env = os.environ.get(TENSOR_CORE_DECODE_ENV, "").strip()
+        self.tensor_core_min_batch = int(env) if env else TENSOR_CORE_DECODE_MIN_BATCH
         # "Must be initialized to 0 for its first use" (FlashInfer docs).
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
-        self._decode_large = self._decode  # decode batches >= TENSOR_CORE_DECODE_MIN_BATCH
+        self._decode_large = self._decode  # decode batches >= tensor_core_min_batch
         if not self.use_tensor_cores:
             self._decode_large = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, "NHD", use_tensor_cores=True
@@ -164,7 +171,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         args = paged_kv_args(meta.page_table, meta.seq_lens_cpu, self.page_size)
         self._out_cache_loc = meta.out_cache_loc
         if meta.is_decode:
-            large = meta.num_seqs >= TENSOR_CORE_DECODE_MIN_BATCH
+            large = meta.num_seqs >= self.tensor_core_min_batch
             self._wrapper = self._decode_large if large else self._decode
             self._plan_decode(self._wrapper, args)
             return
@@ -201,13 +208,26 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        """Store k/v `[T, Hkv, D]` at out_cache_loc, then attend; returns `[T, Hq, D]`."""
+        """Store k/v `[T, Hkv, D]` at out_cache_loc (unless `kv_stored`), then attend; returns
+        `[T, Hq, D]`."""
         k_cache = self.kv_cache.k_cache(layer_id)
         v_cache = self.kv_cache.v_cache(layer_id)
-        store_kv(k, v, k_cache, v_cache, self._out_cache_loc)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, self._out_cache_loc)
         return self._wrapper.run(q.contiguous(), (k_cache, v_cache))
+
+    def fused_kv_store_target(
+        self, layer_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The layer's caches and this forward's slots: the RoPE kernel stores K/V there."""
+        return self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id), self._out_cache_loc
 
     # ---- CUDA-graph decode ------------------------------------------------------------------
 
@@ -248,7 +268,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self._workspace,
                 "NHD",
                 use_cuda_graph=True,
-                use_tensor_cores=self.use_tensor_cores or bs >= TENSOR_CORE_DECODE_MIN_BATCH,
+                use_tensor_cores=self.use_tensor_cores or bs >= self.tensor_core_min_batch,
                 paged_kv_indptr_buffer=g.kv_indptr[: bs + 1],
                 paged_kv_indices_buffer=g.kv_indices,
                 paged_kv_last_page_len_buffer=g.kv_last_page_len[:bs],

@@ -38,14 +38,20 @@ class TorchAttentionBackend(AttentionBackend):
             self._extend_masks.append(k_pos[None, :] <= q_pos[:, None])  # [ext, seq_len]
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         meta = self._meta
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_flat = self.kv_cache.k_cache(layer_id).view(-1, num_kv_heads, head_dim)
         v_flat = self.kv_cache.v_cache(layer_id).view(-1, num_kv_heads, head_dim)
-        k_flat[meta.out_cache_loc] = k
-        v_flat[meta.out_cache_loc] = v
+        if not kv_stored:
+            k_flat[meta.out_cache_loc] = k
+            v_flat[meta.out_cache_loc] = v
         if meta.is_decode:
             keys = k_flat[self._slots].transpose(1, 2)  # [B, Hkv, S, D]
             values = v_flat[self._slots].transpose(1, 2)

@@ -72,12 +72,19 @@ class TritonAttentionBackend(AttentionBackend):
             self._max_extend_len = max(meta.extend_lens_cpu)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        """Store k/v `[T, Hkv, D]` at out_cache_loc, then attend; returns `[T, Hq, D]`."""
+        """Store k/v `[T, Hkv, D]` at out_cache_loc (unless `kv_stored`), then attend; returns
+        `[T, Hq, D]`."""
         k_cache = self.kv_cache.k_cache(layer_id)
         v_cache = self.kv_cache.v_cache(layer_id)
-        store_kv(k, v, k_cache, v_cache, self._out_cache_loc)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, self._out_cache_loc)
         if self._is_decode:
             return decode_attention(
                 q,
@@ -115,6 +122,12 @@ class TritonAttentionBackend(AttentionBackend):
         part_o = flat[:o_elems].view(batch, self.num_q_heads, splits, self.head_dim)
         part_lse = flat[o_elems : o_elems + lse_elems].view(batch, self.num_q_heads, splits)
         return part_o, part_lse
+
+    def fused_kv_store_target(
+        self, layer_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The layer's caches and this forward's slots: the RoPE kernel stores K/V there."""
+        return self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id), self._out_cache_loc
 
     # ---- CUDA-graph decode ------------------------------------------------------------------
 

@@ -87,6 +87,7 @@ class LLMEngine:
             config.page_size,
             config.max_running_requests,
             config.max_prefill_tokens,
+            config.prefill_delay_steps,
         )
         self.max_model_len = config.effective_max_model_len
         self.limits = RequestLimits.of(self)  # what check_request validates against

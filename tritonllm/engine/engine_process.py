@@ -42,6 +42,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from tritonllm.config import EngineConfig
@@ -59,6 +60,10 @@ _READY, _FAILED = "ready", "failed"
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # <linux/prctl.h>
 # Seconds a child that closed its result pipe gets to exit before the kernel kills it.
 EXIT_GRACE_S = 10.0
+# Diagnostics: a file path here makes the child run its engine loop under cProfile and write
+# the stats there (pstats format) every PROFILE_DUMP_S seconds and when it exits.
+PROFILE_ENV = "TRITONLLM_ENGINE_PROFILE"
+PROFILE_DUMP_S = 10.0
 
 # A step message is (output rows, stats row, loop-times row): tuples of the dataclass fields in
 # declaration order, so `Class(*row)` rebuilds them (see the module docstring for why).
@@ -421,11 +426,22 @@ def _engine_main(
         except OSError:
             pass
         return
+    profile_path = os.environ.get(PROFILE_ENV, "").strip()
+    profiler = None
+    if profile_path:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         results.send((_READY, RequestLimits.of(engine), engine.stats()))
-        _serve(engine, commands, results)
+        _serve(engine, commands, results, profiler and (lambda: profiler.dump_stats(profile_path)))
     except (EOFError, OSError):
         pass  # the parent closed its end or is gone: nobody is left to serve
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile_path)
 
 
 def _bind_to_parent(parent_pid: int, name: str) -> None:
@@ -442,14 +458,24 @@ def _bind_to_parent(parent_pid: int, name: str) -> None:
         os._exit(0)
 
 
-def _serve(engine: LLMEngine, commands: Connection, results: Connection) -> None:
+def _serve(
+    engine: LLMEngine,
+    commands: Connection,
+    results: Connection,
+    dump_profile: Callable[[], None] | None = None,
+) -> None:
     """The engine loop (like `EngineThread._loop`): read commands, blocking only while idle,
     apply them between steps, step, send one message per step. Returns on a stop command;
-    raises EOFError when the parent closed the command pipe."""
+    raises EOFError when the parent closed the command pipe. `dump_profile` (diagnostics, see
+    `PROFILE_ENV`) is called every `PROFILE_DUMP_S` seconds."""
     cpu0 = time.thread_time()
     busy = transport = 0.0
     loops = 0
+    next_dump = time.monotonic() + PROFILE_DUMP_S
     while True:
+        if dump_profile is not None and time.monotonic() >= next_dump:
+            dump_profile()
+            next_dump = time.monotonic() + PROFILE_DUMP_S
         batch: list[tuple] = []
         if not engine.has_unfinished():
             batch.extend(commands.recv())

@@ -105,6 +105,51 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin_cache[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def rotate_and_store(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_norm: RMSNorm | None,
+        k_norm: RMSNorm | None,
+        kv_target: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """`forward`, and where the RoPE kernel runs, the same launch also writes the rotated k
+        and v into the paged KV cache (`kernels.rotary.KVStore`).
+
+        Args:
+            positions, q, k, q_norm, k_norm: as for `forward`.
+            v: `[T, Hk, D]`, q's dtype (may be a strided view of the fused qkv output).
+            kv_target: `(k_cache, v_cache, out_cache_loc)` from the attention backend's
+                `fused_kv_store_target`.
+
+        Returns:
+            `(q, k, stored)`: rotated q and k as `forward` returns them, and whether k and v
+            were written to the cache (False where the kernel does not apply: the backend
+            must then store them).
+        """
+        norm_fits = q_norm is None and k_norm is None
+        if q_norm is not None:
+            norm_fits = _fits_norm_kernel(q, q_norm, k_norm)
+        if not (_fits_kernel(q, k) and norm_fits and v.dtype == q.dtype and v.stride(-1) == 1):
+            q, k = self.forward(positions, q, k, q_norm, k_norm)
+            return q, k, False
+        from kernels.rotary import KVStore, rotary
+
+        k_cache, v_cache, loc = kv_target
+        weights = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        q, k = rotary(
+            positions,
+            q,
+            k,
+            self.cos_cache,
+            self.sin_cache,
+            *weights,
+            kv_store=KVStore(v, k_cache, v_cache, loc),
+        )
+        return q, k, True
+
 
 def _fits_kernel(q: torch.Tensor, k: torch.Tensor) -> bool:
     return use_fused(q) and q.stride(-1) == 1 and k.stride(-1) == 1

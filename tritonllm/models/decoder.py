@@ -57,9 +57,18 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        # Qwen3's q/k norms run inside the rotary layer: one kernel for both on CUDA.
-        q, k = self._rotary[0](positions, q, k, self.q_norm, self.k_norm)
-        out = self._backend_ref.backend.forward(q, k, v.contiguous(), self.layer_id)
+        # Qwen3's q/k norms run inside the rotary layer: one kernel for both on CUDA, which
+        # also stores the new K/V into the cache when the backend allows it.
+        backend = self._backend_ref.backend
+        target = backend.fused_kv_store_target(self.layer_id)
+        stored = False
+        if target is None:
+            q, k = self._rotary[0](positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k, stored = self._rotary[0].rotate_and_store(
+                positions, q, k, v, self.q_norm, self.k_norm, target
+            )
+        out = backend.forward(q, k, v, self.layer_id, kv_stored=stored)
         return self.o_proj(out.reshape(T, self.q_size))
 
 

@@ -1,0 +1,484 @@
+"""Admission delay of the continuous-batching scheduler (`prefill_delay_steps`).
+
+While requests decode, new waiting requests wait up to `prefill_delay_steps` decode steps so
+that arrivals share one prefill step. The wait ends early when the waiting prompts fill a
+prefill batch (`max_prefill_tokens`) or when nothing decodes, and a prompt part-way through
+chunked prefill is never held back. With a delay of 0 the scheduler behaves as before: prefill
+whenever something can be admitted, but never two prefill steps in a row while requests decode.
+
+The scheduler tests drive a `Scheduler` directly and play the engine's part after each step
+(`advance`): `num_computed` grows by the extend lengths, each request that reaches the end of
+its tokens gets a sampled id, prefilled prompts enter the radix cache, and requests that reach
+`max_tokens` finish.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from test_engine_helpers import checkpoint, hf_greedy, prompts
+
+from tritonllm.config import CUDA_PREFILL_DELAY_STEPS, EngineConfig
+from tritonllm.engine import LLMEngine
+from tritonllm.engine.kv_cache import PageAllocator
+from tritonllm.engine.radix_cache import RadixCache
+from tritonllm.engine.request import Request, RequestStatus
+from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
+from tritonllm.sampling_params import SamplingParams
+from tritonllm.triton_config import engine_config
+
+PAGE_SIZE = 4
+SAMPLED_ID = 5  # the id the simulated engine "samples" (any valid id will do)
+_arrivals = itertools.count()
+_prompt_seeds = itertools.count(100)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def make_scheduler(
+    delay: int, max_prefill_tokens: int = 16, num_pages: int = 512, max_running: int = 64
+) -> Scheduler:
+    """A scheduler over a fresh page pool (`num_pages` usable pages of `PAGE_SIZE` tokens) with
+    a radix cache, as `LLMEngine` builds it."""
+    alloc = PageAllocator(1 + num_pages)
+    radix = RadixCache(alloc, page_size=PAGE_SIZE)
+    return Scheduler(
+        alloc,
+        radix,
+        page_size=PAGE_SIZE,
+        max_running_requests=max_running,
+        max_prefill_tokens=max_prefill_tokens,
+        prefill_delay_steps=delay,
+    )
+
+
+def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 1000) -> Request:
+    """Queue a new greedy request `rid` with a random prompt of `prompt_len` tokens."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    prompt = prompts([prompt_len], seed=next(_prompt_seeds))[0]
+    req = Request(rid, prompt, params, arrival=next(_arrivals), stop_ids=frozenset())
+    sched.add(req)
+    return req
+
+
+def advance(sched: Scheduler, batch: ScheduledBatch) -> None:
+    """Play the engine's part for a scheduled `batch` (`LaunchedStep.commit` +
+    `LLMEngine._process`): advance `num_computed` by the extend lengths, append a sampled id
+    to each request that reaches the end of its tokens, cache the prefix of prefilled ones and
+    finish those that reached `max_tokens`."""
+    sampling = [req for i, req in enumerate(batch.reqs) if batch.samples(i)]
+    for req, ext in zip(batch.reqs, batch.extend_lens, strict=True):
+        req.num_computed += ext
+    for req in sampling:
+        req.token_ids.append(SAMPLED_ID)
+        if not batch.is_decode:
+            sched.cache_prefix(req)
+        if req.num_output_tokens >= req.params.max_tokens:
+            sched.abort(req)  # what the engine does for a finished request
+
+
+def step(sched: Scheduler) -> ScheduledBatch | None:
+    """Schedule one step and apply it (see `advance`); returns the batch."""
+    batch = sched.schedule()
+    if batch is not None:
+        advance(sched, batch)
+    return batch
+
+
+def kind(batch: ScheduledBatch | None) -> str:
+    """The batch's kind: "prefill", "decode" or "idle" (no batch)."""
+    if batch is None:
+        return "idle"
+    return "decode" if batch.is_decode else "prefill"
+
+
+def ids(batch: ScheduledBatch) -> set[str]:
+    """The request ids in `batch`."""
+    return {r.request_id for r in batch.reqs}
+
+
+def start_decoding(sched: Scheduler, rids: tuple[str, ...] = ("a", "b")) -> list[Request]:
+    """Admit requests `rids` (nothing decodes yet, so at once) and run one decode step, so
+    they are decoding and the last step was a decode step."""
+    reqs = [add(sched, rid, 6) for rid in rids]
+    first = step(sched)
+    assert kind(first) == "prefill" and ids(first) == set(rids)
+    assert kind(step(sched)) == "decode"
+    assert all(r.is_decoding for r in reqs)
+    return reqs
+
+
+def assert_pages_balanced(sched: Scheduler) -> None:
+    """With nothing running, every page is free or held (unlocked) by the radix cache."""
+    assert not sched.running and not sched.waiting
+    free = sched.allocator.num_free + sched.radix.num_evictable_pages
+    assert free == sched.allocator.num_usable
+
+
+# ---- the delay --------------------------------------------------------------------------------
+@pytest.mark.parametrize("delay", [0, 1, 3])
+def test_new_request_waits_delay_decode_steps_then_prefills(delay):
+    sched = make_scheduler(delay)
+    decoding = start_decoding(sched)
+    new = add(sched, "new", 5)
+    for i in range(delay):
+        batch = step(sched)
+        assert kind(batch) == "decode", f"step {i} of the delay"
+        assert ids(batch) == {"a", "b"} and new.status == RequestStatus.WAITING
+    batch = step(sched)
+    assert kind(batch) == "prefill" and ids(batch) == {"new"}
+    assert batch.extend_lens == [5] and new.status == RequestStatus.RUNNING
+    # Then the usual alternation: a decode step for everyone, the new request included.
+    batch = step(sched)
+    assert kind(batch) == "decode" and ids(batch) == {"a", "b", "new"}
+    assert all(r.num_output_tokens == 2 + delay + 1 for r in decoding)
+    assert new.num_output_tokens == 2
+
+
+@pytest.mark.parametrize("delay", [1, 3])
+def test_the_mandatory_decode_after_a_prefill_counts_toward_the_delay(delay):
+    """A request that arrives just after a prefill waits `delay` decode steps in all, the
+    decode step that must follow the prefill being the first of them."""
+    sched = make_scheduler(delay)
+    add(sched, "a", 6)
+    assert kind(step(sched)) == "prefill"
+    add(sched, "new", 5)
+    kinds = [kind(step(sched)) for _ in range(delay + 1)]
+    assert kinds == ["decode"] * delay + ["prefill"]
+
+
+def test_arrivals_during_the_delay_share_one_prefill_step():
+    sched = make_scheduler(3, max_prefill_tokens=64)
+    start_decoding(sched)
+    add(sched, "x", 3)
+    assert kind(step(sched)) == "decode"
+    add(sched, "y", 4)
+    assert kind(step(sched)) == "decode"
+    add(sched, "z", 2)
+    assert kind(step(sched)) == "decode"
+    # The delay runs from the first arrival: all three join one prefill step now.
+    batch = step(sched)
+    assert kind(batch) == "prefill" and ids(batch) == {"x", "y", "z"}
+    assert sorted(batch.extend_lens) == [2, 3, 4]
+
+
+def test_delay_zero_admits_at_the_next_step_unless_a_prefill_just_ran():
+    """The old behaviour: prefill at once when the last step was a decode step, and one decode
+    step first when it was a prefill step."""
+    sched = make_scheduler(0)
+    start_decoding(sched)
+    add(sched, "x", 3)
+    batch = step(sched)
+    assert kind(batch) == "prefill" and ids(batch) == {"x"}
+    add(sched, "y", 3)
+    assert [kind(step(sched)) for _ in range(2)] == ["decode", "prefill"]
+
+
+@pytest.mark.parametrize("prompt_lens", [[16], [9, 7], [4, 4, 4, 5]])
+def test_waiting_prompts_that_fill_a_prefill_batch_are_admitted_without_waiting(prompt_lens):
+    sched = make_scheduler(100, max_prefill_tokens=16)
+    start_decoding(sched)
+    reqs = [add(sched, f"w{i}", n) for i, n in enumerate(prompt_lens)]
+    batch = step(sched)
+    assert kind(batch) == "prefill"
+    assert ids(batch) == {r.request_id for r in reqs}
+    assert batch.num_tokens == 16  # the last prompt may be cut (chunked prefill)
+
+
+def test_waiting_prompts_one_token_short_of_a_batch_still_wait():
+    sched = make_scheduler(3, max_prefill_tokens=16)
+    start_decoding(sched)
+    add(sched, "x", 8)
+    add(sched, "y", 7)
+    assert [kind(step(sched)) for _ in range(3)] == ["decode"] * 3
+    # A late arrival fills the batch: the wait ends at once.
+    sched2 = make_scheduler(3, max_prefill_tokens=16)
+    start_decoding(sched2)
+    add(sched2, "x", 8)
+    add(sched2, "y", 7)
+    assert kind(step(sched2)) == "decode"
+    add(sched2, "z", 1)
+    batch = step(sched2)
+    assert kind(batch) == "prefill" and ids(batch) == {"x", "y", "z"}
+
+
+def test_nothing_decoding_admits_at_once_even_with_a_large_delay():
+    sched = make_scheduler(1000)
+    first = add(sched, "a", 6, max_tokens=3)
+    batch = step(sched)
+    assert kind(batch) == "prefill" and ids(batch) == {"a"}
+    # A request that waits while "a" decodes is admitted as soon as "a" finishes.
+    add(sched, "b", 5)
+    assert kind(step(sched)) == "decode"  # a's 2nd token
+    assert kind(step(sched)) == "decode"  # a's 3rd and last token
+    assert first.status == RequestStatus.FINISHED and not sched.running
+    batch = step(sched)
+    assert kind(batch) == "prefill" and ids(batch) == {"b"}
+
+
+def test_only_partly_prefilled_requests_running_do_not_delay_admission():
+    """A request part-way through its prompt is running but not decoding: nothing decodes, so
+    a new arrival is admitted at once (with the chunk's leftover budget)."""
+    sched = make_scheduler(1000, max_prefill_tokens=16)
+    long = add(sched, "long", 20)
+    batch = step(sched)
+    assert kind(batch) == "prefill" and batch.extend_lens == [16]
+    add(sched, "short", 3)
+    batch = step(sched)
+    assert kind(batch) == "prefill" and ids(batch) == {"long", "short"}
+    assert batch.extend_lens == [4, 3] and long.is_decoding
+
+
+def test_a_chunked_prompt_continues_after_the_decode_step_without_waiting():
+    sched = make_scheduler(1000, max_prefill_tokens=16)
+    start_decoding(sched)
+    long = add(sched, "long", 40)  # 40 >= 16: admitted at once, in chunks of 16, 16, 8
+    plan = []
+    for _ in range(6):
+        batch = step(sched)
+        plan.append((kind(batch), batch.extend_lens if not batch.is_decode else None))
+    assert plan == [
+        ("prefill", [16]),
+        ("decode", None),
+        ("prefill", [16]),
+        ("decode", None),
+        ("prefill", [8]),
+        ("decode", None),
+    ]
+    assert long.is_decoding and long.num_output_tokens == 2
+
+
+def test_the_delay_restarts_for_the_next_arrival():
+    delay = 3
+    sched = make_scheduler(delay)
+    start_decoding(sched)
+    add(sched, "x", 3)
+    kinds = [kind(step(sched)) for _ in range(delay + 2)]
+    assert kinds == ["decode"] * delay + ["prefill", "decode"]
+    assert not sched.waiting
+    add(sched, "y", 3)
+    kinds = [kind(step(sched)) for _ in range(delay + 1)]
+    assert kinds == ["decode"] * delay + ["prefill"]
+    # And again for an arrival right after that prefill (its decode step counts).
+    add(sched, "z", 3)
+    kinds = [kind(step(sched)) for _ in range(delay + 1)]
+    assert kinds == ["decode"] * delay + ["prefill"]
+
+
+def test_a_request_admitted_early_by_a_full_batch_resets_the_delay():
+    """The fill rule admits everything waiting; the next lone arrival waits the full delay."""
+    delay = 3
+    sched = make_scheduler(delay, max_prefill_tokens=16)
+    start_decoding(sched)
+    add(sched, "x", 5)
+    assert kind(step(sched)) == "decode"
+    add(sched, "y", 11)  # 5 + 11 = 16 fills the batch
+    assert kind(step(sched)) == "prefill"
+    add(sched, "z", 3)
+    kinds = [kind(step(sched)) for _ in range(delay + 1)]
+    assert kinds == ["decode"] * delay + ["prefill"]
+
+
+def test_a_decode_step_with_an_empty_queue_resets_the_delay():
+    """A waiting request aborted part-way through its delay: once a decode step has run with
+    nothing waiting, the next arrival waits the full delay again."""
+    delay = 4
+    sched = make_scheduler(delay)
+    start_decoding(sched)
+    gone = add(sched, "gone", 3)
+    assert [kind(step(sched)) for _ in range(3)] == ["decode"] * 3
+    sched.abort(gone)
+    assert kind(step(sched)) == "decode"
+    add(sched, "x", 3)
+    kinds = [kind(step(sched)) for _ in range(delay + 1)]
+    assert kinds == ["decode"] * delay + ["prefill"]
+
+
+def test_an_arrival_right_after_the_waiting_requests_were_aborted_waits_the_full_delay():
+    """Aborting every waiting request restarts the delay at once: a request added before the
+    next step does not inherit the aborted requests' wait."""
+    delay = 4
+    sched = make_scheduler(delay)
+    start_decoding(sched)
+    gone = add(sched, "gone", 3)
+    assert [kind(step(sched)) for _ in range(3)] == ["decode"] * 3
+    sched.abort(gone)
+    add(sched, "x", 3)
+    kinds = [kind(step(sched)) for _ in range(delay + 1)]
+    assert kinds == ["decode"] * delay + ["prefill"]
+
+
+# ---- random traces against the policy -----------------------------------------------------------
+def expected_kind(sched: Scheduler, last_kind: str, wait_clock: int, delay: int) -> str:
+    """The step kind the policy prescribes (enough pages and request slots assumed):
+    prefill when something can be admitted, unless the last step was a prefill and requests
+    decode, or requests decode, no prompt is part-way through prefill, the waiting prompts do
+    not fill a batch and the waiting queue has been non-empty for fewer than `delay` decode
+    steps (`wait_clock`)."""
+    decoding = any(r.is_decoding for r in sched.running)
+    partial = any(not r.is_decoding for r in sched.running)
+    if not sched.waiting and not partial:
+        return "decode" if decoding else "idle"
+    if last_kind == "prefill" and decoding:
+        return "decode"
+    pending = sum(r.num_pending for r in sched.waiting)
+    if decoding and not partial and pending < sched.max_prefill_tokens and wait_clock < delay:
+        return "decode"
+    return "prefill"
+
+
+@pytest.mark.parametrize("max_prefill_tokens", [24, 1000])
+@pytest.mark.parametrize("delay", [0, 2, 5])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_arrivals_follow_the_policy_and_every_request_finishes(
+    delay, seed, max_prefill_tokens
+):
+    """Random arrivals (prompts of 1..14 tokens, 1..20 output tokens): every step has the kind
+    the policy prescribes and every request finishes. With a prefill budget that never runs
+    out, no request waits more than `delay` decode steps (1 at delay 0: the decode step after
+    a prefill); with a budget of 24 tokens, requests behind a full batch may wait longer."""
+    rng = random.Random(seed)
+    sched = make_scheduler(delay, max_prefill_tokens=max_prefill_tokens)
+    reqs: list[Request] = []
+    last_kind, wait_clock = "idle", 0
+    max_wait = 0  # most decode steps any request waited for its admission
+    waited: dict[str, int] = {}
+    for t in range(400):
+        if t < 250:
+            for _ in range(rng.choice([0, 0, 0, 1, 1, 2])):
+                if not sched.waiting:
+                    wait_clock = 0
+                req = add(sched, f"r{len(reqs)}", rng.randint(1, 14), rng.randint(1, 20))
+                reqs.append(req)
+                waited[req.request_id] = 0
+        want = expected_kind(sched, last_kind, wait_clock, delay)
+        batch = step(sched)
+        assert kind(batch) == want, f"step {t}"
+        last_kind = kind(batch)
+        if last_kind == "decode":
+            for req in sched.waiting:
+                waited[req.request_id] += 1
+                max_wait = max(max_wait, waited[req.request_id])
+            if sched.waiting:
+                wait_clock += 1
+    assert sched.num_preemptions == 0
+    assert all(r.status == RequestStatus.FINISHED for r in reqs)
+    assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
+    if max_prefill_tokens == 1000:
+        assert max_wait <= max(delay, 1)  # 1: the decode step after a prefill
+        if delay > 1:
+            assert max_wait == delay  # some request did wait the full delay
+    assert_pages_balanced(sched)
+
+
+# ---- configuration -------------------------------------------------------------------------------
+def test_engine_config_default_delay_depends_on_the_device():
+    cpu = EngineConfig(model="/nonexistent/model")
+    assert cpu.prefill_delay_steps == 0
+    for device in ("cuda", "cuda:1"):
+        cuda = EngineConfig(model="/nonexistent/model", device=device)
+        assert cuda.prefill_delay_steps == CUDA_PREFILL_DELAY_STEPS == 8
+        assert "model_config" not in cuda.__dict__  # the model directory was never read
+    explicit = EngineConfig(model="/nonexistent/model", device="cuda", prefill_delay_steps=0)
+    assert explicit.prefill_delay_steps == 0
+    assert EngineConfig(model="/nonexistent/model", prefill_delay_steps=3).prefill_delay_steps == 3
+
+
+def test_engine_config_rejects_a_negative_delay():
+    with pytest.raises(ValueError, match="prefill_delay_steps"):
+        EngineConfig(model="/nonexistent/model", prefill_delay_steps=-1)
+    with pytest.raises(ValueError, match="prefill_delay_steps"):
+        EngineConfig(model="/nonexistent/model", device="cuda", prefill_delay_steps=-3)
+
+
+def test_delay_is_read_from_the_environment_and_the_parameters(tmp_path):
+    env = {"TRITONLLM_MODEL": str(tmp_path), "TRITONLLM_DEVICE": "cpu"}
+    assert engine_config({}, env).prefill_delay_steps == 0
+    assert engine_config({}, {**env, "TRITONLLM_PREFILL_DELAY_STEPS": "5"}).prefill_delay_steps == 5
+    params = {"prefill_delay_steps": "2"}
+    assert engine_config(params, env).prefill_delay_steps == 2
+    config = engine_config(params, {**env, "TRITONLLM_PREFILL_DELAY_STEPS": "5"})
+    assert config.prefill_delay_steps == 5  # the environment wins
+    cuda = {**env, "TRITONLLM_DEVICE": "cuda", "TRITONLLM_PREFILL_DELAY_STEPS": "none"}
+    assert engine_config({}, cuda).prefill_delay_steps == CUDA_PREFILL_DELAY_STEPS
+    with pytest.raises(ValueError, match="PREFILL_DELAY_STEPS"):
+        engine_config({}, {**env, "TRITONLLM_PREFILL_DELAY_STEPS": "soon"})
+    with pytest.raises(ValueError, match="prefill_delay_steps"):
+        engine_config({}, {**env, "TRITONLLM_PREFILL_DELAY_STEPS": "-1"})
+
+
+# ---- end to end ------------------------------------------------------------------------------------
+MAX_TOKENS = 12
+# (engine step at which it arrives, request id, prompt length); max_prefill_tokens is 32.
+ARRIVALS = [
+    (0, "r0", 12),
+    (0, "r1", 5),
+    (3, "r2", 7),  # r0 and r1 decode
+    (5, "r3", 9),
+    (6, "r4", 3),
+    (6, "r5", 11),
+    (9, "r6", 40),  # longer than a prefill batch: admitted at once, in two chunks
+    (15, "r7", 6),
+]
+
+
+def run_engine(delay: int) -> tuple[dict[str, list[int]], dict[str, int], LLMEngine]:
+    """Run `ARRIVALS` through a CPU engine with `prefill_delay_steps=delay`; returns each
+    request's generated ids, the step of its first token, and the engine."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=checkpoint("qwen3"),
+            page_size=4,
+            num_pages=256,
+            max_prefill_tokens=32,
+            prefill_delay_steps=delay,
+        )
+    )
+    assert engine.scheduler.prefill_delay_steps == delay
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    lengths = [length for _, _, length in ARRIVALS]
+    all_prompts = {
+        rid: p for (_, rid, _), p in zip(ARRIVALS, prompts(lengths, seed=3), strict=True)
+    }
+    out: dict[str, list[int]] = {rid: [] for rid in all_prompts}
+    first_step: dict[str, int] = {}
+    finished: set[str] = set()
+    for t in itertools.count():
+        for _, rid, _ in (a for a in ARRIVALS if a[0] == t):
+            engine.add_request(rid, all_prompts[rid], params)
+        if t > ARRIVALS[-1][0] and not engine.has_unfinished():
+            break
+        for o in engine.step():
+            if o.new_token_ids:
+                first_step.setdefault(o.request_id, t)
+            out[o.request_id] += o.new_token_ids
+            if o.finished:
+                assert o.finish_reason == "length" and o.num_output_tokens == MAX_TOKENS
+                finished.add(o.request_id)
+        assert t < 200, "engine did not finish"
+    assert finished == set(all_prompts)
+    return out, first_step, engine
+
+
+def test_engine_with_delay_generates_the_same_greedy_ids_and_batches_prefills():
+    delayed, delayed_first, delayed_engine = run_engine(4)
+    eager, eager_first, eager_engine = run_engine(0)
+    assert all(len(ids) == MAX_TOKENS for ids in delayed.values())
+    assert delayed == eager
+    all_prompts = prompts([a[2] for a in ARRIVALS], seed=3)
+    for (_, rid, _), prompt in zip(ARRIVALS, all_prompts, strict=True):
+        assert delayed[rid] == hf_greedy(checkpoint("qwen3"), prompt, MAX_TOKENS)[0], rid
+    # Delay 0: r2 at once, r3 at once (the last step was a decode), r4/r5 after the decode
+    # step that follows r3's prefill, r6's chunks at 9 and 11, r7 at once.
+    assert eager_first == {"r0": 0, "r1": 0, "r2": 3, "r3": 5, "r4": 7, "r5": 7, "r6": 11, "r7": 15}
+    # Delay 4: r2..r5 wait for decode steps 3..6 and share the prefill of step 7; r6 fills a
+    # batch (chunks at 9 and 11); r7 arrives while r6 decodes and waits 15..18.
+    assert delayed_first == {
+        "r0": 0, "r1": 0, "r2": 7, "r3": 7, "r4": 7, "r5": 7, "r6": 11, "r7": 19,
+    }  # fmt: skip
+    assert delayed_engine.stats().num_prefill_steps < eager_engine.stats().num_prefill_steps
+    for engine in (delayed_engine, eager_engine):
+        stats = engine.stats()
+        assert stats.num_running == stats.num_waiting == 0
+        assert stats.free_pages + stats.evictable_pages == stats.total_pages
