@@ -69,7 +69,7 @@ for step in "${steps[@]}"; do
     ;;
   online)
     timeout "$limit" python3 -m benchmarks.online --benchmarks-md "$md" \
-      --server-log "$out/server.log" --max-output-len 512 2>&1 | tee "$out/online.log"
+      --server-log "$out/server.log" 2>&1 | tee "$out/online.log"
     ;;
   esac
 done

@@ -314,7 +314,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--prompts-per-client",
         type=int,
-        default=2,
+        default=4,
         help="requests each client sends per level when --num-prompts-per-level is not given; "
         "more make the level's start-up (all clients arriving at once) and tail weigh less",
     )

@@ -274,3 +274,22 @@ def test_online_levels_send_prompts_per_client_requests_each(tokenizer):
     levels = online.level_workloads(args, tokenizer)
     assert {c: len(w.prompts) for c, (_, w) in levels.items()} == {1: 8, 16: 48}
     assert all(len(texts) == len(w.prompts) for texts, w in levels.values())
+
+
+def test_prefill_host_times_prefill_and_decode_steps_separately(tiny_model_dir, capsys):
+    """prefill_host's arrivals make prefill steps of exactly the case's prompts (admission
+    delay off) between decode steps of the decoding requests plus the admitted ones."""
+    from benchmarks import prefill_host
+
+    args = prefill_host.parse_args(
+        ["--model", str(tiny_model_dir), "--device", "cpu", "--attention-backend", "torch"]
+        + ["--decoding", "3", "--cases", "2x17", "--steps", "6", "--profile"]
+    )
+    lines = prefill_host.run(args)
+    assert len(lines) == 1
+    # Arrivals at steps 0 and 3, each admitted in one prefill step of 2 x 17 tokens.
+    assert lines[0].startswith("arrivals of 2x17: 2 prefill steps, host ")
+    assert "(34 tokens on average); 4 decode steps" in lines[0]
+    assert "function calls" in capsys.readouterr().out  # the cProfile table
+    with pytest.raises(ValueError, match="COUNTxLEN"):
+        prefill_host.parse_cases("4x")

@@ -439,3 +439,25 @@ def test_a_stalled_child_is_not_alive_until_it_resumes():
     finally:
         os.kill(ep.pid, signal.SIGCONT)
         ep.shutdown()
+
+
+def test_profile_env_writes_the_engine_loops_cprofile_stats(tmp_path, monkeypatch):
+    """`TRITONLLM_ENGINE_PROFILE=<file>`: the child runs its loop under cProfile and leaves
+    pstats there at exit, with the engine's step in it."""
+    import pstats
+
+    from tritonllm.engine.engine_process import PROFILE_ENV
+
+    path = tmp_path / "engine.prof"
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    ep = EngineProcess(_config())
+    try:
+        done = Collector()
+        ep.submit("p", prompts([7], seed=3)[0], GREEDY, done)
+        done.wait(["p"])
+        assert len(done.ids("p")) == 12
+    finally:
+        ep.shutdown()
+    assert ep._process.exitcode == 0
+    stats = pstats.Stats(str(path))
+    assert any(func[2] == "step" and func[0].endswith("engine.py") for func in stats.stats)

@@ -40,6 +40,12 @@ is a field of ``EngineConfig``; each can be set by the environment variable
 
 Any other ``EngineConfig`` field is read the same way (``TRITONLLM_`` + its upper-case name).
 Empty values count as unset; ``none`` sets an optional field to None.
+
+Two more variables are read from the environment only: ``TRITONLLM_TENSOR_CORE_DECODE_MIN_BATCH``
+(FlashInfer decode batches of at least this many sequences use its tensor-core kernels; default
+64, ``attention/flashinfer_backend.py``) and, for diagnostics, ``TRITONLLM_ENGINE_PROFILE`` (a
+file path: the engine process runs under cProfile and writes its stats there every 10 s and at
+exit, ``engine/engine_process.py``).
 """
 
 from __future__ import annotations
