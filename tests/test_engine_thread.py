@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from test_engine_helpers import checkpoint, hf_greedy, prompts
@@ -173,3 +174,36 @@ def test_child_ids_cannot_collide_with_a_live_request():
     engine.add_request("x#0", [1, 2, 3], SamplingParams(max_tokens=5))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=5, n=2))
+
+
+def test_a_step_that_hangs_makes_the_thread_not_alive_until_it_returns():
+    """A step blocked past `stall_timeout_s` (a hung engine): `is_alive()` turns False (the
+    sidecar's health probe then fails); once the step returns the thread is alive again and
+    the request completes."""
+    engine = LLMEngine(EngineConfig(model=checkpoint("qwen3"), page_size=4, num_pages=256))
+    release, blocked = threading.Event(), threading.Event()
+    real_step = engine.step
+
+    def hanging_step():
+        if not blocked.is_set():
+            blocked.set()
+            release.wait(TIMEOUT)
+        return real_step()
+
+    engine.step = hanging_step
+    et = EngineThread(engine, stall_timeout_s=0.5)
+    try:
+        sink = Collector()
+        et.submit("hung", [1, 2, 3, 4], GREEDY, sink)
+        assert blocked.wait(TIMEOUT)
+        deadline = time.monotonic() + 10
+        while et.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not et.is_alive()
+        release.set()
+        sink.wait(["hung"])
+        assert sink.outputs["hung"][-1].finish_reason == "length"
+        assert et.is_alive()
+    finally:
+        release.set()
+        et.shutdown()

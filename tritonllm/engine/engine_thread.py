@@ -129,10 +129,25 @@ class EngineThread:
     Errors: `submit` validates synchronously (ValueError, nothing queued). An exception inside
     a step fails the requests in flight with finish_reason "error" (message in
     `RequestOutput.error`) and the thread keeps serving; an exception in a callback is logged.
+
+    Args:
+        engine: the engine this thread drives (no other thread may call it).
+        name: the thread's name.
+        stall_timeout_s: `is_alive()` turns False while one engine step (or the delivery of
+            its outputs) has been running for longer than this many seconds: a hung engine;
+            it turns True again when the step returns. None: never. The default stays above
+            a fresh GPU machine's first-request kernel compilation (~60-80 s on the H200).
     """
 
-    def __init__(self, engine: LLMEngine, name: str = "tritonllm-engine") -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        name: str = "tritonllm-engine",
+        stall_timeout_s: float | None = 300.0,
+    ) -> None:
         self.engine = engine
+        self.stall_timeout_s = stall_timeout_s
+        self._step_started: float | None = None  # monotonic start of the running step
         self._cv = threading.Condition()
         self._submissions: deque[Submission] = deque()
         self._aborts: deque[str] = deque()
@@ -189,7 +204,12 @@ class EngineThread:
         self._thread.join(timeout)
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        """Whether the engine serves: its thread runs and no step has been running for longer
+        than `stall_timeout_s`."""
+        if not self._thread.is_alive():
+            return False
+        started, stall = self._step_started, self.stall_timeout_s
+        return stall is None or started is None or time.monotonic() - started <= stall
 
     # ---- engine thread -----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -208,11 +228,13 @@ class EngineThread:
                 submissions, self._submissions = list(self._submissions), deque()
                 aborts, self._aborts = list(self._aborts), deque()
             start = time.perf_counter()
+            self._step_started = time.monotonic()
             outputs = admit_and_step(engine, submissions, aborts)
             self._stats = engine.stats()
             delivered = time.perf_counter()
             for out in outputs:
                 self._routes.deliver(out)
+            self._step_started = None
             end = time.perf_counter()
             busy += end - start
             callbacks += end - delivered

@@ -10,10 +10,12 @@ Policy (one batch kind per step, like mini-sglang):
 - Admission delay (`prefill_delay_steps`, 0 = off): while requests decode, new requests may
   wait up to that many decode steps so that arrivals batch into fewer, larger prefill steps.
   A prefill step that is not a CUDA graph costs about the same host time whatever its size
-  (~12 ms for Qwen3-0.6B on an H200's host), so under a steady trickle of arrivals one prefill
-  per arrival starves the decode steps. The wait ends early when the waiting prompts fill a
-  prefill batch (`max_prefill_tokens`), when nothing decodes, and never holds back a prompt
-  that is part-way through chunked prefill. The idea is vLLM's `scheduler_delay_factor`
+  (~14 ms for Qwen3-0.6B on the H200 host, `benchmarks/prefill_host.py`), so under a steady
+  trickle of arrivals one prefill per arrival starves the decode steps (on the H200, online
+  at concurrency 256: 19,026 tok/s without the delay, 22,437 with 8 steps; BENCHMARKS.md).
+  The wait ends early when the waiting prompts fill a prefill batch (`max_prefill_tokens`),
+  when nothing decodes, and never holds back a prompt that is part-way through chunked
+  prefill. The idea is vLLM's `scheduler_delay_factor`
   (delay the next prompt batch by a multiple of the last prompt latency), counted in steps.
 - A prefill batch takes at most `max_prefill_tokens` tokens (chunked prefill). Requests that
   are part-way through their prompt go first, then the waiting queue in FIFO order; a long
