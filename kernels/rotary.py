@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.rmsnorm import _normalize_and_weight
-from kernels.store_kv import check_cache
+from kernels.store_kv import check_kv_args
 
 
 @triton.jit
@@ -256,14 +256,6 @@ def rotary(
 
 def _check_store(store: KVStore, k: torch.Tensor) -> None:
     """Raise ValueError unless `store` fits keys `k` `[T, Hk, D]` (see `KVStore`)."""
-    num_tokens, num_k_heads, head_dim = k.shape
-    v, k_cache, v_cache, loc = store.v, store.k_cache, store.v_cache, store.out_cache_loc
-    if v.shape != k.shape or v.stride(2) != 1 or loc.shape != (num_tokens,):
-        raise ValueError(
-            f"rotary kv_store: v {tuple(v.shape)} / out_cache_loc {tuple(loc.shape)} "
-            f"do not fit k {tuple(k.shape)} (v's last dim must be contiguous)"
-        )
-    if k_cache.shape[2:] != (num_k_heads, head_dim) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"rotary kv_store: cache {tuple(k_cache.shape)} does not fit k")
-    check_cache(k_cache)
-    check_cache(v_cache)
+    check_kv_args(k, store.v, store.k_cache, store.v_cache, store.out_cache_loc, "rotary kv_store")
+    if store.v.stride(2) != 1:
+        raise ValueError("rotary kv_store: v's last dim must be contiguous")

@@ -45,6 +45,30 @@ def _store_kv_kernel(
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def check_kv_args(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    prefix: str = "store_kv",
+) -> None:
+    """Raise ValueError (message starting with `prefix`) unless new keys/values `[T, Hkv, D]`
+    and their slots `[T]` fit the caches (see `store_kv`)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if v.shape != k.shape or out_cache_loc.shape != (num_tokens,):
+        raise ValueError(
+            f"{prefix}: shape mismatch: k {tuple(k.shape)} v {tuple(v.shape)} "
+            f"out_cache_loc {tuple(out_cache_loc.shape)}"
+        )
+    if k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"{prefix}: cache shape {tuple(k_cache.shape)} does not match k {tuple(k.shape)}"
+        )
+    check_cache(k_cache)
+    check_cache(v_cache)
+
+
 def check_cache(cache: torch.Tensor) -> None:
     """Raise ValueError unless `cache` is `[num_pages, page_size, Hkv, D]` with a contiguous
     head dim and contiguous pages (slot `s` at `(s // page_size, s % page_size)`)."""
@@ -72,16 +96,8 @@ def store_kv(
     Raises:
         ValueError: mismatched shapes or a non-contiguous cache/head dim.
     """
+    check_kv_args(k, v, k_cache, v_cache, out_cache_loc)
     num_tokens, num_kv_heads, head_dim = k.shape
-    if v.shape != k.shape or out_cache_loc.shape != (num_tokens,):
-        raise ValueError(
-            f"shape mismatch: k {tuple(k.shape)} v {tuple(v.shape)} "
-            f"out_cache_loc {tuple(out_cache_loc.shape)}"
-        )
-    if k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"cache shape {tuple(k_cache.shape)} does not match k {tuple(k.shape)}")
-    check_cache(k_cache)
-    check_cache(v_cache)
     if num_tokens == 0:
         return
     if k.stride(2) != 1:

@@ -354,6 +354,26 @@ def _count_calls(monkeypatch, module, name, with_arg=None):
     return count
 
 
+def _two_layer_engine(device: str, dtype: str, backend: str):
+    """An eager engine on the 2-layer Qwen3 test checkpoint (q/k norm), 4-token pages."""
+    from test_engine_helpers import checkpoint
+
+    from tritonllm.config import EngineConfig
+    from tritonllm.engine import LLMEngine
+
+    config = EngineConfig(
+        model=checkpoint("qwen3"),
+        device=device,
+        dtype=dtype,
+        page_size=4,
+        num_pages=64,
+        attention_backend=backend,
+        cuda_graph=False,
+        overlap_schedule=False,
+    )
+    return LLMEngine(config)
+
+
 DECODER_CASES = [
     pytest.param("cpu", "float32", marks=DEVICES[0].marks),
     pytest.param("cuda", "float32", marks=DEVICES[1].marks),
@@ -366,27 +386,13 @@ def test_decoder_with_fused_kernels_matches_unfused(device, dtype, monkeypatch):
     """A 2-layer Qwen3 (q/k norm) gives the same logits at every position of a 2-sequence
     prefill with the fused kernels (residual add + norm, q/k norm + RoPE, final add + norm on
     the logits rows) on and off."""
-    from test_engine_helpers import checkpoint, prompts
-
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import LLMEngine
+    from test_engine_helpers import prompts
 
     if device == "cpu":
         _force_fused_on_cpu(monkeypatch)
     calls = _count_calls(monkeypatch, kernels_rmsnorm, "fused_add_rmsnorm")
     calls_rope = _count_calls(monkeypatch, kernels_rotary, "rotary", with_arg=5)
-    engine = LLMEngine(
-        EngineConfig(
-            model=checkpoint("qwen3"),
-            device=device,
-            dtype=dtype,
-            page_size=4,
-            num_pages=64,
-            attention_backend="torch",
-            cuda_graph=False,
-            overlap_schedule=False,
-        )
-    )
+    engine = _two_layer_engine(device, dtype, "torch")
     prompt_list = prompts([9, 14], seed=5)
     logits = _prefill_logits(engine, prompt_list)
     off, on = logits(False), logits(True)
@@ -409,27 +415,14 @@ def test_decoder_stores_kv_in_the_rope_kernel_on_the_triton_backend(device, dtyp
     each layer's K/V and the backend's own `store_kv` is skipped: the logits and the KV cache
     are bit-identical to the same fused kernels with the backend storing K/V itself, and equal
     the unfused path (torch norm + RoPE, then `store_kv`) within the kernels' rounding."""
-    from test_engine_helpers import checkpoint, prompts
+    from test_engine_helpers import prompts
 
     import tritonllm.attention.triton_backend as triton_backend
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import LLMEngine
 
     if device == "cpu":
         _force_fused_on_cpu(monkeypatch)
     backend_stores = _count_calls(monkeypatch, triton_backend, "store_kv")
-    engine = LLMEngine(
-        EngineConfig(
-            model=checkpoint("qwen3"),
-            device=device,
-            dtype=dtype,
-            page_size=4,
-            num_pages=64,
-            attention_backend="triton",
-            cuda_graph=False,
-            overlap_schedule=False,
-        )
-    )
+    engine = _two_layer_engine(device, dtype, "triton")
     num_layers = engine.runner.model_config.num_layers
     logits = _prefill_logits(engine, prompts([9, 14], seed=5))
     kv, backend = engine.runner.kv_cache, engine.runner.backend
