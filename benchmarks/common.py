@@ -262,7 +262,9 @@ def argument_parser(
     engine fields, temperature and, for a tool that ``publishes`` a BENCHMARKS.md section
     (see ``publish``), where the results go (``--no-append``, ``--benchmarks-md``)."""
     device = default_device()
-    p = argparse.ArgumentParser(description=description)
+    p = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", help="HF model directory (default: build models/qwen3-0.6b)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--device", default=device)
@@ -270,12 +272,44 @@ def argument_parser(
         "--attention-backend", default="flashinfer" if device.startswith("cuda") else "torch"
     )
     p.add_argument(
-        "--engine-arg", action="append", default=[], metavar="FIELD=VALUE", help=engine_arg_help
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        type=field_value,
+        help=engine_arg_help,
     )
     if publishes:
         p.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
         p.add_argument("--benchmarks-md", default=str(BENCHMARKS_MD))
     return p
+
+
+def field_value(text: str) -> str:
+    """argparse type of `--engine-arg`: `FIELD=VALUE` with a non-empty FIELD.
+
+    Raises:
+        argparse.ArgumentTypeError: no `=`, or nothing before it.
+    """
+    field, sep, _ = text.partition("=")
+    if not sep or not field.strip():
+        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got {text!r}")
+    return text
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def engine_args(args: argparse.Namespace) -> dict[str, str]:

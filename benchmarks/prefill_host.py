@@ -129,16 +129,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = common.argument_parser(
         __doc__.splitlines()[0], "extra EngineConfig field, e.g. page_size=32", publishes=False
     )
-    p.add_argument("--decoding", type=int, default=128, help="requests decoding meanwhile")
-    p.add_argument("--decode-prompt-len", type=int, default=500)
-    p.add_argument("--decode-max-tokens", type=int, default=2000)
-    p.add_argument("--cases", default="1x600,4x600,1x2000", help="COUNTxLEN arrivals per case")
-    p.add_argument("--steps", type=int, default=30, help="engine steps per case")
+    positive = common.positive_int
+    p.add_argument("--decoding", type=positive, default=128, help="requests decoding meanwhile")
+    p.add_argument("--decode-prompt-len", type=positive, default=500)
+    p.add_argument("--decode-max-tokens", type=positive, default=2000)
+    p.add_argument(
+        "--cases", type=_cases, default="1x600,4x600,1x2000", help="COUNTxLEN arrivals per case"
+    )
+    p.add_argument("--steps", type=positive, default=30, help="engine steps per case")
     p.add_argument("--profile", action="store_true", help="cProfile the first case's prefills")
-    p.add_argument("--profile-top", type=int, default=30)
-    args = p.parse_args(argv)
-    parse_cases(args.cases)  # fail early
-    return args
+    p.add_argument("--profile-top", type=positive, default=30)
+    return p.parse_args(argv)
+
+
+def _cases(text: str) -> str:
+    """argparse type of `--cases`: checked by `parse_cases`, kept as text."""
+    try:
+        parse_cases(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 if __name__ == "__main__":

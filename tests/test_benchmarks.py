@@ -293,3 +293,7 @@ def test_prefill_host_times_prefill_and_decode_steps_separately(tiny_model_dir, 
     assert "function calls" in capsys.readouterr().out  # the cProfile table
     with pytest.raises(ValueError, match="COUNTxLEN"):
         prefill_host.parse_cases("4x")
+    for bad in (["--cases", "0x5"], ["--steps", "-1"], ["--engine-arg", "foo"]):
+        with pytest.raises(SystemExit):  # argparse's usage error, not a traceback
+            prefill_host.parse_args(bad)
+    assert "usage:" in capsys.readouterr().err

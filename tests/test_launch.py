@@ -387,3 +387,43 @@ def test_sigterm_to_make_serve_stops_everything(tiny_model_dir):
             make.kill()
             make.wait()
         _kill_marked(entry)
+
+
+def test_readme_plain_tritonserver_recipe_serves(tiny_model_dir, tmp_path):
+    """README's plain-tritonserver recipe: `eval "$(python -m tritonllm.triton_server
+    --print-env)"`, then the bare binary with `--backend-directory "$TRITON_BACKEND_DIR"`, from
+    a shell whose PATH lacks the virtualenv and which has no LD_LIBRARY_PATH, serves the
+    ensemble (a found QA: without the exported library path the stubs could not load
+    libcudart/libpython and the server hung)."""
+    import json
+    import urllib.request
+
+    from tritonllm.triton_server import wait_http_ok
+
+    env, entry = _marked_env()
+    env["PATH"] = "/usr/bin:/bin"
+    env.pop("LD_LIBRARY_PATH", None)
+    env["TRITONLLM_MODEL"] = str(tiny_model_dir)
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    script = (
+        f'eval "$({sys.executable} -m tritonllm.triton_server --print-env)" && exec '
+        '"$TRITONSERVER" --model-repository model_repository '
+        '--backend-directory "$TRITON_BACKEND_DIR" --http-address 127.0.0.1 '
+        f"--grpc-address 127.0.0.1 --metrics-address 127.0.0.1 --http-port {http} "
+        f"--grpc-port {grpc} --metrics-port {metrics}"
+    )
+    log = tmp_path / "server.log"
+    process = start_process_group(["bash", "-c", script], log, env, REPO_ROOT)
+    try:
+        try:
+            wait_http_ok(f"http://127.0.0.1:{http}/v2/health/ready", 240, process, "tritonserver")
+        except RuntimeError as exc:
+            raise AssertionError(f"{exc}\n{log.read_text()[-3000:]}") from None
+        body = json.dumps({"text_input": "Hello", "max_tokens": 4, "stream": False}).encode()
+        url = f"http://127.0.0.1:{http}/v2/models/llm/generate"
+        with urllib.request.urlopen(urllib.request.Request(url, body), timeout=60) as response:
+            reply = json.loads(response.read())
+        assert isinstance(reply["text_output"], str) and reply["text_output"]
+    finally:
+        stop_process_group(process, 30)
+        _kill_marked(entry)

@@ -44,6 +44,10 @@ def _stub_pid(pgid: int, model: str) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_stream_whose_generator_died_ends_with_an_error(tiny_model_dir, tmp_path):
+    """A stream whose generator stub is SIGKILLed ends with an error within the idle timeout
+    (+10 s), never hangs. Usually Triton sends nothing more and the sidecar's idle timeout
+    fires; sometimes (1 of 3 full-suite runs in a QA pass) Triton closes the gRPC stream
+    instead, which the sidecar reports as "backend unavailable": either ends the stream."""
     server = TritonServer(
         model_path=tiny_model_dir, env=dict(SERVER_ENV), log_path=tmp_path / "tritonserver.log"
     )
@@ -68,7 +72,8 @@ def test_stream_whose_generator_died_ends_with_an_error(tiny_model_dir, tmp_path
         next(chunks)  # streaming
         os.kill(_stub_pid(server.process.pid, "generator"), signal.SIGKILL)
         killed = time.monotonic()
-        with pytest.raises(openai.APIError, match="no response from the backend for 3 s"):
+        ended = "no response from the backend for 3 s|backend unavailable"
+        with pytest.raises(openai.APIError, match=ended):
             for _ in chunks:
                 pass
         assert time.monotonic() - killed < IDLE_TIMEOUT_S + 10

@@ -385,11 +385,17 @@ def test_engine_config_default_delay_depends_on_the_device():
     assert EngineConfig(model="/nonexistent/model", prefill_delay_steps=3).prefill_delay_steps == 3
 
 
-def test_engine_config_rejects_a_negative_delay():
+def test_engine_config_rejects_a_negative_or_unbounded_delay():
+    from tritonllm.config import MAX_PREFILL_DELAY_STEPS
+
     with pytest.raises(ValueError, match="prefill_delay_steps"):
         EngineConfig(model="/nonexistent/model", prefill_delay_steps=-1)
     with pytest.raises(ValueError, match="prefill_delay_steps"):
         EngineConfig(model="/nonexistent/model", device="cuda", prefill_delay_steps=-3)
+    with pytest.raises(ValueError, match=f"0..{MAX_PREFILL_DELAY_STEPS}"):
+        EngineConfig(model="/nonexistent/model", prefill_delay_steps=10**20)
+    config = EngineConfig(model="/nonexistent/model", prefill_delay_steps=MAX_PREFILL_DELAY_STEPS)
+    assert config.prefill_delay_steps == MAX_PREFILL_DELAY_STEPS
 
 
 def test_delay_is_read_from_the_environment_and_the_parameters(tmp_path):

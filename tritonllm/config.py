@@ -155,6 +155,9 @@ CPU_KV_CACHE_BYTES = 1 << 30
 CPU_DEFAULT_CONTEXT = 2048
 # Default admission delay on CUDA (EngineConfig.prefill_delay_steps), in decode steps.
 CUDA_PREFILL_DELAY_STEPS = 8
+# Its upper limit: beyond ~1k decode steps a "delay" only means new requests wait for the
+# running ones to finish (seconds of TTFT), which is never what a setting means.
+MAX_PREFILL_DELAY_STEPS = 1024
 
 
 @dataclass(frozen=True)
@@ -179,8 +182,9 @@ class EngineConfig:
             prefill splits longer prompts across steps).
         prefill_delay_steps: most decode steps a new request waits, while others decode, so
             that arrivals share prefill steps (admission delay; see `engine.scheduler`); 0 =
-            admit at the next step. None → 0 on CPU, `CUDA_PREFILL_DELAY_STEPS` on CUDA, where
-            each eager prefill step costs milliseconds of host time.
+            admit at the next step; at most `MAX_PREFILL_DELAY_STEPS`. None → 0 on CPU,
+            `CUDA_PREFILL_DELAY_STEPS` on CUDA, where each eager prefill step costs
+            milliseconds of host time.
         enable_prefix_cache: reuse KV pages of earlier prompts through the radix cache.
         attention_backend: a key of `tritonllm.attention.ATTENTION_BACKENDS`, or "auto": on
             CUDA "flashinfer" (bf16/fp16, when installed), else "triton" (when installed), else
@@ -227,8 +231,11 @@ class EngineConfig:
         if self.prefill_delay_steps is None:
             cpu = torch.device(self.device).type == "cpu"
             object.__setattr__(self, "prefill_delay_steps", 0 if cpu else CUDA_PREFILL_DELAY_STEPS)
-        if self.prefill_delay_steps < 0:
-            raise ValueError(f"prefill_delay_steps must be >= 0, got {self.prefill_delay_steps}")
+        if not 0 <= self.prefill_delay_steps <= MAX_PREFILL_DELAY_STEPS:
+            raise ValueError(
+                f"prefill_delay_steps must be in 0..{MAX_PREFILL_DELAY_STEPS} (decode steps a new "
+                f"request may wait), got {self.prefill_delay_steps}"
+            )
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.num_pages is not None and self.num_pages < 2:

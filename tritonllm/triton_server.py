@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -98,6 +99,39 @@ def find_tritonserver() -> TritonInstall:
             "`pip install nvidia-pytriton==0.7.0` (the project's `server` extra)"
         )
     return install
+
+
+def server_paths(install: TritonInstall, env: Mapping[str, str]) -> dict[str, str]:
+    """``PATH`` and ``LD_LIBRARY_PATH`` for running ``install`` from environment ``env``: this
+    interpreter's ``bin/`` first on PATH (the Python stub runs the first ``python3`` there),
+    the install's own libraries and this Python's ``LIBDIR`` (the stub links libpython) ahead
+    of ``env``'s LD_LIBRARY_PATH."""
+    lib_paths = [str(p) for p in install.library_paths]
+    lib_paths.append(sysconfig.get_config_var("LIBDIR") or "")
+    if env.get("LD_LIBRARY_PATH"):
+        lib_paths.append(env["LD_LIBRARY_PATH"])
+    return {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        "LD_LIBRARY_PATH": os.pathsep.join(p for p in lib_paths if p),
+    }
+
+
+def print_env(env: Mapping[str, str] | None = None) -> str:
+    """Shell ``export`` lines that make a plain ``"$TRITONSERVER" --model-repository ...
+    --backend-directory "$TRITON_BACKEND_DIR"`` run the server ``find_tritonserver`` finds as
+    ``TritonServer`` would (PATH, LD_LIBRARY_PATH, TRITONSERVER, TRITON_BACKEND_DIR).
+
+    Raises:
+        RuntimeError: no tritonserver is installed (see ``find_tritonserver``).
+    """
+    env = os.environ if env is None else env
+    install = find_tritonserver()
+    values = {
+        **server_paths(install, env),
+        "TRITONSERVER": str(install.binary),
+        "TRITON_BACKEND_DIR": str(install.backend_dir),
+    }
+    return "".join(f"export {key}={shlex.quote(value)}\n" for key, value in values.items())
 
 
 # Where servers listen unless told otherwise: loopback only, so a development machine does not
@@ -312,12 +346,7 @@ class TritonServer:
         """This environment plus the interpreter's ``bin/`` first on PATH (see the module doc),
         the install's libraries on LD_LIBRARY_PATH, ``TRITONLLM_MODEL`` and ``self.env``."""
         env = dict(os.environ)
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        lib_paths = [str(p) for p in install.library_paths]
-        lib_paths.append(sysconfig.get_config_var("LIBDIR") or "")
-        if env.get("LD_LIBRARY_PATH"):
-            lib_paths.append(env["LD_LIBRARY_PATH"])
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in lib_paths if p)
+        env.update(server_paths(install, env))
         if self.model_path is not None:
             env["TRITONLLM_MODEL"] = str(Path(self.model_path).resolve())
         env.update(self.env)
@@ -388,3 +417,30 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m tritonllm.triton_server --print-env``: print `print_env`'s export lines
+    (``eval "$(...)"`` them in a shell). Returns the exit status."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--print-env",
+        action="store_true",
+        help="print shell exports to run this project's tritonserver by hand",
+    )
+    args = parser.parse_args(argv)
+    if not args.print_env:
+        parser.print_help()
+        return 2
+    try:
+        sys.stdout.write(print_env())
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
