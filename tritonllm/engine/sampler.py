@@ -38,6 +38,21 @@ from tritonllm.layers.fused import use_fused
 from tritonllm.sampling_params import SamplingParams
 
 
+def exponential_(out: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Fill float tensor `out` (any shape, in place) with `Exp(1)` draws from `generator`;
+    returns it.
+
+    On CUDA `Tensor.exponential_`. On CPU `-log(U)` with `U ~ Uniform[0, 1)` clamped to the
+    dtype's smallest normal (so every draw is finite): the same distribution (inverse-CDF
+    sampling), ~2x faster than CPU `exponential_` on a `[32, 151936]` float32 batch (34 vs 77
+    ms on the 2-core CI box), which made the CPU sampler cost more than the model's layers.
+    """
+    if out.is_cuda:
+        return out.exponential_(generator=generator)
+    out.uniform_(generator=generator).clamp_min_(torch.finfo(out.dtype).tiny)
+    return out.log_().neg_()
+
+
 @dataclass
 class SamplerOutput:
     """token_ids: `[B]` sampled ids; logprobs / top_logprobs: per row, None unless the row
@@ -201,16 +216,15 @@ class Sampler:
         draw of a whole row each, so independent of the batch), the rest from the shared one."""
         seeded = [j for j, r in enumerate(reqs) if r.generator is not None]
         if not seeded:
-            return torch.empty_like(probs).exponential_(generator=self.generator)
+            return exponential_(torch.empty_like(probs), self.generator)
         noise = torch.empty_like(probs)
         unseeded = [j for j, r in enumerate(reqs) if r.generator is None]
         if unseeded:
             idx = to_device(unseeded, torch.int64, probs.device)
-            noise[idx] = torch.empty(
-                (len(unseeded), probs.shape[1]), device=probs.device
-            ).exponential_(generator=self.generator)
+            rows = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)
+            noise[idx] = exponential_(rows, self.generator)
         for j in seeded:
-            noise[j].exponential_(generator=reqs[j].generator)
+            exponential_(noise[j], reqs[j].generator)
         return noise
 
     @staticmethod
