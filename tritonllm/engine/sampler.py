@@ -44,8 +44,9 @@ def exponential_(out: torch.Tensor, generator: torch.Generator | None) -> torch.
 
     On CUDA `Tensor.exponential_`. On CPU `-log(U)` with `U ~ Uniform[0, 1)` clamped to the
     dtype's smallest normal (so every draw is finite): the same distribution (inverse-CDF
-    sampling), ~2x faster than CPU `exponential_` on a `[32, 151936]` float32 batch (34 vs 77
-    ms on the 2-core CI box), which made the CPU sampler cost more than the model's layers.
+    sampling), ~6x faster than CPU `exponential_` on a `[32, 151936]` float32 batch (11.9 vs
+    70.8 ms on the 2-core CI box, BENCHMARKS.md "CPU sampler noise"), which had made the CPU
+    sampler cost more than the model's layers.
     """
     if out.is_cuda:
         return out.exponential_(generator=generator)
