@@ -129,16 +129,15 @@ class RotaryEmbedding(nn.Module):
             were written to the cache (False where the kernel does not apply: the backend
             must then store them).
         """
-        norm_fits = q_norm is None and k_norm is None
-        if q_norm is not None:
-            norm_fits = _fits_norm_kernel(q, q_norm, k_norm)
+        no_norm = q_norm is None and k_norm is None
+        norm_fits = no_norm or _fits_norm_kernel(q, q_norm, k_norm)
         if not (_fits_kernel(q, k) and norm_fits and v.dtype == q.dtype and v.stride(-1) == 1):
             q, k = self.forward(positions, q, k, q_norm, k_norm)
             return q, k, False
         from kernels.rotary import KVStore, rotary
 
         k_cache, v_cache, loc = kv_target
-        weights = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        weights = () if no_norm else (q_norm.weight, k_norm.weight, q_norm.eps)
         q, k = rotary(
             positions,
             q,
