@@ -101,23 +101,31 @@ def profile_batch(args, model: str, bs: int, out_dir: Path) -> str:
 
 def _offline_pass(args, model: str, out_dir: Path, profiled: bool) -> list[str]:
     """One run of the offline workload with per-step timers (and cProfile if `profiled`)."""
+    from benchmarks.bandwidth import checkpoint_weight_bytes, measure_copy_bandwidth
     from benchmarks.offline import make_engine, run_engine, warm_up
     from tritonllm.engine import overlap
 
+    copy_bw = measure_copy_bandwidth(args.device)  # before the engine's KV pool takes memory
     engine = make_engine(
         engine_config(
             model, args.device, args.attention_backend, 256, engine_args=common.engine_args(args)
         )
     )
     warm_up(engine, args.device)
-    steps: list[list] = []  # [launched a decode batch?, its size, wall s, GPU-wait s]
+    # [launched a decode batch?, its size, wall s, GPU-wait s, tokens whose K/V it reads]
+    steps: list[list] = []
     wait = [0.0]
+    cfg = engine.config
+    weight_bytes = checkpoint_weight_bytes(model, cfg.torch_dtype.itemsize)
+    kv_per_token = cfg.model_config.kv_bytes_per_token * cfg.torch_dtype.itemsize
     original_result = overlap.LaunchedStep.result
     original_step, original_run = engine.step, engine.runner.run
     launched: list = []  # the batches launched by the current step
 
     def recorded_run(batch):
-        launched.append(batch)
+        # (batch, tokens whose K/V a decode step reads: every computed one + the one appended),
+        # taken before the run advances `num_computed`.
+        launched.append((batch, sum(r.num_computed + 1 for r in batch.reqs)))
         return original_run(batch)
 
     def timed_result(self):
@@ -156,9 +164,10 @@ def _offline_pass(args, model: str, out_dir: Path, profiled: bool) -> list[str]:
         t, w = time.perf_counter(), wait[0]
         launched.clear()
         outs = original_step()
-        kind = launched[0].is_decode if launched else None
-        size = len(launched[0].reqs) if launched else 0
-        steps.append([kind, size, time.perf_counter() - t, wait[0] - w])
+        kind = launched[0][0].is_decode if launched else None
+        size = len(launched[0][0].reqs) if launched else 0
+        ctx = launched[0][1] if kind else 0
+        steps.append([kind, size, time.perf_counter() - t, wait[0] - w, ctx])
         return outs
 
     overlap.LaunchedStep.result = timed_result
@@ -195,26 +204,35 @@ def _offline_pass(args, model: str, out_dir: Path, profiled: bool) -> list[str]:
             f"{max(lens)} tokens; wall {window['wall'] * 1e3:.3f} ms/step, kernels "
             f"{busy / 1e3:.3f} ms/step"
         )
-        for e in sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:8]:
+        top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)
+        for e in top[: args.window_top]:
             lines.append(
                 f"     {e.self_device_time_total / n:9.1f} us/step  x{e.count / n:5.1f}"
                 f"  {e.key[:80]}"
             )
     prefill = [s for s in steps if s[0] is False]
     decode = [s for s in steps if s[0] is True]
+
+    def bound(s: list) -> float:  # the step's weights + K/V bytes over the copy bandwidth
+        return (weight_bytes + s[4] * kv_per_token) / copy_bw
+
     lines.append(
         f"  prefill-launching steps: {len(prefill)}, {sum(s[2] for s in prefill):.2f} s; "
         f"decode-launching steps: {len(decode)}, {sum(s[2] for s in decode):.2f} s "
-        f"(GPU wait {sum(s[3] for s in decode):.2f} s)"
+        f"(GPU wait {sum(s[3] for s in decode):.2f} s; bound {sum(map(bound, decode)):.2f} s "
+        f"at {copy_bw / 1e12:.3f} TB/s copy bandwidth)"
     )
     for lo in range(0, 256, 32):
         bucket = [s for s in decode if lo < s[1] <= lo + 32]
         if bucket:
             n = len(bucket)
+            wall, bnd = sum(s[2] for s in bucket), sum(map(bound, bucket))
             lines.append(
-                f"  decode bs {lo + 1:3d}-{lo + 32:3d}: {n:4d} steps, wall "
-                f"{sum(s[2] for s in bucket) / n * 1e3:6.3f} ms/step, GPU wait "
-                f"{sum(s[3] for s in bucket) / n * 1e3:6.3f} ms/step"
+                f"  decode bs {lo + 1:3d}-{lo + 32:3d}: {n:4d} steps, mean context "
+                f"{sum(s[4] for s in bucket) / sum(s[1] for s in bucket):5.0f}, wall "
+                f"{wall / n * 1e3:6.3f} ms/step, GPU wait "
+                f"{sum(s[3] for s in bucket) / n * 1e3:6.3f} ms/step, bound "
+                f"{bnd / n * 1e3:6.3f} ms/step ({bnd / wall:4.0%}), over bound {wall - bnd:5.2f} s"
             )
     return lines
 
@@ -253,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
         "--window-start", type=int, default=450, help="offline: first profiled step of the kind"
     )
     p.add_argument("--window-steps", type=int, default=20, help="offline: steps profiled")
+    p.add_argument(
+        "--window-top", type=int, default=8, help="offline: kernels listed for the window"
+    )
     p.add_argument(
         "--window-kind",
         choices=("decode", "prefill"),

@@ -64,6 +64,7 @@ QWEN3_VOCAB = 151936
 # down_proj, lm_head.
 QWEN3_PROJECTIONS = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (QWEN3_VOCAB, 1024))
 H200_SMS = 132
+_PDL_SWITCHES = {"PDL"}
 
 
 class Launch(NamedTuple):
@@ -326,8 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         for config in gen(quick)
     ]
     for fn, pointers, constexprs, warps, stages, scalars in configs:
-        sig = _signature(fn, {k: "*" + v for k, v in pointers.items()}, constexprs, scalars)
         for (arch, smem_limit), aligned in itertools.product(targets.items(), variants):
+            # PDL exists from sm_90, where the wrappers turn it on (`kernels.pdl`).
+            pdl = {c: arch >= 90 for c in _PDL_SWITCHES & set(fn.arg_names)}
+            constexprs = {**constexprs, **pdl}
+            sig = _signature(fn, {k: "*" + v for k, v in pointers.items()}, constexprs, scalars)
             count += 1
             what = (
                 f"{fn.__name__} sm_{arch} {pointers} {scalars or ''} {constexprs} "

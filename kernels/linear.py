@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 import kernels
+from kernels.pdl import launch_options, pdl_wait
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ def _skinny_linear_kernel(
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Axis 0 is the M tile, so the programs that share a weight tile run side by side and all
     # but the first find it in L2.
@@ -115,12 +117,13 @@ def _skinny_linear_kernel(
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
     cols = tl.arange(0, BLOCK_M)
+    k_len = tl.minimum(k_per_split, K - k_start)
+    pdl_wait(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     # An explicit num_stages makes Triton software-pipeline the loads of the dot-free path too
     # (cp.async into shared memory, NUM_STAGES - 1 tiles in flight), not only loads of a dot.
     # The last K-range may be shorter; with EVEN_K (K % BLOCK_K == 0, k_start a multiple of
     # BLOCK_K) every step is then whole and needs no mask.
-    k_len = tl.minimum(k_per_split, K - k_start)
     for k in tl.range(0, k_len, BLOCK_K, num_stages=NUM_STAGES):
         mask_k = (offs_k + k < K)[None, :]
         if EVEN_K:
@@ -175,7 +178,9 @@ def _splitk_reduce_kernel(
     split_k,
     BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     m = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -271,6 +276,7 @@ def _launch(
     )
     bias_arg = bias if bias is not None else out
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+    pdl = launch_options(x.device)
     _skinny_linear_kernel[grid](
         x,
         weight,
@@ -295,6 +301,7 @@ def _launch(
         NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl,
     )
     if split > 1:
         _splitk_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](
@@ -308,6 +315,7 @@ def _launch(
             BLOCK=_REDUCE_BLOCK,
             HAS_BIAS=bias is not None,
             num_warps=4,
+            **pdl,
         )
     return out
 

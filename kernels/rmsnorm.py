@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_wait
+
 
 @triton.jit
 def _normalize_and_weight(x, inv_rms, w, dtype: tl.constexpr):
@@ -39,7 +41,9 @@ def _rmsnorm_kernel(
     dim,
     eps,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     t = (row // num_heads).to(tl.int64)
     h = (row % num_heads).to(tl.int64)
@@ -64,7 +68,9 @@ def _fused_add_rmsnorm_kernel(
     dim,
     eps,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = d < dim
@@ -120,6 +126,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         eps,
         BLOCK_D=block_d,
         num_warps=_num_warps(block_d),
+        **launch_options(x.device),
     )
     return out
 
@@ -179,5 +186,6 @@ def fused_add_rmsnorm(
         eps,
         BLOCK_D=block_d,
         num_warps=_num_warps(block_d),
+        **launch_options(x.device),
     )
     return out, new_residual

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_wait
 from kernels.rmsnorm import _normalize_and_weight
 from kernels.store_kv import check_kv_args
 
@@ -117,7 +118,9 @@ def _rotary_kernel(
     BLOCK_HALF: tl.constexpr,
     NORM: tl.constexpr,
     STORE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     # One program per token: all q heads, all k heads (and, with STORE, the token's K and V
     # into the cache). Without NORM the weight pointers are unused; without STORE the value
     # and cache pointers are.
@@ -250,6 +253,7 @@ def rotary(
         NORM=norm,
         STORE=kv_store is not None,
         num_warps=4,
+        **launch_options(q.device),
     )  # fmt: skip
     return q_out, k_out
 

@@ -12,9 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_wait
+
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_xt, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_xt, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -45,6 +48,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), inter, BLOCK=block, num_warps=4
+        gate_up,
+        out,
+        gate_up.stride(0),
+        inter,
+        BLOCK=block,
+        num_warps=4,
+        **launch_options(gate_up.device),
     )
     return out

@@ -385,6 +385,21 @@ def test_engine_config_default_delay_depends_on_the_device():
     assert EngineConfig(model="/nonexistent/model", prefill_delay_steps=3).prefill_delay_steps == 3
 
 
+def test_engine_config_default_prefill_budget_depends_on_the_device():
+    from tritonllm.config import CPU_MAX_PREFILL_TOKENS, CUDA_MAX_PREFILL_TOKENS
+
+    assert EngineConfig(model="/nonexistent/model").max_prefill_tokens == CPU_MAX_PREFILL_TOKENS
+    assert CPU_MAX_PREFILL_TOKENS == 8192  # the CPU path keeps its earlier budget
+    cuda = EngineConfig(model="/nonexistent/model", device="cuda")
+    assert cuda.max_prefill_tokens == CUDA_MAX_PREFILL_TOKENS == 16384
+    explicit = EngineConfig(model="/nonexistent/model", device="cuda", max_prefill_tokens=512)
+    assert explicit.max_prefill_tokens == 512
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        EngineConfig(model="/nonexistent/model", max_prefill_tokens=0)
+    config = engine_config({}, {"TRITONLLM_MAX_PREFILL_TOKENS": "4096", "TRITONLLM_DEVICE": "cpu"})
+    assert config.max_prefill_tokens == 4096
+
+
 def test_engine_config_rejects_a_negative_or_unbounded_delay():
     from tritonllm.config import MAX_PREFILL_DELAY_STEPS
 

@@ -153,6 +153,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # CPU has no memory probe worth trusting; the KV pool defaults to this many bytes at most.
 CPU_KV_CACHE_BYTES = 1 << 30
 CPU_DEFAULT_CONTEXT = 2048
+# Default per-step prefill token budgets (EngineConfig.max_prefill_tokens).
+CPU_MAX_PREFILL_TOKENS = 8192
+CUDA_MAX_PREFILL_TOKENS = 16384
 # Default admission delay on CUDA (EngineConfig.prefill_delay_steps), in decode steps.
 CUDA_PREFILL_DELAY_STEPS = 8
 # Its upper limit: beyond ~1k decode steps a "delay" only means new requests wait for the
@@ -179,7 +182,11 @@ class EngineConfig:
             after the weights (see `engine.kv_cache.derive_num_pages`).
         max_running_requests: most requests in one batch (admitted at the same time).
         max_prefill_tokens: the per-step token budget of a prefill/extend batch (chunked
-            prefill splits longer prompts across steps).
+            prefill splits longer prompts across steps); None → 8192 on CPU,
+            `CUDA_MAX_PREFILL_TOKENS` on CUDA, where an eager prefill step's host time
+            (~15 ms) does not grow with its size, so fewer, larger steps finish a burst of
+            prompts sooner (the offline benchmark: 5.47 vs 5.68 s, mean of 3 and 4 runs on an
+            H200, BENCHMARKS.md 2026-11-30 "session 5").
         prefill_delay_steps: most decode steps a new request waits, while others decode, so
             that arrivals share prefill steps (admission delay; see `engine.scheduler`); 0 =
             admit at the next step; at most `MAX_PREFILL_DELAY_STEPS`. None → 0 on CPU,
@@ -209,7 +216,7 @@ class EngineConfig:
     page_size: int | None = None
     num_pages: int | None = None
     max_running_requests: int = 256
-    max_prefill_tokens: int = 8192
+    max_prefill_tokens: int | None = None
     prefill_delay_steps: int | None = None
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"
@@ -226,6 +233,10 @@ class EngineConfig:
             object.__setattr__(self, "page_size", 16 if cpu else 64)
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_prefill_tokens is None:
+            cpu = torch.device(self.device).type == "cpu"
+            tokens = CPU_MAX_PREFILL_TOKENS if cpu else CUDA_MAX_PREFILL_TOKENS
+            object.__setattr__(self, "max_prefill_tokens", tokens)
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.prefill_delay_steps is None:

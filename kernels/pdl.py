@@ -1,0 +1,68 @@
+"""Programmatic dependent launch (PDL) for the project's Triton kernels on sm_90+.
+
+A decode step is a chain of ~300 short kernels (10 per layer); each kernel boundary costs the
+GPU a launch, a ramp-up and a drain of a few microseconds, which at decode sizes is as long as
+the kernels' own work (BENCHMARKS.md, "Where the time goes, session 5"). With PDL (CUDA
+programming guide, "Programmatic Dependent Launch and Synchronization"; PTX `griddepcontrol`)
+a kernel launched with the programmatic-stream-serialization attribute may start while the
+kernel before it in the stream is still running: its programs are launched and scheduled while
+the predecessor drains, then block in `griddepcontrol.wait` until the predecessor has completed
+and its writes are visible. A kernel lets its dependents launch early with
+`griddepcontrol.launch_dependents`. FlashInfer's attention
+kernels do the same on sm_90 (their `enable_pdl`), and CUDA graphs keep the relaxed edges.
+
+The rule every kernel with a `PDL` switch keeps: with PDL on, it calls `pdl_wait` before any
+global memory access. So each kernel still completes after its predecessor, and a kernel
+launched without PDL (cuBLAS, PyTorch) waits as usual.
+
+Measured on an H200 (BENCHMARKS.md, "PDL and the decode layer chain", `python -m
+kernels.bench_pdl`): with cuBLAS projections (the default) PDL on the norm/SiLU kernels is
+neutral (within 1%); with the skinny GEMM it saves 4-5 us of a layer's ~35 us at M = 1 and 32.
+Prefetching each GEMM program's weight slice into L2 before the wait (`cp.async.bulk.prefetch`)
+was tried and made the chain slower (30 -> 46 us per layer at M = 1), so it is not done.
+
+`TRITONLLM_PDL=0` turns it off (read when a kernel is launched); it is never on in Triton's
+CPU interpreter or below sm_90.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+import kernels
+
+_CAPABLE: dict[int, bool] = {}
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels launched on `device` use PDL: a CUDA device of compute capability
+    >= 9.0, not Triton's interpreter, and `TRITONLLM_PDL` is not "0"."""
+    if device.type != "cuda" or kernels.interpreting():
+        return False
+    if os.environ.get("TRITONLLM_PDL", "1") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABLE:
+        _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _CAPABLE[index]
+
+
+def launch_options(device: torch.device) -> dict:
+    """Keyword arguments for a kernel launch with a `PDL` constexpr: `PDL` and Triton's
+    `launch_pdl` launch option, both from `enabled(device)` (the option is left out when off,
+    so the interpreter never sees it)."""
+    on = enabled(device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """With PDL: wait until the previous kernel in the stream has completed (its writes are
+    visible), then let the next kernel launch. A no-op without PDL."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
