@@ -2,24 +2,26 @@
 
 A decode step is a chain of ~300 short kernels (10 per layer); each kernel boundary costs the
 GPU a launch, a ramp-up and a drain of a few microseconds, which at decode sizes is as long as
-the kernels' own work (BENCHMARKS.md, "Where the time goes, session 5"). With PDL (CUDA
+the kernels' own work (BENCHMARKS.md, "Session 5 diagnostics"). With PDL (CUDA
 programming guide, "Programmatic Dependent Launch and Synchronization"; PTX `griddepcontrol`)
 a kernel launched with the programmatic-stream-serialization attribute may start while the
 kernel before it in the stream is still running: its programs are launched and scheduled while
 the predecessor drains, then block in `griddepcontrol.wait` until the predecessor has completed
 and its writes are visible. A kernel lets its dependents launch early with
-`griddepcontrol.launch_dependents`. FlashInfer's attention
-kernels do the same on sm_90 (their `enable_pdl`), and CUDA graphs keep the relaxed edges.
+`griddepcontrol.launch_dependents`. FlashInfer's attention kernels do the same on sm_90 (their
+`enable_pdl`), and CUDA graphs keep the relaxed edges.
 
 The rule every kernel with a `PDL` switch keeps: with PDL on, it calls `pdl_wait` before any
 global memory access. So each kernel still completes after its predecessor, and a kernel
 launched without PDL (cuBLAS, PyTorch) waits as usual.
 
-Measured on an H200 (BENCHMARKS.md, "PDL and the decode layer chain", `python -m
-kernels.bench_pdl`): with cuBLAS projections (the default) PDL on the norm/SiLU kernels is
-neutral (within 1%); with the skinny GEMM it saves 4-5 us of a layer's ~35 us at M = 1 and 32.
-Prefetching each GEMM program's weight slice into L2 before the wait (`cp.async.bulk.prefetch`)
-was tried and made the chain slower (30 -> 46 us per layer at M = 1), so it is not done.
+Measured on an H200 (BENCHMARKS.md, "Session 5 diagnostics", `python -m kernels.bench_pdl`):
+with cuBLAS projections (the default) PDL on the norm/SiLU kernels is neutral (within 1% per
+layer at M = 1..256); with the skinny GEMM it is mixed (-4 us of a ~35 us layer at M = 1, 32 and
+64, +5.6 us at M = 8). It stays on because it costs nothing on the default path and is the
+precondition for overlapping kernel boundaries at all. Prefetching each GEMM program's weight
+slice into L2 before the wait (`cp.async.bulk.prefetch`) was tried and made the chain slower
+(30 -> 46 us per layer at M = 1), so it is not done.
 
 `TRITONLLM_PDL=0` turns it off (read when a kernel is launched); it is never on in Triton's
 CPU interpreter or below sm_90.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from test_engine_helpers import VOCAB, checkpoint, hf_greedy, prompts
 
+from openai_frontend.generation import to_openai_error
+from openai_frontend.triton_client import TritonError
 from tritonllm.config import EngineConfig
 from tritonllm.engine import LLMEngine
 from tritonllm.engine.kv_cache import PageAllocator
@@ -183,8 +185,11 @@ def test_add_request_rejects_what_can_never_run():
     engine = make_engine(num_pages=9, max_model_len=64)  # 8 usable pages of 4 = 32 tokens
     with pytest.raises(ValueError, match=r"max_model_len \(64\)"):
         engine.add_request("a", [1] * 60, SamplingParams(max_tokens=5))
-    with pytest.raises(ValueError, match="needs 10 KV pages.*has 8"):
+    with pytest.raises(ValueError, match="needs 10 KV pages.*has 8") as too_big:
         engine.add_request("b", [1] * 30, SamplingParams(max_tokens=11))
+    # The sidecar reports a request the KV pool can never hold as OpenAI's too-long error.
+    error = to_openai_error(TritonError(f"generator: {too_big.value}"), "prompt")
+    assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "prompt")
     with pytest.raises(ValueError, match="at least one token"):
         engine.add_request("c", [], SamplingParams())
     with pytest.raises(ValueError, match="token ids"):

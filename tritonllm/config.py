@@ -185,8 +185,8 @@ class EngineConfig:
             prefill splits longer prompts across steps); None → 8192 on CPU,
             `CUDA_MAX_PREFILL_TOKENS` on CUDA, where an eager prefill step's host time
             (~15 ms) does not grow with its size, so fewer, larger steps finish a burst of
-            prompts sooner (the offline benchmark: 5.47 vs 5.68 s, mean of 3 and 4 runs on an
-            H200, BENCHMARKS.md 2026-11-30 "session 5").
+            prompts sooner (the offline benchmark: 5.47 vs 5.64 s, mean of 3 and 4 runs on an
+            H200, BENCHMARKS.md "Session 5 diagnostics").
         prefill_delay_steps: most decode steps a new request waits, while others decode, so
             that arrivals share prefill steps (admission delay; see `engine.scheduler`); 0 =
             admit at the next step; at most `MAX_PREFILL_DELAY_STEPS`. None → 0 on CPU,

@@ -82,7 +82,8 @@ class RequestLimits:
         pages = math.ceil((total - 1) / self.page_size)
         if pages > self.num_usable_pages:
             raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {pages} KV pages "
-                f"of {self.page_size} tokens; the cache has {self.num_usable_pages}"
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} tokens exceeds "
+                f"the KV cache's capacity: it needs {pages} KV pages of {self.page_size} tokens; "
+                f"the cache has {self.num_usable_pages}"
             )
         return params.max_tokens
