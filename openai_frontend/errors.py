@@ -83,6 +83,29 @@ def _short(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
+def _param(loc: tuple, body: object, missing: bool) -> str | None:
+    """The request field at fault, dotted (``messages.0.role``), from a pydantic error location.
+
+    The location of a union field's error also names the member type tried (``prompt.str``,
+    ``messages.0.content.list[ContentPart].0.type``). Such parts are not in the body, so only
+    the keys and indices the body holds are kept, plus the name of a missing field (which the body
+    lacks by definition). Without a JSON object body the location is kept whole.
+    """
+    parts = list(loc[1:] if loc[:1] == ("body",) else loc)
+    if not isinstance(body, dict):
+        return ".".join(map(str, parts)) or None
+    kept, node = [], body
+    for i, part in enumerate(parts):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif not (missing and i == len(parts) - 1):
+            continue  # a union member's type name, or pydantic's "[key]" marker
+        kept.append(str(part))
+    return ".".join(kept) or None
+
+
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":
@@ -90,8 +113,7 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
             "We could not parse the JSON body of your request. Expected a valid JSON object.",
             code="invalid_json",
         )
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = _param(tuple(first.get("loc", ())), exc.body, first.get("type") == "missing")
     message = first.get("msg", "invalid value")
     if param:
         message = f"Invalid '{param}': {message} (got {_short(first.get('input'))})"

@@ -5,6 +5,12 @@ plus the vLLM-style extension fields (``top_k``, ``min_p``, ``ignore_eos``, ``st
 ``repetition_penalty``, ``min_tokens``, ``chat_template_kwargs``). Unknown fields are accepted and
 ignored, as OpenAI-compatible servers commonly do. Range checks live here so that invalid values
 become 400 errors before anything reaches Triton.
+
+Boolean, integer and number fields are strict, field by field, as OpenAI's API is: a JSON value of
+the wrong type is a 400, never coerced (``"stream": "yes"``, ``"max_tokens": true``, ``"n": 2.0``
+are refused). Numbers (``StrictFloat``) still take JSON integers (``"temperature": 1`` reads as
+1.0) but neither strings nor booleans. The models themselves stay lax: FastAPI validates nested
+models and enums from Python dicts, which whole-model strict mode would refuse.
 """
 
 from __future__ import annotations
@@ -12,12 +18,13 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 # Limits of the ensemble's INT32 / INT64 inputs: larger values are invalid requests, not crashes.
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# JSON `true` is no token id: bool (an int subclass) and strings are refused, as is 7.0.
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
 # The engine's limits (tritonllm.sampling_params): choices per request, top logprobs per token.
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -34,33 +41,33 @@ class _Lenient(BaseModel):
 class StreamOptions(_Lenient):
     """``stream_options``: ``include_usage`` adds a usage-only chunk before ``[DONE]``."""
 
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingFields(_Lenient):
     """Fields shared by chat and text completions requests."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
+    temperature: StrictFloat | None = Field(default=None, ge=0, le=2)
+    top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
+    seed: StrictInt | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2, le=2)
     user: str | None = None
     # Token id (as a string) → bias added to its logit; not supported (an empty map is a no-op).
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     # vLLM-style extensions (sent by OpenAI clients through ``extra_body``).
-    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    ignore_eos: bool | None = None
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=INT32_MAX)
+    min_p: StrictFloat | None = Field(default=None, ge=0, le=1)
+    ignore_eos: StrictBool | None = None
     stop_token_ids: list[TokenId] | None = None
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0)
+    min_tokens: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
 
     @property
     def include_usage(self) -> bool:
@@ -100,9 +107,9 @@ class ChatCompletionRequest(SamplingFields):
     ``max_tokens``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -115,12 +122,12 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     """The body of ``POST /v1/completions``; only a single string prompt is served."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     # OpenAI's legacy endpoint allows at most 5.
-    logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+    echo: StrictBool = False
     suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: StrictInt | None = Field(default=None, ge=1)
 
     @property
     def wants_logprobs(self) -> bool:

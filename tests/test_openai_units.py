@@ -4,10 +4,13 @@ the HTTP error contract in front of an unreachable Triton."""
 from __future__ import annotations
 
 import json
+import types
+import typing
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 from tritonclient.grpc import InferInput, InferResult, service_pb2
 from tritonclient.utils import serialize_byte_tensor
 
@@ -252,3 +255,268 @@ def test_chat_without_max_tokens_asks_for_the_whole_context():
     assert chat_inputs(chat, FULL_SPECS, backend_stream=True)["max_tokens"] == 0
     completion = CompletionRequest(prompt="hi")
     assert "max_tokens" not in completion_inputs(completion, FULL_SPECS, backend_stream=True)
+
+
+# --- strict request types: OpenAI answers a wrong-typed JSON value with a 400, never coerces it --
+
+_CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+_COMPLETION = {"prompt": "hi"}
+_MODELS = {"chat": (ChatCompletionRequest, _CHAT), "completion": (CompletionRequest, _COMPLETION)}
+# (endpoint, field, a valid value, values lax pydantic would coerce into a valid one).
+_BAD_INT = [True, False, 2.0, "2"]
+_BAD_FLOAT = [True, False, "0.5", "1"]
+_BAD_BOOL = ["yes", "true", "1", 1, 0, 1.0]
+STRICT_FIELDS = [
+    *[
+        (endpoint, name, 2, _BAD_INT)
+        for endpoint in ("chat", "completion")
+        for name in ("max_tokens", "n", "seed", "top_k", "min_tokens")
+    ],
+    ("chat", "max_completion_tokens", 2, _BAD_INT),
+    ("chat", "top_logprobs", 2, _BAD_INT),
+    ("completion", "logprobs", 2, _BAD_INT),
+    ("completion", "best_of", 2, _BAD_INT),
+    *[
+        (endpoint, name, 1, _BAD_FLOAT)
+        for endpoint in ("chat", "completion")
+        for name in (
+            "temperature",
+            "top_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "min_p",
+            "repetition_penalty",
+        )
+    ],
+    *[
+        (endpoint, name, True, _BAD_BOOL)
+        for endpoint in _MODELS
+        for name in ("stream", "ignore_eos")
+    ],
+    ("chat", "logprobs", True, _BAD_BOOL),
+    ("completion", "echo", True, _BAD_BOOL),
+]
+
+
+def _types(annotation) -> set:
+    """The types an annotation is built from, containers included (``list[int] | None`` →
+    {list, int, NoneType}; ``Annotated`` metadata dropped)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is None:
+        return {annotation}
+    if origin is typing.Annotated:
+        return _types(args[0])
+    own = set() if origin in (typing.Union, types.UnionType) else {origin}
+    return own.union(*(_types(a) for a in args))
+
+
+@pytest.mark.parametrize("endpoint", list(_MODELS))
+def test_every_scalar_request_field_is_covered_by_the_strictness_tests(endpoint):
+    """A bool / int / float field added to a request model must join STRICT_FIELDS (and so be
+    checked for strictness below)."""
+    model, _ = _MODELS[endpoint]
+    scalar = {
+        name
+        for name, info in model.model_fields.items()
+        if _types(info.annotation) & {bool, int, float}
+        and not _types(info.annotation) & {list, dict}
+    }
+    assert scalar == {name for e, name, _, _ in STRICT_FIELDS if e == endpoint}
+
+
+@pytest.mark.parametrize(("endpoint", "field", "good", "bad_values"), STRICT_FIELDS)
+def test_scalar_fields_refuse_wrong_json_types(endpoint, field, good, bad_values):
+    """Validated from a dict, as FastAPI does: the valid value parses to its type, every
+    coercible wrong-typed value is an error located at the field."""
+    model, base = _MODELS[endpoint]
+    parsed = getattr(model.model_validate({**base, field: good}), field)
+    assert parsed == good
+    assert type(parsed) is (float if bad_values is _BAD_FLOAT else type(good))
+    for bad in bad_values:
+        with pytest.raises(ValidationError) as info:
+            model.model_validate({**base, field: bad})
+        assert [e["loc"] for e in info.value.errors()] == [(field,)], bad
+
+
+def test_float_fields_take_json_integers_and_keep_their_bounds():
+    body = json.dumps(
+        {
+            **_CHAT,
+            "temperature": 0,
+            "top_p": 1,
+            "presence_penalty": -2,
+            "frequency_penalty": 2,
+            "min_p": 0,
+            "repetition_penalty": 3,
+            "logit_bias": {"7": -100},
+        }
+    )
+    req = ChatCompletionRequest.model_validate_json(body)
+    values = [
+        req.temperature,
+        req.top_p,
+        req.presence_penalty,
+        req.frequency_penalty,
+        req.min_p,
+        req.repetition_penalty,
+        req.logit_bias["7"],
+    ]
+    assert values == [0.0, 1.0, -2.0, 2.0, 0.0, 3.0, -100.0]
+    assert all(type(v) is float for v in values)
+    for field, value in (("temperature", 3), ("top_p", 0), ("presence_penalty", -3)):
+        with pytest.raises(ValidationError) as info:
+            ChatCompletionRequest.model_validate({**_CHAT, field: value})
+        assert info.value.errors()[0]["loc"] == (field,)
+
+
+@pytest.mark.parametrize("bad", [True, "7", 7.0])
+def test_token_ids_refuse_booleans_strings_and_floats(bad):
+    for make, loc in (
+        (lambda: ChatCompletionRequest(**_CHAT, stop_token_ids=[1, bad]), ("stop_token_ids", 1)),
+        (lambda: CompletionRequest(prompt=[1, bad]), None),
+        (lambda: CompletionRequest(prompt=[[1], [bad]]), None),
+    ):
+        with pytest.raises(ValidationError) as info:
+            make()
+        if loc:
+            assert info.value.errors()[0]["loc"] == loc
+        else:  # no member of the prompt union matches
+            assert {e["loc"][0] for e in info.value.errors()} == {"prompt"}
+
+
+def test_previously_valid_requests_still_parse():
+    chat = ChatCompletionRequest.model_validate(
+        {
+            "model": "tiny",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                {"role": "assistant", "content": None},
+            ],
+            "max_tokens": 5,
+            "max_completion_tokens": 4,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "n": 2,
+            "seed": -(2**63),
+            "stop": ["\n", ""],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0,
+            "user": "me",
+            "logit_bias": {},
+            "top_k": -1,
+            "min_p": 0.05,
+            "ignore_eos": False,
+            "stop_token_ids": [0, 2**31 - 1],
+            "repetition_penalty": 1.1,
+            "min_tokens": 0,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "tools": None,
+            "response_format": {"type": "text"},
+            "chat_template_kwargs": {"enable_thinking": False},
+            "unknown_extension": 1,
+        }
+    )
+    assert (chat.n, chat.seed, chat.stream, chat.include_usage) == (2, -(2**63), True, True)
+    assert (chat.stop_token_ids, chat.top_logprobs, chat.wants_logprobs) == (
+        [0, 2**31 - 1],
+        20,
+        True,
+    )
+    assert chat.messages[1].content[0].text == "hi" and chat.stop_strings == ("\n",)
+    for prompt in ("x", ["x", "y"], [1, 2], [[1, 2], [3]], []):
+        assert CompletionRequest(prompt=prompt).prompt == prompt
+    completion = CompletionRequest.model_validate(
+        {"prompt": "x", "logprobs": 0, "echo": False, "best_of": 3, "n": 3, "suffix": None}
+    )
+    assert (completion.logprobs, completion.echo, completion.best_of) == (0, False, 3)
+    assert completion.wants_logprobs
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param", "code"),
+    [
+        ("/v1/chat/completions", {"stream": "yes"}, "stream", "bool_type"),
+        ("/v1/chat/completions", {"max_tokens": True}, "max_tokens", "int_type"),
+        ("/v1/chat/completions", {"n": 2.0}, "n", "int_type"),
+        ("/v1/chat/completions", {"n": True}, "n", "int_type"),
+        ("/v1/chat/completions", {"logprobs": "true"}, "logprobs", "bool_type"),
+        ("/v1/chat/completions", {"temperature": True}, "temperature", "float_type"),
+        ("/v1/chat/completions", {"top_p": "0.5"}, "top_p", "float_type"),
+        (
+            "/v1/chat/completions",
+            {"stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+            "bool_type",
+        ),
+        ("/v1/chat/completions", {"stop_token_ids": [3, True]}, "stop_token_ids.1", "int_type"),
+        ("/v1/chat/completions", {"logit_bias": {"7": False}}, "logit_bias.7", "float_type"),
+        ("/v1/completions", {"echo": "1"}, "echo", "bool_type"),
+        ("/v1/completions", {"logprobs": True}, "logprobs", "int_type"),
+        ("/v1/completions", {"best_of": 1.0}, "best_of", "int_type"),
+        ("/v1/completions", {"stream": 1}, "stream", "bool_type"),
+        # Union fields: the param names the field, not the union member tried ("prompt.str").
+        ("/v1/completions", {"prompt": [1, True]}, "prompt", None),
+        ("/v1/completions", {"prompt": 5}, "prompt", None),
+        ("/v1/chat/completions", {"stop": 5}, "stop", None),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": 5}]},
+            "messages.0.content",
+            None,
+        ),
+    ],
+)
+def test_wrong_typed_fields_are_openai_400s_naming_the_field(offline_app, path, extra, param, code):
+    base = _CHAT if path == "/v1/chat/completions" else _COMPLETION
+    error = _assert_openai_error(offline_app.post(path, json={**base, **extra}), 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert f"'{param}'" in error["message"]
+    if code:
+        assert error["code"] == code
+
+
+@pytest.mark.parametrize(
+    ("messages", "extra", "param"),
+    [
+        ([{"role": "user", "content": "x"}], {"stop": ["a", 3]}, "stop"),
+        # pydantic: messages.0.content.str, then messages.0.content.list[ContentPart].0.type
+        ([{"role": "user", "content": [{"text": "x"}]}], {}, "messages.0.content"),
+        ([{"role": "user"}, {"role": 7}], {}, "messages.1.role"),
+        ([{"role": "user"}, {"content": "x"}], {}, "messages.1.role"),  # missing in the body
+    ],
+)
+def test_nested_and_union_errors_name_the_field(offline_app, messages, extra, param):
+    """The param keeps the body's keys and indices (and a missing field's name) and drops the
+    union member pydantic tried."""
+    body = {"messages": messages, **extra}
+    error = _assert_openai_error(offline_app.post("/v1/chat/completions", json=body), 400)
+    assert error["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            {
+                **_CHAT,
+                "temperature": 1,
+                "top_p": 1,
+                "presence_penalty": 0,
+                "repetition_penalty": 1,
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ),
+        ("/v1/completions", {"prompt": "hi", "temperature": 0, "min_p": 0, "logprobs": 1}),
+    ],
+)
+def test_json_integers_for_float_fields_pass_validation(offline_app, path, body):
+    """Past validation the offline app answers 503 (Triton unreachable), not 400."""
+    _assert_openai_error(offline_app.post(path, json=body), 503)
