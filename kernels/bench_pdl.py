@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.linear as klinear
-from kernels.bench_linear import copy_bandwidth
+from kernels.bench_linear import copy_bandwidth, graph_time
 from kernels.rmsnorm import fused_add_rmsnorm
 from kernels.silu_mul import silu_mul
 
@@ -62,25 +62,6 @@ def _forward(x, layers, linear):
     return x
 
 
-def _graph_seconds(fn, reps: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
-
-
 @torch.inference_mode()
 def main() -> None:
     copy_bw = copy_bandwidth()
@@ -113,9 +94,11 @@ def main() -> None:
                 # that read its input before the previous kernel wrote it would be far off.
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 assert err < 0.05, f"{variant} at M={m}: relative error {err:.3f}"
-                times[variant] = (
-                    _graph_seconds(lambda x=x, linear=linear: _forward(x, layers, linear)) / LAYERS
+                # One graph of the whole 28-layer forward (graph_time's "weights": one dummy).
+                seconds = graph_time(
+                    lambda _, x=x, fwd=linear: _forward(x, layers, fwd), [None], 20
                 )
+                times[variant] = seconds / LAYERS
             best = min(times, key=times.get)
             print(
                 f"{m:4d} "
