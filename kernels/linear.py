@@ -27,6 +27,8 @@ pipelined steps each, for a workspace of `split_k * M * N * 4` bytes (32 KB at M
 back from L2) and a second small kernel. The tuner also tries `split_k = 1` for every tile, so
 shapes whose tiles alone fill the GPU (lm_head, large M) skip the reduce.
 
+On sm_90+ both kernels launch with programmatic dependent launch (`kernels.pdl`).
+
 Configurations are picked per shape by timing a few candidates on the GPU (`tuned_config`, once
 per (M bucket, N, K, dtype, bias)); `tritonllm.layers.linear.Linear` then decides per shape
 between this kernel and cuBLAS. Reference: `torch.nn.functional.linear` (float32 math).
@@ -117,13 +119,13 @@ def _skinny_linear_kernel(
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
     cols = tl.arange(0, BLOCK_M)
-    k_len = tl.minimum(k_per_split, K - k_start)
-    pdl_wait(PDL)
+    pdl_wait(PDL)  # nothing above touches memory (`kernels.pdl`)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     # An explicit num_stages makes Triton software-pipeline the loads of the dot-free path too
     # (cp.async into shared memory, NUM_STAGES - 1 tiles in flight), not only loads of a dot.
     # The last K-range may be shorter; with EVEN_K (K % BLOCK_K == 0, k_start a multiple of
     # BLOCK_K) every step is then whole and needs no mask.
+    k_len = tl.minimum(k_per_split, K - k_start)
     for k in tl.range(0, k_len, BLOCK_K, num_stages=NUM_STAGES):
         mask_k = (offs_k + k < K)[None, :]
         if EVEN_K:
