@@ -18,7 +18,16 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+)
 
 # Limits of the ensemble's INT32 / INT64 inputs: larger values are invalid requests, not crashes.
 INT32_MAX = 2**31 - 1
@@ -96,10 +105,20 @@ class ContentPart(_Lenient):
 
 
 class ChatMessage(_Lenient):
-    """One chat message; ``content`` is a string or a list of content parts."""
+    """One chat message; ``content`` is a string or a list of content parts. Only an
+    ``assistant`` message may leave it out or null (OpenAI's rule: there it may carry tool calls
+    instead); any other role without content is a 400."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, content: object, info: ValidationInfo) -> object:
+        role = info.data.get("role")  # absent when the role itself failed validation
+        if content is None and role is not None and role != "assistant":
+            raise ValueError(f"a '{role}' message needs content (a string or content parts)")
+        return content
 
 
 class ChatCompletionRequest(SamplingFields):

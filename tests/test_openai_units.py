@@ -486,8 +486,9 @@ def test_wrong_typed_fields_are_openai_400s_naming_the_field(offline_app, path, 
         ([{"role": "user", "content": "x"}], {"stop": ["a", 3]}, "stop"),
         # pydantic: messages.0.content.str, then messages.0.content.list[ContentPart].0.type
         ([{"role": "user", "content": [{"text": "x"}]}], {}, "messages.0.content"),
-        ([{"role": "user"}, {"role": 7}], {}, "messages.1.role"),
-        ([{"role": "user"}, {"content": "x"}], {}, "messages.1.role"),  # missing in the body
+        ([{"role": "user", "content": "x"}, {"role": 7}], {}, "messages.1.role"),
+        # missing in the body
+        ([{"role": "user", "content": "x"}, {"content": "x"}], {}, "messages.1.role"),
     ],
 )
 def test_nested_and_union_errors_name_the_field(offline_app, messages, extra, param):
@@ -520,3 +521,22 @@ def test_nested_and_union_errors_name_the_field(offline_app, messages, extra, pa
 def test_json_integers_for_float_fields_pass_validation(offline_app, path, body):
     """Past validation the offline app answers 503 (Triton unreachable), not 400."""
     _assert_openai_error(offline_app.post(path, json=body), 503)
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
+@pytest.mark.parametrize("content", ["missing", None])
+def test_a_message_without_content_is_400_unless_from_the_assistant(offline_app, role, content):
+    message = {"role": role} if content == "missing" else {"role": role, "content": content}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}, message]}
+    error = _assert_openai_error(offline_app.post("/v1/chat/completions", json=body), 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"].startswith("messages.1")
+    assert f"'{role}' message needs content" in error["message"]
+
+
+def test_an_assistant_message_may_leave_content_out():
+    for message in ({"role": "assistant"}, {"role": "assistant", "content": None}):
+        request = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "hi"}, message]}
+        )
+        assert request.messages[1].content is None
