@@ -112,7 +112,8 @@ def _offline_pass(args, model: str, out_dir: Path, profiled: bool) -> list[str]:
         )
     )
     warm_up(engine, args.device)
-    # [launched a decode batch?, its size, wall s, GPU-wait s, tokens whose K/V it reads]
+    # [launched a decode batch?, its size, wall s, GPU-wait s, tokens whose K/V it reads,
+    #  new (prompt) tokens of a prefill batch]
     steps: list[list] = []
     wait = [0.0]
     cfg = engine.config
@@ -167,7 +168,8 @@ def _offline_pass(args, model: str, out_dir: Path, profiled: bool) -> list[str]:
         kind = launched[0][0].is_decode if launched else None
         size = len(launched[0][0].reqs) if launched else 0
         ctx = launched[0][1] if kind else 0
-        steps.append([kind, size, time.perf_counter() - t, wait[0] - w, ctx])
+        new_tokens = sum(launched[0][0].extend_lens) if launched and not kind else 0
+        steps.append([kind, size, time.perf_counter() - t, wait[0] - w, ctx, new_tokens])
         return outs
 
     overlap.LaunchedStep.result = timed_result
@@ -217,7 +219,9 @@ def _offline_pass(args, model: str, out_dir: Path, profiled: bool) -> list[str]:
         return (weight_bytes + s[4] * kv_per_token) / copy_bw
 
     lines.append(
-        f"  prefill-launching steps: {len(prefill)}, {sum(s[2] for s in prefill):.2f} s; "
+        f"  prefill-launching steps: {len(prefill)}, {sum(s[2] for s in prefill):.2f} s "
+        f"(GPU wait {sum(s[3] for s in prefill):.2f} s, "
+        f"{sum(s[5] for s in prefill):,} prompt tokens); "
         f"decode-launching steps: {len(decode)}, {sum(s[2] for s in decode):.2f} s "
         f"(GPU wait {sum(s[3] for s in decode):.2f} s; bound {sum(map(bound, decode)):.2f} s "
         f"at {copy_bw / 1e12:.3f} TB/s copy bandwidth)"

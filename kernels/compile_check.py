@@ -5,11 +5,12 @@ the wrappers launch, through Triton's full pipeline (TTIR → TTGIR → LLVM →
 bundled ptxas) for sm_80 and sm_90, and fails if a kernel does not compile, spills registers or
 needs more shared memory than the target has.
 
-All 154 configurations × 2 targets = 308 compilations (about 2 minutes of CPU): the
+All 158 configurations × 2 targets = 316 compilations (about 2 minutes of CPU): the
 attention kernels (52), the layer kernels incl. fused add + RMSNorm and q/k-norm + RoPE with
-and without the K/V store (33), the sampler's Gumbel-max kernels (5), and the skinny GEMM (`kernels/linear.py`: the 15 distinct
-tiles `candidate_configs` yields for Qwen3-0.6B's projections at M = 1..256 × bf16/fp16 × bias
-or not, plus 4 split-K reduces). `--quick` (what the CPU tests run, a few seconds): sm_90 only,
+and without the K/V store (33), the sampler's Gumbel-max kernels (9: bf16 and float32 logits),
+and the skinny GEMM (`kernels/linear.py`: the 15 distinct tiles
+`candidate_configs` yields for Qwen3-0.6B's projections at M = 1..256 × bf16/fp16 × bias or
+not, plus 4 split-K reduces). `--quick` (what the CPU tests run, a few seconds): sm_90 only,
 27 configurations: attention at head_dim 128, bf16/fp32, GQA groups 2 and 3; the older layer
 kernels in bf16/fp32; one bf16 configuration of each kernel added since (fused add + RMSNorm,
 q/k-norm + RoPE + K/V store, Gumbel chunk + chunk argmax, skinny GEMM + split-K reduce). The CPU tests run
@@ -227,25 +228,27 @@ def _rotary_pointers(dt: str) -> dict[str, str]:
 
 
 def _sampling_configs(quick: bool):
-    """The sampler's Gumbel-max kernels (`kernels.sampling.gumbel_argmax`) on float32 logits of
-    Qwen3-0.6B's vocab: one shared inverse temperature (a scalar) or one per row (a pointer);
-    `offset` is always >= 2^32 (int64); `seed` is int32 for the default seed 0, int64 for seeds
-    outside int32."""
-    for per_row in (False,) if quick else (False, True):
-        for seed in ("i32",) if quick else ("i32", "i64"):
-            yield (
-                _gumbel_chunk_kernel,
-                {
-                    "logits_ptr": "fp32",
-                    "inv_temp_ptr": "fp32",
-                    "chunk_val_ptr": "fp32",
-                    "chunk_idx_ptr": "i32",
-                },
-                dict(BLOCK=SAMPLING_BLOCK, PER_ROW_TEMP=per_row),
-                max(1, min(4, SAMPLING_BLOCK // 256)),
-                3,
-                {"seed": seed, "offset": "i64"},
-            )
+    """The sampler's Gumbel-max kernels (`kernels.sampling.gumbel_argmax`) on Qwen3-0.6B's vocab:
+    the model's bf16 logits (and float32 ones, after penalties); one shared inverse temperature
+    (a scalar) or one per row (a pointer); `offset` is always >= 2^32 (int64); `seed` is int32
+    for the default seed 0, int64 for seeds outside int32; the iteration count is a runtime
+    argument (one variant for all)."""
+    for logits in ("bf16",) if quick else ("bf16", "fp32"):
+        for per_row in (False,) if quick else (False, True):
+            for seed in ("i32",) if quick else ("i32", "i64"):
+                yield (
+                    _gumbel_chunk_kernel,
+                    {
+                        "logits_ptr": logits,
+                        "inv_temp_ptr": "fp32",
+                        "chunk_val_ptr": "fp32",
+                        "chunk_idx_ptr": "i32",
+                    },
+                    dict(BLOCK=SAMPLING_BLOCK, PER_ROW_TEMP=per_row, FAST_LOG=True),
+                    max(1, min(4, SAMPLING_BLOCK // 256)),
+                    3,
+                    {"seed": seed, "offset": "i64", "iters": "i32", "num_chunks": "i32"},
+                )
     yield (
         _chunk_argmax_kernel,
         {"chunk_val_ptr": "fp32", "chunk_idx_ptr": "i32", "out_ptr": "i64"},

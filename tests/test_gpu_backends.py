@@ -200,15 +200,27 @@ def test_triton_backend_cuda_graph_buffers_pad_the_batch_interpreted():
         assert torch.equal(setup.cache.k[:, 1:], setup.ref_cache.k[:, 1:])
 
 
+# (graph batch size, batches replayed: prefix lengths). Batch 96 is past FlashInfer's
+# split limit (2 * SMs / kv_heads, 33 on an H200): its tensor-core graph runs without split-KV.
+GRAPH_CASES = [
+    (8, ([100, 0, 1500, 31, 15], [7, 2000, 16, 64, 1, 900, 300, 5])),
+    (96, ([i * 97 % 700 for i in range(90)], [(i * 53 + 11) % 600 for i in range(96)])),
+]
+
+
 @pytest.mark.parametrize("name", [TRITON_CUDA, FLASHINFER_CUDA])
-def test_gpu_backend_cuda_graph_decode_replays_new_batches(name):
+@pytest.mark.parametrize(("bs", "batches"), GRAPH_CASES, ids=["bs8", "bs96"])
+def test_gpu_backend_cuda_graph_decode_replays_new_batches(name, bs, batches):
     cfg = model_config(16, 8, 128)
-    setup = Setup(cfg, 512, 16, torch.bfloat16, "cuda")
+    setup = Setup(cfg, 512 if bs <= 8 else 4096, 16, torch.bfloat16, "cuda")
     ref, test = setup.backends(name)
-    bs, hq, hkv, d = 8, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    test.init_cuda_graph(max_bs=16, max_pages_per_seq=128)
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    test.init_cuda_graph(max_bs=max(16, bs), max_pages_per_seq=128)
     q, k, v = setup.randn(bs, hq, d), setup.randn(bs, hkv, d), setup.randn(bs, hkv, d)
     test.prepare_capture(bs)
+    if name == "flashinfer":
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert test._graph_no_split[bs] == (bs > 2 * sms // hkv and bs >= 64)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up (compiles kernels) outside the capture
@@ -217,7 +229,7 @@ def test_gpu_backend_cuda_graph_decode_replays_new_batches(name):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = test.forward(q, k, v, 0)
-    for prefix in ([100, 0, 1500, 31, 15], [7, 2000, 16, 64, 1, 900, 300, 5]):
+    for prefix in batches:
         n = len(prefix)
         meta = setup.metadata(prefix, [1] * n)
         test.prepare_replay(meta, bs)
@@ -229,6 +241,11 @@ def test_gpu_backend_cuda_graph_decode_replays_new_batches(name):
         expected = ref.forward(q[:n], k[:n], v[:n], 0)
         torch.testing.assert_close(out[:n], expected, atol=2e-2, rtol=2e-2)
         assert torch.equal(setup.cache.k[:, 1:], setup.ref_cache.k[:, 1:])
+        if name == "flashinfer" and test._graph_no_split[bs]:
+            # Padding tiles name the shortest sequence: a padding row, else the shortest real.
+            tail, target = test._graph_pad_tiles[bs]
+            assert target == (bs - 1 if n < bs else min(range(n), key=prefix.__getitem__))
+            assert tail.tolist() == [target] * tail.numel() and tail.numel() > 0
 
 
 def test_flashinfer_page_list_matches_page_table():

@@ -19,7 +19,7 @@ import kernels
 
 pytest.importorskip("triton")
 import kernels.sampling  # noqa: E402
-from kernels.sampling import BLOCK, gumbel_argmax  # noqa: E402
+from kernels.sampling import BLOCK, counters_per_row, gumbel_argmax, iters_for  # noqa: E402
 from tritonllm.engine import sampler as sampler_module  # noqa: E402
 from tritonllm.engine.request import Request  # noqa: E402
 from tritonllm.engine.sampler import Sampler  # noqa: E402
@@ -56,16 +56,18 @@ def _assert_frequencies(samples: torch.Tensor, probs: torch.Tensor, sigmas: floa
 
 
 GREEDY_CASES = [
-    pytest.param("cpu", 7, 300, 64, marks=CPU_MARKS, id="cpu-B7"),
+    pytest.param("cpu", 7, 300, 64, None, marks=CPU_MARKS, id="cpu-B7"),
+    pytest.param("cpu", 7, 300, 16, 4, marks=CPU_MARKS, id="cpu-B7-iters4"),
     *[
-        pytest.param("cuda", b, QWEN3_VOCAB, BLOCK, marks=CUDA_MARKS, id=f"cuda-B{b}")
+        pytest.param("cuda", b, QWEN3_VOCAB, BLOCK, None, marks=CUDA_MARKS, id=f"cuda-B{b}")
         for b in (1, 7, 256)
     ],
+    pytest.param("cuda", 7, QWEN3_VOCAB, BLOCK, 8, marks=CUDA_MARKS, id="cuda-B7-iters8"),
 ]
 
 
-@pytest.mark.parametrize(("device", "batch", "vocab", "block"), GREEDY_CASES)
-def test_greedy_rows_equal_torch_argmax_among_sampled_rows(device, batch, vocab, block):
+@pytest.mark.parametrize(("device", "batch", "vocab", "block", "iters"), GREEDY_CASES)
+def test_greedy_rows_equal_torch_argmax_among_sampled_rows(device, batch, vocab, block, iters):
     gen = torch.Generator().manual_seed(batch)
     logits = torch.randn(batch, vocab, generator=gen) * 3
     logits[0, vocab - 1] = logits[0, 2] = 100.0  # a tie across chunks: the lowest index wins
@@ -77,19 +79,43 @@ def test_greedy_rows_equal_torch_argmax_among_sampled_rows(device, batch, vocab,
     inv = torch.where(greedy, 0.0, 1 / 0.7).float().to(device)
     expected = logits.argmax(dim=-1)
 
-    got = gumbel_argmax(logits, inv, seed=3, offset=1 << 32, block=block)
+    got = gumbel_argmax(logits, inv, seed=3, offset=1 << 32, block=block, iters=iters)
     assert got.dtype == torch.int64 and got.device == logits.device
     assert got[greedy.to(device)].tolist() == expected[greedy.to(device)].tolist()
     assert got[0].item() == 2
     picked = logits.gather(1, got[:, None]).squeeze(1)
     assert torch.isfinite(picked[~greedy.to(device)]).all(), "sampled a -inf logit"
     # One float for every row (the scalar path): all greedy.
-    assert gumbel_argmax(logits, 0.0, seed=3, offset=0, block=block).tolist() == expected.tolist()
+    all_greedy = gumbel_argmax(logits, 0.0, seed=3, offset=0, block=block, iters=iters)
+    assert all_greedy.tolist() == expected.tolist()
     # A strided view (logits of every other row): the row stride is free.
     view = logits[::2]
     assert not view.is_contiguous() or view.shape[0] == 1
-    got = gumbel_argmax(view, 0.0, seed=3, offset=0, block=block)
+    got = gumbel_argmax(view, 0.0, seed=3, offset=0, block=block, iters=iters)
     assert got.tolist() == view.argmax(dim=-1).tolist()
+
+
+BF16_CASES = [
+    pytest.param("cpu", 96, 16, 200, marks=CPU_MARKS, id="cpu"),
+    pytest.param("cuda", QWEN3_VOCAB, BLOCK, 20_000, marks=CUDA_MARKS, id="cuda"),
+]
+
+
+@pytest.mark.parametrize(("device", "vocab", "block", "num_rows"), BF16_CASES)
+def test_bfloat16_logits_are_read_as_they_are(device, vocab, block, num_rows):
+    """The model's bf16 logits: greedy rows equal torch.argmax of the bf16 tensor (ties in bf16
+    included) and sampled rows follow softmax of the bf16 values, with no float32 copy."""
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(6, vocab, generator=gen) * 3).to(torch.bfloat16)
+    logits[1, 7] = logits[1, vocab - 2] = 50.0  # a tie: the lowest index wins
+    logits = logits.to(device)
+    greedy = gumbel_argmax(logits, 0.0, seed=1, offset=0, block=block)
+    assert greedy.tolist() == logits.argmax(dim=-1).tolist() and greedy[1].item() == 7
+    row = torch.full((vocab,), float("-inf"))
+    row[-len(SMALL_LOGITS) :] = torch.tensor(SMALL_LOGITS)  # exact in bf16
+    many = row.to(torch.bfloat16).repeat(num_rows, 1).to(device)
+    samples = gumbel_argmax(many, 1 / 0.7, seed=2, offset=3 << 32, block=block)
+    _assert_frequencies(samples, _expected(row, 0.7))
 
 
 DISTRIBUTION_CASES = [
@@ -109,22 +135,26 @@ def test_samples_follow_softmax_of_logits_over_temperature(device, num_rows, per
 
 
 CROSS_CHUNK_CASES = [
-    pytest.param("cpu", 40, 40, 8, marks=CPU_MARKS, id="cpu"),
-    pytest.param("cuda", 2000, QWEN3_VOCAB, BLOCK, marks=CUDA_MARKS, id="cuda"),
+    pytest.param("cpu", 40, 40, 8, 1, marks=CPU_MARKS, id="cpu"),
+    pytest.param("cpu", 40, 72, 4, 4, marks=CPU_MARKS, id="cpu-iters4"),
+    pytest.param("cuda", 2000, QWEN3_VOCAB, BLOCK, None, marks=CUDA_MARKS, id="cuda"),
 ]
 
 
-@pytest.mark.parametrize(("device", "num_rows", "vocab", "block"), CROSS_CHUNK_CASES)
+@pytest.mark.parametrize(("device", "num_rows", "vocab", "block", "iters"), CROSS_CHUNK_CASES)
 def test_reduction_across_chunks_finds_mass_in_first_middle_and_last_chunk(
-    device, num_rows, vocab, block
+    device, num_rows, vocab, block, iters
 ):
     row = torch.full((vocab,), -30.0)
     row[1::2] = float("-inf")
     mass = {1: 0.3, vocab // 2 + 1: 0.2, vocab - 1: 0.5}  # first, a middle and the last chunk
     for tok, p in mass.items():
         row[tok] = math.log(p)
-    assert vocab // block >= 4
-    samples = gumbel_argmax(row.repeat(num_rows, 1).to(device), 1.0, seed=5, offset=0, block=block)
+    chunk = block * (iters or iters_for(num_rows, vocab, block))
+    assert vocab // chunk >= 4
+    samples = gumbel_argmax(
+        row.repeat(num_rows, 1).to(device), 1.0, seed=5, offset=0, block=block, iters=iters
+    )
     assert set(samples.tolist()) == set(mass), "only (and each of) the likely tokens"
     _assert_frequencies(samples, _expected(row, 1.0))
 
@@ -140,6 +170,8 @@ def test_seed_and_offset_select_the_draws(device, vocab, block):
     rows = 16
     logits = torch.zeros(rows, vocab, device=device)  # uniform: 16 draws repeat with p = V^-16
 
+    iters = iters_for(rows, vocab, block)
+
     def draw(seed: int, offset: int) -> list[int]:
         return gumbel_argmax(logits, 1.0, seed=seed, offset=offset, block=block).tolist()
 
@@ -147,15 +179,22 @@ def test_seed_and_offset_select_the_draws(device, vocab, block):
     assert draw(5, 0) == first
     assert draw(6, 0) != first
     assert draw(5, 1 << 32) != first
-    # The counter of (row r, column v) is offset + r * V + v: one row's worth of offset shifts
-    # the draws by one row.
-    assert draw(5, vocab)[:-1] == first[1:]
+    # Row r's counters start at offset + r * counters_per_row(V, block, iters): one row's worth
+    # of offset shifts the draws by one row.
+    per_row = counters_per_row(vocab, block, iters)
+    assert per_row == -(-vocab // (iters * block)) * iters * block // 4
+    assert draw(5, per_row)[:-1] == first[1:]
+
+
+def test_iterations_per_program_grow_with_the_batch():
+    assert [iters_for(b, QWEN3_VOCAB) for b in (1, 2, 4, 8, 16, 256)] == [1, 1, 2, 4, 8, 8]
+    assert iters_for(1000, 64, block=64) == 1  # one chunk per row already: nothing to merge
 
 
 def test_invalid_arguments_raise_value_error():
     logits = torch.zeros(2, 16)
-    with pytest.raises(ValueError, match="float32"):
-        gumbel_argmax(logits.half(), 1.0, 0, 0)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        gumbel_argmax(logits.double(), 1.0, 0, 0)
     with pytest.raises(ValueError, match="contiguous"):
         gumbel_argmax(torch.zeros(16, 2).t(), 1.0, 0, 0)
     with pytest.raises(ValueError, match="inv_temperature"):
@@ -164,6 +203,10 @@ def test_invalid_arguments_raise_value_error():
         gumbel_argmax(logits, torch.ones(2, dtype=torch.float64), 0, 0)
     with pytest.raises(ValueError, match="power-of-two"):
         gumbel_argmax(logits, 1.0, 0, 0, block=12)
+    with pytest.raises(ValueError, match=">= 4"):
+        gumbel_argmax(logits, 1.0, 0, 0, block=2)
+    with pytest.raises(ValueError, match="iters"):
+        gumbel_argmax(logits, 1.0, 0, 0, iters=16)
     assert gumbel_argmax(torch.zeros(0, 16), 1.0, 0, 0).shape == (0,)
 
 
@@ -266,3 +309,37 @@ def test_sampler_fast_path_samples_follow_the_distribution(kernel_calls):
     assert kernel_calls == [n, n, n] and sampler.fast_steps == 3
     assert not torch.equal(first, second)
     _assert_frequencies(first, _expected(row, 0.7))
+
+
+@pytest.mark.parametrize(("device", "vocab"), SAMPLER_DEVICES)
+def test_sampler_reads_bfloat16_logits_without_a_float32_copy(device, vocab, monkeypatch):
+    """The model's bf16 logits go to the kernel as they are; a penalised batch and the PyTorch
+    path work on a float32 copy and leave the caller's logits untouched."""
+    if device == "cpu":
+        monkeypatch.setattr(sampler_module, "use_fused", lambda logits: True)
+    seen: list[tuple[torch.dtype, int]] = []
+    real = kernels.sampling.gumbel_argmax
+
+    def recording(logits, *args, **kwargs):
+        seen.append((logits.dtype, logits.data_ptr()))
+        return real(logits, *args, **kwargs)
+
+    monkeypatch.setattr(kernels.sampling, "gumbel_argmax", recording)
+    sampler = Sampler(torch.device(device), seed=0)
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(2)) * 2
+    logits[2, 5], logits[2, 9] = 10.0, 9.5
+    logits = logits.to(device, torch.bfloat16)
+    before = logits.clone()
+    reqs = [_req(i, SamplingParams(temperature=0.7 if i == 1 else 0.0)) for i in range(3)]
+    tokens = sampler.sample_device(logits, reqs).token_ids.tolist()
+    assert seen == [(torch.bfloat16, logits.data_ptr())]
+    assert tokens[0] == int(logits[0].argmax()) and tokens[2] == 5
+    # Row 2 has generated token 5 (presence penalty 2): a float32 copy is penalised.
+    reqs[2] = _req(2, SamplingParams(temperature=0.0, presence_penalty=2.0), outputs=(5,))
+    tokens = sampler.sample_device(logits, reqs).token_ids.tolist()
+    assert seen[-1][0] == torch.float32 and tokens[2] == 9
+    # The PyTorch path (top-k) on bf16 logits.
+    reqs[1] = _req(1, SamplingParams(temperature=0.7, top_k=1))
+    tokens = sampler.sample_device(logits, reqs).token_ids.tolist()
+    assert len(seen) == 2 and tokens[1] == int(logits[1].argmax())
+    assert torch.equal(logits, before)

@@ -14,6 +14,23 @@ that wrapper with the real batch padded to `bs` (padding: one token on reserved 
 FlashInfer's plan() copies into the fixed buffers, so the captured kernels see the new batch.
 Decode batches of `TENSOR_CORE_DECODE_MIN_BATCH` or more sequences use the tensor-core decode
 kernels (load balance over uneven context lengths; see the constant).
+
+Split-KV in graphs: in CUDA-graph mode FlashInfer's tensor-core (prefill) planner always plans
+split-KV, so every layer also runs its merge kernel, but it splits no sequence once the batch
+exceeds the CTAs it may add (`2 * SMs / kv_heads`, FlashInfer's `max_batch_size_if_split`): every
+sequence already takes at least one CTA, so its KV-chunk search ends at the longest sequence
+(`PrefillSplitQOKVIndptr` in FlashInfer's `attention/scheduler.cuh`, 0.5.x). Those graph wrappers
+are therefore planned with `disable_split_kv=True`: the same one chunk per sequence, written
+straight to the output, without the 28 merge kernels per step (0.11 ms of a batch-190 step on an
+H200, BENCHMARKS.md "Session 5 diagnostics"). Without split-KV FlashInfer launches its padded
+grid (`bs + ceil(2 * bs / 16) - 1` tiles for GQA group 2) with no validity mask, and the padding
+CTAs read the plan's request/tile indices past the real ones, entries no plan of the wrapper
+writes (each writes `bs` of them). They are set in the wrapper's pinned plan-staging buffer,
+which every plan copies to the device whole: zero at creation (so even the capture's first
+plan points them at a real sequence), then the batch's shortest sequence (a one-token padding
+row whenever the batch is smaller than the graph): a padding CTA recomputes that sequence's
+tile and writes the same values again. Pointing them at sequence 0, often the longest, made
+the attention 5% slower than with split-KV on (offline run of 2026-11-30 14:11 UTC).
 """
 
 from __future__ import annotations
@@ -165,6 +182,18 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._out_cache_loc: torch.Tensor | None = None
         self._graph: _GraphBuffers | None = None
         self._graph_wrappers: dict[int, object] = {}
+        # graph batch size -> planned without split-KV (module docstring)
+        self._graph_no_split: dict[int, bool] = {}
+        # graph batch size -> (int32 view of its staging buffer's padding-tile request indices,
+        # the sequence they name now); only for no-split graphs with padding tiles
+        self._graph_pad_tiles: dict[int, list] = {}
+        num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else 0
+        )
+        # FlashInfer's max_batch_size_if_split for its tensor-core decode plan (2 CTAs per SM)
+        self._max_batch_if_split = 2 * num_sms // self.num_kv_heads
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Plan the decode or prefill wrapper for `meta` (host-side; no device sync)."""
@@ -193,7 +222,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         self._wrapper = self._prefill
 
-    def _plan_decode(self, wrapper, args: PagedKVArgs) -> None:
+    def _plan_decode(self, wrapper, args: PagedKVArgs, disable_split_kv: bool = False) -> None:
         wrapper.plan(
             args.kv_indptr,
             args.kv_indices,
@@ -205,6 +234,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             sm_scale=self.scale,
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
+            disable_split_kv=disable_split_kv,
         )
 
     def forward(
@@ -252,6 +282,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             out_cache_loc=torch.zeros(max_bs, dtype=torch.int64, device=dev),
         )
         self._graph_wrappers.clear()
+        self._graph_no_split.clear()
+        self._graph_pad_tiles.clear()
 
     def prepare_capture(self, bs: int) -> None:
         """Create and plan (with a dummy batch) the graph wrapper for batch size `bs`.
@@ -264,21 +296,55 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise RuntimeError(f"init_cuda_graph(max_bs >= {bs}) must be called first")
         wrapper = self._graph_wrappers.get(bs)
         if wrapper is None:
+            tensor_cores = self.use_tensor_cores or bs >= self.tensor_core_min_batch
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace,
                 "NHD",
                 use_cuda_graph=True,
-                use_tensor_cores=self.use_tensor_cores or bs >= self.tensor_core_min_batch,
+                use_tensor_cores=tensor_cores,
                 paged_kv_indptr_buffer=g.kv_indptr[: bs + 1],
                 paged_kv_indices_buffer=g.kv_indices,
                 paged_kv_last_page_len_buffer=g.kv_last_page_len[:bs],
             )
+            staging = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)
+            no_split = tensor_cores and bs > self._max_batch_if_split and staging is not None
+            if no_split:
+                staging.zero_()  # padding CTAs then read sequence 0 (module docstring)
             self._graph_wrappers[bs] = wrapper
+            self._graph_no_split[bs] = no_split
         dummy_table = torch.zeros(bs, 1, dtype=torch.int32, device=self.device)
-        self._plan_decode(wrapper, paged_kv_args(dummy_table, [1] * bs, self.page_size))
+        dummy = paged_kv_args(dummy_table, [1] * bs, self.page_size)
+        self._plan_decode(wrapper, dummy, disable_split_kv=self._graph_no_split[bs])
+        if self._graph_no_split[bs] and bs not in self._graph_pad_tiles:
+            tail = self._padding_tile_requests(wrapper, bs)
+            if tail is None:  # not the plan layout this code knows: keep FlashInfer's split-KV
+                self._graph_no_split[bs] = False
+                self._plan_decode(wrapper, dummy)
+            elif tail.numel():
+                self._graph_pad_tiles[bs] = [tail, 0]
         g.out_cache_loc[:bs] = 0
         self._out_cache_loc = g.out_cache_loc[:bs]
         self._wrapper = wrapper
+
+    def _padding_tile_requests(self, wrapper, bs: int) -> torch.Tensor | None:
+        """The int32 entries of `wrapper`'s pinned plan-staging buffer that hold the request
+        index of each padding tile (tiles `bs..padded_batch_size-1`), from the plan it just made;
+        None when the plan is not FlashInfer 0.5's unsplit CUDA-graph prefill plan (a 15-field
+        `PrefillPlanInfo`: padded_batch_size first, cta_tile_q fourth, request_indices' byte
+        offset fifth, enable_cuda_graph and split_kv last) with one tile per sequence (the
+        real tiles are then exactly `0..bs-1`)."""
+        try:
+            info = [int(v) for v in wrapper._plan_info]
+        except (AttributeError, TypeError, ValueError):
+            return None
+        group = self.num_q_heads // self.num_kv_heads
+        if len(info) != 15 or info[13] != 1 or info[14] != 0 or info[0] < bs:
+            return None
+        if info[3] < group:  # a decode row's packed heads span several tiles
+            return None
+        padded, offset = info[0], info[4]
+        staging = wrapper._pin_memory_int_workspace_buffer
+        return staging[offset + 4 * bs : offset + 4 * padded].view(torch.int32)
 
     def prepare_replay(self, meta: AttentionMetadata, bs: int) -> None:
         """Re-plan the batch-size-`bs` graph wrapper with `meta` padded to `bs` sequences.
@@ -294,7 +360,18 @@ class FlashInferAttentionBackend(AttentionBackend):
         if wrapper is None:
             raise RuntimeError(f"prepare_capture({bs}) was never called")
         g = self._graph
-        self._plan_decode(wrapper, replay_kv_args(meta, bs, self.page_size))
+        pad = self._graph_pad_tiles.get(bs)
+        if pad is not None:
+            # Padding tiles recompute the shortest sequence: a padding row if there is one.
+            target = bs - 1 if n < bs else int(np.argmin(meta.seq_lens_cpu))
+            if target != pad[1]:
+                pad[0].fill_(target)  # staged; the plan below copies it to the device
+                pad[1] = target
+        self._plan_decode(
+            wrapper,
+            replay_kv_args(meta, bs, self.page_size),
+            disable_split_kv=self._graph_no_split[bs],
+        )
         g.out_cache_loc[:n].copy_(meta.out_cache_loc, non_blocking=True)
         if n < bs:
             g.out_cache_loc[n:bs] = 0

@@ -117,8 +117,8 @@ class CudaGraphRunner:
         return bs
 
     def replay(self, bs: int, num_seqs: int) -> torch.Tensor:
-        """Replay graph `bs`; returns its logits `[num_seqs, vocab]` float32 (a view of the
-        graph's output buffer, overwritten by the next replay of the same graph)."""
+        """Replay graph `bs`; returns its logits `[num_seqs, vocab]` in the model's dtype (a view
+        of the graph's output buffer, overwritten by the next replay of the same graph)."""
         self.graphs[bs].replay()
         self.num_replays += 1
         return self.outputs[bs][:num_seqs]

@@ -202,7 +202,7 @@ class ModelRunner:
             self._plan_done.record()
 
     def forward(self, fwd: ForwardInputs) -> torch.Tensor:
-        """Logits `[S, vocab]` float32 of the batch (one row if nothing samples)."""
+        """Logits `[S, vocab]` of the batch in the model's dtype (one row if nothing samples)."""
         meta = fwd.meta
         graphs = self.graph_runner
         self._plan_fence()

@@ -16,14 +16,18 @@ non-blocking copies and the result stays on the device (`DeviceSamples`), so the
 copy it back asynchronously. Greedy, temperature, top-k/top-p/min-p are one vectorised pass over
 the batch; only penalties and seeded generators loop over their (few) rows.
 
+Logits arrive in the model's dtype (bfloat16 on GPU). Everything above works on a float32 copy
+(`Tensor.float()`: no copy when they are float32 already, as on CPU), made only when needed.
+
 Fast path (CUDA with the fused kernels on, `tritonllm.layers.fused`): a batch where every row is
 greedy or plain temperature sampling (no top-k/top-p/min-p, no logprobs, no per-request seed)
 skips all of the above after the penalties and runs `kernels.sampling.gumbel_argmax`: one pass
-over the logits, `argmax(logits / T + Gumbel noise)` (greedy rows: plain argmax), a sample of the
-same distribution. Its noise comes from Philox keyed by the sampler's seed, with counter
-`step << 32 | row * vocab + column`, `step` counting the sampler's fast-path calls from 1: every
-call draws fresh numbers, and the same seed and sequence of batches draw the same ones. The CPU
-path never takes it.
+over the logits as they are (bfloat16 read directly when no penalty applies),
+`argmax(logits / T + Gumbel noise)` (greedy rows: plain argmax), a sample of the same
+distribution. Its noise comes from Philox keyed by the sampler's seed, with counters
+`step << 32 | row * counters_per_row + ...` (`kernels.sampling`), `step` counting the sampler's
+fast-path calls from 1: every call draws fresh numbers, and the same seed and sequence of batches
+draw the same ones. The CPU path never takes it.
 """
 
 from __future__ import annotations
@@ -136,7 +140,7 @@ class Sampler:
         """Sample the next token of each request and return host results (syncs).
 
         Args:
-            logits: `[B, vocab]` float32 (modified in place).
+            logits: `[B, vocab]` float (float32 logits may be modified in place).
             reqs: the B requests, for their params, token history and generators.
         """
         samples = self.sample_device(logits, reqs)
@@ -149,7 +153,8 @@ class Sampler:
         """Sample the next token of each request without a host sync.
 
         Args:
-            logits: `[B, vocab]` float32 (modified in place).
+            logits: `[B, vocab]` float32, bfloat16 or float16 (float32 logits may be modified
+                in place; others are read, or copied to float32 where a step needs it).
             reqs: the B requests, for their params, token history and generators.
             ids_to_device: maps a request's token ids to a device tensor (the model runner's
                 version resolves ids that are still on the device under overlap scheduling);
@@ -163,9 +168,13 @@ class Sampler:
             ids_to_device = lambda ids: to_device(ids, torch.int64, device)  # noqa: E731
         params = [r.params for r in reqs]
         penalised = [i for i, r in enumerate(reqs) if r.uses_penalties]
+        fast = use_fused(logits) and _is_plain(logits, reqs)
+        if fast and not penalised:
+            return self._gumbel_sample(logits, params)  # reads the model's logits as they are
+        logits = logits.float()  # the in-place steps below need float32
         if penalised:
             self._apply_penalties(logits, reqs, penalised, ids_to_device)
-        if use_fused(logits) and _is_plain(logits, reqs):
+        if fast:
             return self._gumbel_sample(logits, params)
         if any(p.temperature > 0 and p.temperature != 1.0 for p in params):
             temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
@@ -197,8 +206,9 @@ class Sampler:
         return DeviceSamples(tokens, lp, top_ids, top_vals, num_top)
 
     def _gumbel_sample(self, logits: torch.Tensor, params: list[SamplingParams]) -> DeviceSamples:
-        """The fast path: one `gumbel_argmax` over `[B, vocab]` float32 logits (see the module
-        docstring); greedy rows get inverse temperature 0 (exact argmax)."""
+        """The fast path: one `gumbel_argmax` over `[B, vocab]` logits (float32, bfloat16 or
+        float16; see the module docstring); greedy rows get inverse temperature 0 (exact
+        argmax)."""
         from kernels.sampling import gumbel_argmax
 
         inv_temps = [0.0 if p.temperature == 0.0 else 1.0 / p.temperature for p in params]
@@ -258,10 +268,14 @@ class Sampler:
 
 def _is_plain(logits: torch.Tensor, reqs: list[Request]) -> bool:
     """Whether every row is greedy or plain temperature sampling, what `_gumbel_sample` covers
-    (float32 logits with a contiguous last dim; a call's Philox counters, row * vocab + column,
-    must fit in the low 32 bits)."""
+    (float32/bfloat16/float16 logits with a contiguous last dim; a call's Philox counters must
+    fit in the low 32 bits)."""
+    from kernels.sampling import LOGIT_DTYPES, counters_per_row, iters_for
+
     batch, vocab = logits.shape
-    if logits.dtype != torch.float32 or logits.stride(1) != 1 or batch * vocab > 1 << 32:
+    if logits.dtype not in LOGIT_DTYPES or logits.stride(1) != 1:
+        return False
+    if batch * counters_per_row(vocab, iters=iters_for(batch, vocab)) > 1 << 32:
         return False
     return all(r.plain_sampling and r.generator is None for r in reqs)
 

@@ -165,7 +165,9 @@ class CausalLM(nn.Module):
             logits_indices: `[B]` int64, rows of T whose next-token logits are wanted.
 
         Returns:
-            `[B, vocab_size]` float32 logits.
+            `[B, vocab_size]` logits in the model's dtype (bfloat16 on GPU, float32 on CPU): the
+            sampler reads them as they are or makes the float32 copy it needs (a float32 copy
+            here cost a 4-byte write and re-read of every logit each decode step).
         """
         hidden, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
@@ -175,4 +177,4 @@ class CausalLM(nn.Module):
             hidden = self.model.norm(hidden[logits_indices])
         else:
             hidden, _ = self.model.norm(hidden[logits_indices], residual[logits_indices])
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
