@@ -106,8 +106,22 @@ def _param(loc: tuple, body: object, missing: bool) -> str | None:
     return ".".join(kept) or None
 
 
+def _most_specific(errors: list[dict]) -> dict:
+    """The error to report: the first one, unless the same field failed a union member whose
+    type matched. A union field reports one error per member tried (``prompt: [-1]`` fails
+    ``str`` and ``list[str]`` by type and ``list[TokenId]`` by range); the first error that is not
+    a mere type mismatch (``*_type``) says what is wrong with the value."""
+    first = errors[0]
+    field = tuple(first.get("loc", ()))[:2]  # ("body", name)
+    for error in errors:
+        same_field = tuple(error.get("loc", ()))[:2] == field
+        if same_field and not str(error.get("type", "")).endswith("_type"):
+            return error
+    return first
+
+
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
-    first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+    first = _most_specific(exc.errors()) if exc.errors() else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":
         return OpenAIError(
             "We could not parse the JSON body of your request. Expected a valid JSON object.",

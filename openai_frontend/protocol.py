@@ -8,8 +8,8 @@ become 400 errors before anything reaches Triton.
 
 Boolean, integer and number fields are strict, field by field, as OpenAI's API is: a JSON value of
 the wrong type is a 400, never coerced (``"stream": "yes"``, ``"max_tokens": true``, ``"n": 2.0``
-are refused). Numbers (``StrictFloat``) still take JSON integers (``"temperature": 1`` reads as
-1.0) but neither strings nor booleans. The models themselves stay lax: FastAPI validates nested
+are refused). Numbers (``Number``) still take JSON integers (``"temperature": 1`` reads as
+1.0) but neither strings, booleans, NaN nor infinities. The models themselves stay lax: FastAPI validates nested
 models and enums from Python dicts, which whole-model strict mode would refuse.
 """
 
@@ -19,11 +19,12 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AllowInfNan,
     BaseModel,
     ConfigDict,
     Field,
+    Strict,
     StrictBool,
-    StrictFloat,
     StrictInt,
     ValidationInfo,
     field_validator,
@@ -34,6 +35,9 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 # JSON `true` is no token id: bool (an int subclass) and strings are refused, as is 7.0.
 TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+# A JSON number (integers read as floats), finite: NaN and Infinity (which Python's JSON parser
+# accepts) are a 400 saying so, not a range error.
+Number = Annotated[float, Strict(), AllowInfNan(False)]
 # The engine's limits (tritonllm.sampling_params): choices per request, top logprobs per token.
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -58,24 +62,24 @@ class SamplingFields(_Lenient):
 
     model: str | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
-    temperature: StrictFloat | None = Field(default=None, ge=0, le=2)
-    top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
+    temperature: Number | None = Field(default=None, ge=0, le=2)
+    top_p: Number | None = Field(default=None, gt=0, le=1)
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)
     seed: StrictInt | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: StrictFloat | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: Number | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)
     user: str | None = None
     # Token id (as a string) → bias added to its logit; not supported (an empty map is a no-op).
-    logit_bias: dict[str, StrictFloat] | None = None
+    logit_bias: dict[str, Number] | None = None
     # vLLM-style extensions (sent by OpenAI clients through ``extra_body``).
     top_k: StrictInt | None = Field(default=None, ge=-1, le=INT32_MAX)
-    min_p: StrictFloat | None = Field(default=None, ge=0, le=1)
+    min_p: Number | None = Field(default=None, ge=0, le=1)
     ignore_eos: StrictBool | None = None
     stop_token_ids: list[TokenId] | None = None
-    repetition_penalty: StrictFloat | None = Field(default=None, gt=0)
+    repetition_penalty: Number | None = Field(default=None, gt=0)
     min_tokens: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
 
     @property
@@ -107,10 +111,12 @@ class ContentPart(_Lenient):
 class ChatMessage(_Lenient):
     """One chat message; ``content`` is a string or a list of content parts. Only an
     ``assistant`` message may leave it out or null (OpenAI's rule: there it may carry tool calls
-    instead); any other role without content is a 400."""
+    instead); any other role without content is a 400. A ``tool`` message must name the call it
+    answers (``tool_call_id``), as OpenAI requires; the id itself is not used."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
+    tool_call_id: str | None = Field(default=None, validate_default=True)
 
     @field_validator("content")
     @classmethod
@@ -119,6 +125,13 @@ class ChatMessage(_Lenient):
         if content is None and role is not None and role != "assistant":
             raise ValueError(f"a '{role}' message needs content (a string or content parts)")
         return content
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _id_for_tool_messages(cls, call_id: str | None, info: ValidationInfo) -> str | None:
+        if call_id is None and info.data.get("role") == "tool":
+            raise ValueError("messages with role 'tool' must have a 'tool_call_id'")
+        return call_id
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -264,7 +264,7 @@ _COMPLETION = {"prompt": "hi"}
 _MODELS = {"chat": (ChatCompletionRequest, _CHAT), "completion": (CompletionRequest, _COMPLETION)}
 # (endpoint, field, a valid value, values lax pydantic would coerce into a valid one).
 _BAD_INT = [True, False, 2.0, "2"]
-_BAD_FLOAT = [True, False, "0.5", "1"]
+_BAD_FLOAT = [True, False, "0.5", "1", float("nan"), float("inf"), float("-inf")]
 _BAD_BOOL = ["yes", "true", "1", 1, 0, 1.0]
 STRICT_FIELDS = [
     *[
@@ -484,8 +484,9 @@ def test_wrong_typed_fields_are_openai_400s_naming_the_field(offline_app, path, 
     ("messages", "extra", "param"),
     [
         ([{"role": "user", "content": "x"}], {"stop": ["a", 3]}, "stop"),
-        # pydantic: messages.0.content.str, then messages.0.content.list[ContentPart].0.type
-        ([{"role": "user", "content": [{"text": "x"}]}], {}, "messages.0.content"),
+        # pydantic: messages.0.content.str (a type mismatch), then
+        # messages.0.content.list[ContentPart].0.type (missing): the member that matched wins
+        ([{"role": "user", "content": [{"text": "x"}]}], {}, "messages.0.content.0.type"),
         ([{"role": "user", "content": "x"}, {"role": 7}], {}, "messages.1.role"),
         # missing in the body
         ([{"role": "user", "content": "x"}, {"content": "x"}], {}, "messages.1.role"),
@@ -532,6 +533,46 @@ def test_a_message_without_content_is_400_unless_from_the_assistant(offline_app,
     assert error["type"] == "invalid_request_error"
     assert error["param"].startswith("messages.1")
     assert f"'{role}' message needs content" in error["message"]
+
+
+def test_a_tool_message_without_tool_call_id_is_400(offline_app):
+    messages = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]
+    body = {"model": "tiny", "messages": messages}
+    error = _assert_openai_error(offline_app.post("/v1/chat/completions", json=body), 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"].startswith("messages.1")
+    assert "tool_call_id" in error["message"]
+    messages[1]["tool_call_id"] = "call_1"  # with it, validation passes (then 503: no Triton)
+    _assert_openai_error(offline_app.post("/v1/chat/completions", json=body), 503)
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_number_is_400_saying_so(offline_app, value):
+    """Python's JSON parser reads NaN / Infinity; they are not numbers OpenAI accepts."""
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": %s}'
+    response = offline_app.post(
+        "/v1/chat/completions",
+        content=body % value,
+        headers={"content-type": "application/json"},
+    )
+    error = _assert_openai_error(response, 400)
+    assert error["param"] == "temperature" and "finite" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "param", "says"),
+    [
+        ([-1], "prompt.0", "greater than or equal to 0"),
+        ([[5, 2**31]], "prompt.0.1", "less than or equal to 2147483647"),
+        ({"text": "hi"}, "prompt", "valid string"),
+    ],
+)
+def test_a_bad_prompt_reports_the_union_member_it_matched(offline_app, prompt, param, says):
+    """A token-id prompt with an id out of range names the id's range, not "a valid string"
+    (the str member's error, which pydantic lists first)."""
+    body = {"model": "tiny", "prompt": prompt}
+    error = _assert_openai_error(offline_app.post("/v1/completions", json=body), 400)
+    assert error["param"] == param and says in error["message"], error
 
 
 def test_an_assistant_message_may_leave_content_out():
