@@ -143,7 +143,7 @@ class LoadProbe:
                 f"busy {rate('engine_busy_seconds_total'):.0%}, cpu "
                 f"{rate('engine_cpu_seconds_total'):.0%}, gpu wait "
                 f"{rate('engine_gpu_wait_seconds_total'):.0%}; {steps:,.0f} steps/s "
-                f"({prefills:,.0f} prefill of "
+                f"({prefills:,.0f} prefill/s of "
                 f"{rate('engine_prefill_tokens_total') / prefills if prefills else 0:,.0f} tok), "
                 f"{tokens / decodes if decodes > 0 else 0:.0f} tok/decode step"
             )

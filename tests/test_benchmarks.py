@@ -164,7 +164,7 @@ def test_online_benchmark_streams_exact_token_counts(tiny_model_dir, triton_serv
     for load in loads.values():
         assert "sidecar" in load["cpu"] and "client" in load["cpu"], load
         assert re.match(
-            r"busy \d+%, cpu \d+%, gpu wait \d+%; [\d,]+ steps/s \([\d,]+ prefill of [\d,]+ "
+            r"busy \d+%, cpu \d+%, gpu wait \d+%; [\d,]+ steps/s \([\d,]+ prefill/s of [\d,]+ "
             r"tok\), \d+ tok/decode step$",
             load["engine"],
         ), load

@@ -132,6 +132,7 @@ def test_parent_side_validation_equals_the_engine_check():
         ([1] * 40, SamplingParams(max_tokens=None)),  # no room left in the pool
         ([1, 2], SamplingParams(temperature=-1)),
         ([1, 2], SamplingParams(n=3, max_tokens=4)),
+        ([1, 2], SamplingParams(max_tokens=4, stop_token_ids=(3, 4096))),  # past the vocab
     ]
 
     def outcome(check, ids, params):
@@ -144,7 +145,11 @@ def test_parent_side_validation_equals_the_engine_check():
     results = [outcome(limits.check, i, p) for i, p in cases]
     assert results == [outcome(engine.check_request, i, p) for i, p in cases]
     assert results[0] is None and results[4] is None and results[6] is None
-    assert sum(r is not None for r in results) == 6
+    assert sum(r is not None for r in results) == 7
+    assert (
+        results[-1]
+        == f"stop_token_ids must be in [0, {engine.model_config.vocab_size}), got [4096]"
+    )
 
 
 def test_abort_reports_abort_and_frees_pages(process):

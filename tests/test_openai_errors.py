@@ -45,6 +45,11 @@ CASES = {
         400,
         "min_tokens",
     ),
+    "stop token id past the vocabulary (engine check)": (
+        lambda m: _chat(m, extra_body={"stop_token_ids": [2, 10_000_000]}),
+        400,
+        "stop_token_ids",
+    ),
 }
 
 

@@ -110,8 +110,9 @@ class LLMEngine:
         """Validate a request without touching engine state (safe from any thread).
 
         Raises:
-            ValueError: invalid params, an empty prompt, token ids outside the vocabulary,
-                prompt + max_tokens over max_model_len, or more KV pages than the pool has.
+            ValueError: invalid params, an empty prompt, prompt or stop token ids outside the
+                vocabulary, prompt + max_tokens over max_model_len, or more KV pages than the
+                pool has.
         """
         self.limits.check(prompt_ids, params)
 

@@ -45,10 +45,15 @@ class RequestLimits:
         """Validate a request (the checks of `LLMEngine.check_request`).
 
         Raises:
-            ValueError: invalid params, an empty prompt, token ids outside the vocabulary,
-                prompt + max_tokens over max_model_len, or more KV pages than the pool has.
+            ValueError: invalid params, an empty prompt, prompt or stop token ids outside the
+                vocabulary, prompt + max_tokens over max_model_len, or more KV pages than the
+                pool has.
         """
         params.validate()
+        vocab = self.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:  # a stop id the model cannot produce is a client mistake, not a no-op
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad[:5]}")
         self.max_tokens(prompt_ids, params)
 
     def max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> int:
