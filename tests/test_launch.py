@@ -24,6 +24,7 @@ from tritonllm.triton_server import (
     TritonServer,
     find_tritonserver,
     free_port,
+    remove_shm_regions,
     start_process_group,
     stop_process_group,
 )
@@ -268,6 +269,23 @@ def test_tritonserver_has_the_bind_address_flags():
     )
     for flag in ("--http-address", "--grpc-address", "--metrics-address"):
         assert flag in result.stdout + result.stderr, flag
+
+
+def test_each_server_keeps_its_shared_memory_under_its_own_prefix(tmp_path):
+    """The Python backend names its regions after the server's prefix, so stopping one server
+    can remove what its killed stubs left without touching another server's regions."""
+    a, b = TritonServer(), TritonServer()
+    assert a.shm_prefix != b.shm_prefix and not b.shm_prefix.startswith(a.shm_prefix)
+    flag = f"--backend-config=python,shm-region-prefix-name={a.shm_prefix}"
+    assert flag in a.command(TritonInstall(Path("tritonserver"), Path("backends")))
+    for name in (f"{a.shm_prefix}1", f"{a.shm_prefix}stub_2", f"{b.shm_prefix}1", "other"):
+        (tmp_path / name).write_bytes(b"x")
+    assert sorted(remove_shm_regions(a.shm_prefix, tmp_path)) == [
+        f"{a.shm_prefix}1",
+        f"{a.shm_prefix}stub_2",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{b.shm_prefix}1", "other"])
+    assert remove_shm_regions(a.shm_prefix, tmp_path / "missing") == []
 
 
 def test_stop_process_group_kills_members_left_by_a_dead_leader():

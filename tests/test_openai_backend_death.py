@@ -70,6 +70,8 @@ def test_stream_whose_generator_died_ends_with_an_error(tiny_model_dir, tmp_path
         )
         chunks = iter(stream)
         next(chunks)  # streaming
+        # The stubs' shared memory lives under this server's own prefix ...
+        assert list(Path("/dev/shm").glob(f"{server.shm_prefix}*"))
         os.kill(_stub_pid(server.process.pid, "generator"), signal.SIGKILL)
         killed = time.monotonic()
         ended = "no response from the backend for 3 s|backend unavailable"
@@ -80,3 +82,5 @@ def test_stream_whose_generator_died_ends_with_an_error(tiny_model_dir, tmp_path
     finally:
         stop_process_group(sidecar, 10.0)
         server.stop()
+    # ... and a killed stub's regions do not outlive the server.
+    assert not list(Path("/dev/shm").glob(f"{server.shm_prefix}*"))

@@ -222,6 +222,19 @@ def _signal_group(pgid: int, signum: int) -> None:
 ORPHAN_GRACE_S = 2.0
 
 
+def remove_shm_regions(prefix: str, shm_dir: Path = Path("/dev/shm")) -> list[str]:
+    """Unlink the POSIX shared-memory files in ``shm_dir`` whose names start with ``prefix``
+    (call it only when no process uses them any more); returns their names. No-op where
+    ``shm_dir`` does not exist."""
+    if not prefix or not shm_dir.is_dir():
+        return []
+    removed = []
+    for path in shm_dir.glob(f"{prefix}*"):
+        path.unlink(missing_ok=True)
+        removed.append(path.name)
+    return removed
+
+
 def stop_process_group(
     process: subprocess.Popen | None, timeout_s: float = 20.0, poll_s: float = 0.05
 ) -> None:
@@ -325,6 +338,15 @@ class TritonServer:
         """The Prometheus metrics URL."""
         return f"http://{connect_host(self.bind_address)}:{self.metrics_port}/metrics"
 
+    @property
+    def shm_prefix(self) -> str:
+        """The name prefix of this server's Python-backend shared-memory regions in /dev/shm
+        (the backend's ``shm-region-prefix-name``; unique per launching process and HTTP
+        port). `stop` removes what a killed stub or server left under it; with the backend's
+        default prefix those regions (1 MB each at the default size) outlive the server and pile
+        up: 390 of them on one test machine."""
+        return f"tritonllm_{os.getpid()}_{self.http_port}_"
+
     def command(self, install: TritonInstall) -> list[str]:
         """The ``tritonserver`` command line (HTTP, gRPC and metrics on ``bind_address``, metrics
         on, verbose logging off)."""
@@ -340,6 +362,7 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
             "--log-verbose=0",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
 
     def environment(self, install: TritonInstall) -> dict[str, str]:
@@ -407,8 +430,12 @@ class TritonServer:
         return hits[-limit:]
 
     def stop(self, timeout: float = 20.0) -> None:
-        """Stop the server (SIGTERM to its process group, SIGKILL after ``timeout`` s)."""
+        """Stop the server (SIGTERM to its process group, SIGKILL after ``timeout`` s), then
+        remove the shared-memory regions left under its `shm_prefix` (none after a clean
+        shutdown)."""
         stop_process_group(self.process, timeout)
+        if self.process is not None:
+            remove_shm_regions(self.shm_prefix)
 
     def __enter__(self) -> TritonServer:
         if self.process is None:
