@@ -74,12 +74,18 @@ def _message_text(index: int, message: ChatMessage) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     parts = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
+    for j, part in enumerate(message.content):
+        if part.type != "text":
             raise OpenAIError(
                 f"content part type {part.type!r} is not supported (text only)",
                 param=f"messages.{index}.content",
                 code="unsupported_value",
+            )
+        if part.text is None:
+            raise OpenAIError(
+                "a content part of type 'text' needs a 'text' string",
+                param=f"messages.{index}.content.{j}.text",
+                code="missing_required_parameter",
             )
         parts.append(part.text)
     return "".join(parts)

@@ -45,6 +45,13 @@ CASES = {
         400,
         "min_tokens",
     ),
+    "text part without text": (
+        lambda m: dict(
+            model=m, messages=[{"role": "user", "content": [{"type": "text"}]}], max_tokens=2
+        ),
+        400,
+        "messages.0.content.0.text",
+    ),
     "stop token id past the vocabulary (engine check)": (
         lambda m: _chat(m, extra_body={"stop_token_ids": [2, 10_000_000]}),
         400,

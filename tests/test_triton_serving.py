@@ -189,6 +189,15 @@ def test_scalar_decodes_bytes_and_defaults():
     assert scalar(None, "stream", bool, default=True) is True
 
 
+def test_string_inputs_that_are_not_utf8_name_the_input():
+    """A Triton client may send any bytes: the error names the input (the generator's answer
+    to a request), not the codec."""
+    with pytest.raises(ValueError, match="input 'stop' is not valid UTF-8"):
+        sampling_params({"stop": np.array([b"ok", b"\xff\xfe"], dtype=object)})
+    with pytest.raises(ValueError, match="input 'abort_request_id' is not valid UTF-8"):
+        scalar(np.array([b"\xff"], dtype=object), "abort_request_id", str)
+
+
 def test_kv_pages_used_excludes_reclaimable_prefix_cache_pages():
     stats = SimpleNamespace(
         used_pages=10,

@@ -37,7 +37,8 @@ def scalar(array: np.ndarray | None, name: str, kind: type, default: Any = None)
     """The single element of ``array`` as ``kind`` (``default`` when the input is absent).
 
     Raises:
-        ValueError: the input does not hold exactly one element.
+        ValueError: the input does not hold exactly one element, or a ``str`` input is not
+            UTF-8.
     """
     if array is None:
         return default
@@ -46,12 +47,22 @@ def scalar(array: np.ndarray | None, name: str, kind: type, default: Any = None)
         raise ValueError(f"input {name!r} must hold one value, got {flat.size}")
     value = flat[0]
     if kind is str:
-        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        return _text(value, name)
     return kind(value)
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+def _text(value: Any, name: str) -> str:
+    """A string input's element as text.
+
+    Raises:
+        ValueError: the bytes are not UTF-8 (the message names input ``name``).
+    """
+    if not isinstance(value, bytes):
+        return str(value)
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"input {name!r} is not valid UTF-8") from None
 
 
 def sampling_params(inputs: Mapping[str, np.ndarray | None]) -> SamplingParams:
@@ -69,7 +80,7 @@ def sampling_params(inputs: Mapping[str, np.ndarray | None]) -> SamplingParams:
         if kind is list:
             kwargs[name] = [int(t) for t in np.asarray(array).reshape(-1)]
         elif name == "stop":  # a list of strings
-            kwargs[name] = [_text(t) for t in np.asarray(array).reshape(-1)]
+            kwargs[name] = [_text(t, name) for t in np.asarray(array).reshape(-1)]
         else:
             kwargs[name] = scalar(array, name, kind)
     max_tokens = kwargs.get("max_tokens")

@@ -13,6 +13,7 @@ out as responses of the same Triton request, with output ``index`` = i and their
 and the final flag comes with the response that ends the last child.
 """
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -134,7 +135,7 @@ class _Metrics:
         )
         self.families.append(family)
         self.generated_tokens = family.Metric(labels=labels)
-        self.counters, self.totals = {}, {}
+        self.counters, self.totals, self.values = {}, {}, {}
         for spec, _, _ in TIME_COUNTERS:
             family = pb_utils.MetricFamily(
                 spec.name, spec.description, pb_utils.MetricFamily.COUNTER
@@ -144,8 +145,12 @@ class _Metrics:
             self.totals[spec.name] = 0.0
 
     def update(self, stats, new_tokens, loop_times, sender_times):
+        # Each set/increment is an IPC round trip to tritonserver: only changes are sent (an
+        # idle server sends none).
         for name, value in gauge_values(stats).items():
-            self.gauges[name].set(value)
+            if self.values.get(name) != value:
+                self.gauges[name].set(value)
+                self.values[name] = value
         if new_tokens:
             self.generated_tokens.increment(new_tokens)
         for name, total in counter_values(stats, loop_times, sender_times).items():
@@ -158,6 +163,11 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args["model_config"])
         self.logger = pb_utils.Logger
+        # tritonserver. A pb_utils call of the sender thread (metrics, a response, a cancellation
+        # check) made after it died never returns, and the stub, which exits by itself when its
+        # parent is gone, then hangs for good with the engine's memory (python backend 24.x):
+        # the sender thread stops calling pb_utils once the parent changed.
+        self.parent_pid = os.getppid()
         self.requests = RequestTable()
         self.metrics = _Metrics()
         self.new_tokens = 0
@@ -242,8 +252,15 @@ class TritonPythonModel:
         self.requests.pop(key)
         return True
 
+    def _parent_gone(self):
+        """Whether tritonserver, this stub's parent, has died (see ``initialize``)."""
+        return os.getppid() != self.parent_pid
+
     def _deliver(self, outputs):
-        """Send the responses of a batch of coalesced outputs; returns how many were sent."""
+        """Send the responses of a batch of coalesced outputs; returns how many were sent
+        (none once tritonserver is gone)."""
+        if self._parent_gone():
+            return 0
         now = time.monotonic()
         sent = 0
         for output in outputs:
@@ -283,6 +300,8 @@ class TritonPythonModel:
             return False
 
     def _tick(self):
+        if self._parent_gone():
+            return
         now = time.monotonic()
         if now - self.last_cancel_scan >= CANCEL_CHECK_S:
             # Requests that send nothing for a while (waiting for admission) are checked here.

@@ -1,0 +1,61 @@
+"""tritonserver itself dies (SIGKILL: the OOM killer, an operator): its Python backend stubs exit
+by themselves, the generator's included, so no orphan keeps the engine's memory.
+
+A stub exits when its health thread sees the parent gone, unless another of its threads is
+blocked in a call to the dead parent: the generator's sender thread used to be, in its 50 ms
+metrics update (python backend 24.x answers such a call never), and the stub then lived on for
+good, re-parented to init (a QA pass, 2026-11-30). Each case runs its own tritonserver.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SERVER_ENV
+from test_engine_process import _wait_gone
+
+from tritonllm.triton_server import TritonServer
+
+
+def _group_members(pgid: int) -> dict[int, str]:
+    """Live processes of process group `pgid`: pid -> command line (up to 120 chars)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            argv = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found[int(stat.parent.name)] = argv.decode(errors="replace")[:120]
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("engine_process", ["0", "1"], ids=["engine-thread", "engine-process"])
+def test_stubs_and_engine_exit_when_tritonserver_is_killed(
+    tiny_model_dir, tmp_path, engine_process
+):
+    env = {**SERVER_ENV, "TRITONLLM_ENGINE_PROCESS": engine_process}
+    server = TritonServer(model_path=tiny_model_dir, env=env, log_path=tmp_path / "triton.log")
+    try:
+        server.start(timeout=float(os.environ.get("TRITONLLM_TEST_SERVER_TIMEOUT", "300")))
+        pid = server.process.pid
+        time.sleep(0.5)  # the generator's sender thread has been updating metrics meanwhile
+        members = _group_members(pid)
+        others = {p: cmd for p, cmd in members.items() if p != pid}
+        stubs = [cmd for cmd in others.values() if "triton_python_backend_stub" in cmd]
+        for model in ("tokenizer", "generator", "detokenizer"):
+            assert any(f"/{model}/" in cmd for cmd in stubs), (model, members)
+        os.kill(pid, signal.SIGKILL)
+        # Reaped, as its parent (init, a supervisor) would: a stub takes a zombie parent for a
+        # live one.
+        server.process.wait(timeout=10)
+        left = {p: cmd for p, cmd in others.items() if not _wait_gone(p, timeout=15.0)}
+        assert not left, f"outlived tritonserver by 15 s: {left}"
+    finally:
+        server.stop()
