@@ -47,6 +47,13 @@ def test_invalid_value_raises_value_error_naming_parameter(name, value):
         SamplingParams(**{name: value}).validate()
 
 
+@pytest.mark.parametrize("name", ["temperature", "repetition_penalty"])
+def test_infinity_is_refused_as_not_finite(name):
+    """A huge JSON number becomes inf in a Triton FP32 input: the message says why it fails."""
+    with pytest.raises(ValueError, match=f"{name} must be a finite number .*got inf"):
+        SamplingParams(**{name: math.inf}).validate()
+
+
 VALID = [
     {},
     {"temperature": 0.0},

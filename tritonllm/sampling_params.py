@@ -89,7 +89,7 @@ class SamplingParams:
         _check(
             _num(self.temperature) and self.temperature >= 0,
             "temperature",
-            ">= 0",
+            "a finite number >= 0",
             self.temperature,
         )
         _check(_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
@@ -116,7 +116,7 @@ class SamplingParams:
         _check(
             _num(self.repetition_penalty) and self.repetition_penalty > 0,
             "repetition_penalty",
-            "> 0",
+            "a finite number > 0",
             self.repetition_penalty,
         )
         _check(
