@@ -2,9 +2,10 @@
 by themselves, the generator's included, so no orphan keeps the engine's memory.
 
 A stub exits when its health thread sees the parent gone, unless another of its threads is
-blocked in a call to the dead parent: the generator's sender thread used to be, in its 50 ms
-metrics update (python backend 24.x answers such a call never), and the stub then lived on for
-good, re-parented to init (a QA pass, 2026-11-30). Each case runs its own tritonserver.
+blocked in a call to the dead parent. The generator's sender thread used to be, in its 50 ms
+metrics update (Triton 2.51's Python backend never answers such a call), and the stub then
+lived on for good, re-parented to init (a QA pass, 2026-11-30). Each case runs its own
+tritonserver.
 """
 
 from __future__ import annotations

@@ -163,10 +163,11 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args["model_config"])
         self.logger = pb_utils.Logger
-        # tritonserver. A pb_utils call of the sender thread (metrics, a response, a cancellation
-        # check) made after it died never returns, and the stub, which exits by itself when its
-        # parent is gone, then hangs for good with the engine's memory (python backend 24.x):
-        # the sender thread stops calling pb_utils once the parent changed.
+        # The stub's parent is tritonserver. A pb_utils call of the sender thread (metrics, a
+        # response, a cancellation check) made after it died never returns, and the stub, which
+        # exits by itself when its parent is gone, then hangs for good with the engine's memory
+        # (Triton 2.51's Python backend): the sender thread stops calling pb_utils once the
+        # parent changed.
         self.parent_pid = os.getppid()
         self.requests = RequestTable()
         self.metrics = _Metrics()
