@@ -18,12 +18,12 @@ measured in the same run:
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
 import kernels.linear as klinear
+from kernels import pdl
 from kernels.bench_linear import copy_bandwidth, graph_time
 from kernels.rmsnorm import fused_add_rmsnorm
 from kernels.silu_mul import silu_mul
@@ -76,7 +76,6 @@ def main() -> None:
         f"{weight_bytes / 1e6:.1f} MB = {bound_us:.1f} us at that bandwidth; us per layer:"
     )
     print(f"{'M':>4} " + " ".join(f"{v:>14}" for v in VARIANTS) + "   best vs cublas")
-    saved_env = os.environ.get("TRITONLLM_PDL")
 
     def skinny(x, w):
         return klinear.skinny_linear(x, w)
@@ -87,7 +86,7 @@ def main() -> None:
             ref = _forward(x, layers, F.linear)
             times = {}
             for variant in VARIANTS:
-                os.environ["TRITONLLM_PDL"] = "1" if "pdl" in variant else "0"
+                pdl.set_enabled("pdl" in variant)
                 linear = F.linear if variant.startswith("cublas") else skinny
                 out = _forward(x, layers, linear)  # tunes the skinny GEMM outside the graph
                 # 28 layers of bf16 roundings in another order drift apart a little; a kernel
@@ -107,10 +106,7 @@ def main() -> None:
                 flush=True,
             )
     finally:
-        if saved_env is None:
-            os.environ.pop("TRITONLLM_PDL", None)
-        else:
-            os.environ["TRITONLLM_PDL"] = saved_env
+        pdl.set_enabled(True)  # the process default
 
 
 if __name__ == "__main__":

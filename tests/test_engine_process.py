@@ -7,6 +7,7 @@ the child's lifetime, and a real tritonserver for the generator's process mode.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -446,16 +447,14 @@ def test_a_stalled_child_is_not_alive_until_it_resumes():
         ep.shutdown()
 
 
-def test_profile_env_writes_the_engine_loops_cprofile_stats(tmp_path, monkeypatch):
-    """`TRITONLLM_ENGINE_PROFILE=<file>`: the child runs its loop under cProfile and leaves
-    pstats there at exit, with the engine's step in it."""
+def test_engine_profile_writes_the_engine_loops_cprofile_stats(tmp_path):
+    """`EngineConfig.engine_profile=<file>` (`TRITONLLM_ENGINE_PROFILE` for the generator): the
+    child runs its loop under cProfile and leaves pstats there at exit, with the engine's step
+    in it."""
     import pstats
 
-    from tritonllm.engine.engine_process import PROFILE_ENV
-
     path = tmp_path / "engine.prof"
-    monkeypatch.setenv(PROFILE_ENV, str(path))
-    ep = EngineProcess(_config())
+    ep = EngineProcess(dataclasses.replace(_config(), engine_profile=str(path)))
     try:
         done = Collector()
         ep.submit("p", prompts([7], seed=3)[0], GREEDY, done)

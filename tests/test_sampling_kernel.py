@@ -260,7 +260,7 @@ SLOW_PATH_ROWS = {
 def test_sampler_takes_the_kernel_only_for_plain_batches(device, vocab, kernel_calls, monkeypatch):
     if device == "cpu":
         # Exercise the CUDA-only fast path in the interpreter (the CPU path is otherwise kept).
-        monkeypatch.setattr(sampler_module, "use_fused", lambda logits: True)
+        monkeypatch.setattr(sampler_module, "use_fused", lambda enabled, logits: enabled)
     sampler = Sampler(torch.device(device), seed=0)
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1))
     logits[2, 5], logits[2, 9] = 10.0, 9.5  # row 2 has generated token 5 (presence penalty 2)
@@ -316,7 +316,7 @@ def test_sampler_reads_bfloat16_logits_without_a_float32_copy(device, vocab, mon
     """The model's bf16 logits go to the kernel as they are; a penalised batch and the PyTorch
     path work on a float32 copy and leave the caller's logits untouched."""
     if device == "cpu":
-        monkeypatch.setattr(sampler_module, "use_fused", lambda logits: True)
+        monkeypatch.setattr(sampler_module, "use_fused", lambda enabled, logits: enabled)
     seen: list[tuple[torch.dtype, int]] = []
     real = kernels.sampling.gumbel_argmax
 

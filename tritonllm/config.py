@@ -161,6 +161,15 @@ CUDA_PREFILL_DELAY_STEPS = 8
 # Its upper limit: beyond ~1k decode steps a "delay" only means new requests wait for the
 # running ones to finish (seconds of TTFT), which is never what a setting means.
 MAX_PREFILL_DELAY_STEPS = 1024
+# GEMM kernels of `Linear` on CUDA (EngineConfig.linear_kernel). cuBLAS by default: on the H200
+# `kernels.bench_linear` found it faster than the skinny-GEMM kernel at most decode shapes of
+# Qwen3-0.6B, so "auto" would mostly pick cuBLAS after ~175 timings at start-up (BENCHMARKS.md).
+LINEAR_KERNELS = ("auto", "cublas", "triton")
+# Default of EngineConfig.tensor_core_decode_min_batch: from this batch size on, FlashInfer's
+# tensor-core decode balances uneven contexts better than its CUDA-core kernels; 64 had the
+# best offline result of 1, 64 and 128 on the H200 (BENCHMARKS.md, "Offline: tensor-core
+# decode threshold").
+TENSOR_CORE_DECODE_MIN_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -208,6 +217,18 @@ class EngineConfig:
         overlap_schedule: schedule step N+1 on the CPU while the GPU runs step N (sampled ids
             stay on the GPU and are processed one step late); None → on for CUDA, off on CPU.
             True on CPU is honoured (no speed-up; it exercises the same code path in tests).
+        fused_layers: on CUDA, run the layers' Triton kernels (RMSNorm, fused add + RMSNorm,
+            q/k-norm + RoPE, SiLU-mul) and the sampler's fused Gumbel-max kernel; False runs
+            their PyTorch code (for debugging). The CPU path always runs PyTorch.
+        linear_kernel: GEMMs of at most 256 rows in `layers.Linear` on CUDA: "cublas"
+            (`F.linear`), "triton" (the skinny-GEMM kernel wherever it applies) or "auto"
+            (time both per shape once, keep the faster; cuBLAS when `fused_layers` is off).
+        pdl: programmatic dependent launch for the Triton kernels on sm_90+ (`kernels.pdl`).
+        tensor_core_decode_min_batch: FlashInfer decode batches of at least this many
+            sequences run its tensor-core kernels (see `TENSOR_CORE_DECODE_MIN_BATCH`); 0: all.
+        engine_profile: diagnostics: a file path; the engine process (`EngineProcess`) then
+            runs its loop under cProfile and writes the stats (pstats format) there every 10 s
+            and when it exits. None: no profile.
     """
 
     model: str
@@ -226,6 +247,11 @@ class EngineConfig:
     cuda_graph: bool | None = None
     cuda_graph_max_bs: int = 256
     overlap_schedule: bool | None = None
+    fused_layers: bool = True
+    linear_kernel: str = "cublas"
+    pdl: bool = True
+    tensor_core_decode_min_batch: int = TENSOR_CORE_DECODE_MIN_BATCH
+    engine_profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size is None:  # frozen: derived once, here
@@ -255,6 +281,15 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(
+                f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}"
+            )
+        if self.tensor_core_decode_min_batch < 0:
+            raise ValueError(
+                "tensor_core_decode_min_batch must be >= 0, "
+                f"got {self.tensor_core_decode_min_batch}"
+            )
 
     @cached_property
     def model_config(self) -> ModelConfig:

@@ -12,8 +12,9 @@ buffers; `prepare_capture(bs)` creates a `use_cuda_graph=True` decode wrapper fo
 `bs` over slices of them and plans it with a dummy batch; `prepare_replay(meta, bs)` re-plans
 that wrapper with the real batch padded to `bs` (padding: one token on reserved page 0).
 FlashInfer's plan() copies into the fixed buffers, so the captured kernels see the new batch.
-Decode batches of `TENSOR_CORE_DECODE_MIN_BATCH` or more sequences use the tensor-core decode
-kernels (load balance over uneven context lengths; see the constant).
+Decode batches of `AttentionOptions.tensor_core_decode_min_batch` or more sequences use the
+tensor-core decode kernels (load balance over uneven context lengths;
+`tritonllm.config.TENSOR_CORE_DECODE_MIN_BATCH` says why the default is 64).
 
 Split-KV in graphs: in CUDA-graph mode FlashInfer's tensor-core (prefill) planner always plans
 split-KV, so every layer also runs its merge kernel, but it splits no sequence once the batch
@@ -36,15 +37,19 @@ the attention 5% slower than with split-KV on (offline run of 2026-11-30 14:11 U
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kernels.store_kv import store_kv
 from tritonllm.attention import register_backend
-from tritonllm.attention.base import AttentionBackend, AttentionMetadata
+from tritonllm.attention.base import AttentionBackend, AttentionMetadata, AttentionOptions
+
+if TYPE_CHECKING:
+    from tritonllm.config import ModelConfig
+    from tritonllm.engine.kv_cache import KVCache
 
 try:
     import flashinfer
@@ -52,18 +57,6 @@ except ImportError:  # the registry still lists the backend; constructing it rai
     flashinfer = None
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-K)
-
-# Decode batches of at least this many sequences run FlashInfer's tensor-core (prefill-kernel)
-# decode even for small GQA groups: its planner splits long sequences into chunks, so a batch
-# whose contexts differ (100..2047 tokens) no longer waits for its longest sequences. Measured
-# on an H200 (`python -m kernels.bench_attention`, 2026-11-30, CUDA-graph wrappers, Qwen3-0.6B
-# heads): contexts 100..2047 at batch 150 75% -> 90% of copy bandwidth, at batch 256 85% -> 95%;
-# equal contexts at batch 128 88% -> 81%, at batch 64 80% -> 74%. Served and offline batches
-# have uneven contexts, and the offline benchmark (same run, 2026-11-30 11:04 UTC) reached
-# 60.6% of its bound with 128, 63.3% with 64 and 63.2% with 1: hence 64.
-TENSOR_CORE_DECODE_MIN_BATCH = 64
-# Overrides TENSOR_CORE_DECODE_MIN_BATCH when set (an int; read when a backend is built).
-TENSOR_CORE_DECODE_ENV = "TRITONLLM_TENSOR_CORE_DECODE_MIN_BATCH"
 
 
 @dataclass
@@ -147,10 +140,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         ValueError: a float32 KV cache (FlashInfer has no float32 kernels).
     """
 
-    def __init__(self, model_config, kv_cache, device: torch.device) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        kv_cache: KVCache,
+        device: torch.device,
+        options: AttentionOptions | None = None,
+    ) -> None:
         if flashinfer is None:
             raise ImportError("the flashinfer backend needs flashinfer-python (tritonllm[gpu])")
-        super().__init__(model_config, kv_cache, device)
+        super().__init__(model_config, kv_cache, device, options)
         if kv_cache.k_cache(0).dtype == torch.float32:
             # FlashInfer's JIT dtype table has half, bfloat16 and fp8 only.
             raise ValueError(
@@ -165,8 +164,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         # FlashInfer's decode kernels on CUDA cores suit small GQA groups; larger groups go
         # faster through its tensor-core (prefill) kernels (the same rule SGLang applies).
         self.use_tensor_cores = self.num_q_heads // self.num_kv_heads >= 4
-        env = os.environ.get(TENSOR_CORE_DECODE_ENV, "").strip()
-        self.tensor_core_min_batch = int(env) if env else TENSOR_CORE_DECODE_MIN_BATCH
+        self.tensor_core_min_batch = self.options.tensor_core_decode_min_batch
         # "Must be initialized to 0 for its first use" (FlashInfer docs).
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -260,6 +258,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         return self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id), self._out_cache_loc
 
     # ---- CUDA-graph decode ------------------------------------------------------------------
+
+    @property
+    def supports_cuda_graph(self) -> bool:
+        return True
 
     def init_cuda_graph(self, max_bs: int, max_pages_per_seq: int | None = None) -> None:
         """Allocate FlashInfer's fixed buffers for decode graphs of up to `max_bs` sequences.

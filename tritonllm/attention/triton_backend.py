@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,7 +23,11 @@ from kernels.decode_attention import decode_attention, default_num_kv_splits
 from kernels.extend_attention import extend_attention
 from kernels.store_kv import store_kv
 from tritonllm.attention import register_backend
-from tritonllm.attention.base import AttentionBackend, AttentionMetadata
+from tritonllm.attention.base import AttentionBackend, AttentionMetadata, AttentionOptions
+
+if TYPE_CHECKING:
+    from tritonllm.config import ModelConfig
+    from tritonllm.engine.kv_cache import KVCache
 
 
 @dataclass
@@ -39,8 +44,14 @@ class _GraphBuffers:
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention through the Triton kernels in `kernels/` (see module docstring)."""
 
-    def __init__(self, model_config, kv_cache, device: torch.device) -> None:
-        super().__init__(model_config, kv_cache, device)
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        kv_cache: KVCache,
+        device: torch.device,
+        options: AttentionOptions | None = None,
+    ) -> None:
+        super().__init__(model_config, kv_cache, device, options)
         self.num_q_heads = model_config.num_heads
         self.num_kv_heads = model_config.num_kv_heads
         self.head_dim = model_config.head_dim
@@ -130,6 +141,10 @@ class TritonAttentionBackend(AttentionBackend):
         return self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id), self._out_cache_loc
 
     # ---- CUDA-graph decode ------------------------------------------------------------------
+
+    @property
+    def supports_cuda_graph(self) -> bool:
+        return True
 
     def _graph_splits(self, bs: int) -> int:
         max_len = self._graph.page_table.shape[1] * self.page_size

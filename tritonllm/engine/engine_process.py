@@ -60,9 +60,8 @@ _READY, _FAILED = "ready", "failed"
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # <linux/prctl.h>
 # Seconds a child that closed its result pipe gets to exit before the kernel kills it.
 EXIT_GRACE_S = 10.0
-# Diagnostics: a file path here makes the child run its engine loop under cProfile and write
-# the stats there (pstats format) every PROFILE_DUMP_S seconds and when it exits.
-PROFILE_ENV = "TRITONLLM_ENGINE_PROFILE"
+# Diagnostics (`EngineConfig.engine_profile`): seconds between two dumps of the child's cProfile
+# stats.
 PROFILE_DUMP_S = 10.0
 
 # A step message is (output rows, stats row, loop-times row): tuples of the dataclass fields in
@@ -426,7 +425,7 @@ def _engine_main(
         except OSError:
             pass
         return
-    profile_path = os.environ.get(PROFILE_ENV, "").strip()
+    profile_path = config.engine_profile
     profiler = None
     if profile_path:
         import cProfile
@@ -467,7 +466,7 @@ def _serve(
     """The engine loop (like `EngineThread._loop`): read commands, blocking only while idle,
     apply them between steps, step, send one message per step. Returns on a stop command;
     raises EOFError when the parent closed the command pipe. `dump_profile` (diagnostics, see
-    `PROFILE_ENV`) is called every `PROFILE_DUMP_S` seconds."""
+    `EngineConfig.engine_profile`) is called every `PROFILE_DUMP_S` seconds."""
     cpu0 = time.thread_time()
     busy = transport = 0.0
     loops = 0

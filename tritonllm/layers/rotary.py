@@ -43,12 +43,20 @@ class RotaryEmbedding(nn.Module):
     The cache holds `[max_positions, head_dim // 2]` float32 cos and sin; rows are gathered per
     token, so positions need not be contiguous (prefix caching, batched sequences). The rotation
     rounds like transformers: cos/sin in the activations' dtype, products and sums rounded to it.
+    With `fused` (the default) CUDA tensors go through one Triton kernel (`kernels.rotary`), q/k
+    norms and the K/V store included where they fit.
     """
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling | None,
+        fused: bool = True,
     ) -> None:
         super().__init__()
+        self.fused = fused
         self.head_dim, self.max_positions = head_dim, max_positions
         self.theta, self.scaling = theta, scaling
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
@@ -80,7 +88,7 @@ class RotaryEmbedding(nn.Module):
         first: `q_norm(q)`, `k_norm(k)`, then rotated. On CUDA one Triton kernel
         (`kernels.rotary`) normalises and rotates q and k together, with the same rounding.
         """
-        if _fits_kernel(q, k) and _fits_norm_kernel(q, q_norm, k_norm):
+        if _fits_kernel(self.fused, q, k) and _fits_norm_kernel(q, q_norm, k_norm):
             from kernels.rotary import rotary
 
             return rotary(
@@ -97,7 +105,7 @@ class RotaryEmbedding(nn.Module):
             q = q_norm(q)
         if k_norm is not None:
             k = k_norm(k)
-        if _fits_kernel(q, k):
+        if _fits_kernel(self.fused, q, k):
             from kernels.rotary import rotary
 
             return rotary(positions, q, k, self.cos_cache, self.sin_cache)
@@ -131,7 +139,12 @@ class RotaryEmbedding(nn.Module):
         """
         no_norm = q_norm is None and k_norm is None
         norm_fits = no_norm or _fits_norm_kernel(q, q_norm, k_norm)
-        if not (_fits_kernel(q, k) and norm_fits and v.dtype == q.dtype and v.stride(-1) == 1):
+        if not (
+            _fits_kernel(self.fused, q, k)
+            and norm_fits
+            and v.dtype == q.dtype
+            and v.stride(-1) == 1
+        ):
             q, k = self.forward(positions, q, k, q_norm, k_norm)
             return q, k, False
         from kernels.rotary import KVStore, rotary
@@ -150,8 +163,8 @@ class RotaryEmbedding(nn.Module):
         return q, k, True
 
 
-def _fits_kernel(q: torch.Tensor, k: torch.Tensor) -> bool:
-    return use_fused(q) and q.stride(-1) == 1 and k.stride(-1) == 1
+def _fits_kernel(fused: bool, q: torch.Tensor, k: torch.Tensor) -> bool:
+    return use_fused(fused, q) and q.stride(-1) == 1 and k.stride(-1) == 1
 
 
 def _fits_norm_kernel(q: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool:
