@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass
 
 from tritonllm.config import EngineConfig
-from tritonllm.engine.kv_cache import PageAllocator
+from tritonllm.engine.cache_manager import CacheManager
 from tritonllm.engine.model_runner import ModelRunner
 from tritonllm.engine.overlap import LaunchedStep, num_unknown_tail
+from tritonllm.engine.prefix_cache import NoPrefixCache, PrefixCache
 from tritonllm.engine.radix_cache import RadixCache
 from tritonllm.engine.request import Request, RequestOutput, RequestStatus
 from tritonllm.engine.request_limits import RequestLimits
@@ -76,15 +77,15 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         self.runner = ModelRunner(config)
-        self.allocator = PageAllocator(self.runner.num_pages)
-        radix = None
-        if config.enable_prefix_cache:
-            radix = RadixCache(self.allocator, config.page_size)
-        self.radix = radix
+        prefix_cache: PrefixCache = (
+            RadixCache(config.page_size) if config.enable_prefix_cache else NoPrefixCache()
+        )
+        # One page-table row per running request, plus the one being admitted.
+        self.cache = CacheManager(
+            self.runner.num_pages, config.page_size, prefix_cache, config.max_running_requests + 1
+        )
         self.scheduler = Scheduler(
-            self.allocator,
-            radix,
-            config.page_size,
+            self.cache,
             config.max_running_requests,
             config.max_prefill_tokens,
             config.prefill_delay_steps,
@@ -245,7 +246,7 @@ class LLMEngine:
                 continue  # finished (overlap: its extra token is discarded) or aborted
             req.token_ids[pos] = tokens[j]
             if is_prefill:
-                self.scheduler.cache_prefix(req)
+                self.cache.cache_prefix(req)
             outputs.append(self._append_token(req, pos, logprobs[j], top_logprobs[j]))
 
     def _append_token(
@@ -344,17 +345,16 @@ class LLMEngine:
 
     # ---- introspection and offline use ---------------------------------------------------------
     def stats(self) -> EngineStats:
-        total = self.allocator.num_usable
-        free = self.allocator.num_free
-        radix = self.radix
+        cache = self.cache
+        total, free = cache.num_usable_pages, cache.num_free_pages
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             total_pages=total,
             free_pages=free,
             used_pages=total - free,
-            cached_pages=radix.num_pages if radix else 0,
-            evictable_pages=radix.num_evictable_pages if radix else 0,
+            cached_pages=cache.prefix_cache.num_pages,
+            evictable_pages=cache.prefix_cache.num_evictable_pages,
             max_batch_size_seen=self._max_batch,
             num_steps=self._num_steps,
             num_preemptions=self.scheduler.num_preemptions,
