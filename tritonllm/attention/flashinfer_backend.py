@@ -308,6 +308,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                 paged_kv_indices_buffer=g.kv_indices,
                 paged_kv_last_page_len_buffer=g.kv_last_page_len[:bs],
             )
+            # FlashInfer 0.5's private pinned plan-staging buffer (module docstring): a version
+            # without it keeps FlashInfer's split-KV plan rather than fail at capture.
             staging = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)
             no_split = tensor_cores and bs > self._max_batch_if_split and staging is not None
             if no_split:
