@@ -37,6 +37,7 @@ Reference: `torch.nn.functional.linear` (float32 math).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -268,7 +269,9 @@ def tuned_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     candidates = candidate_configs(m, n, k, num_sms(x.device))
     if kernels.interpreting() or not x.is_cuda or torch.cuda.is_current_stream_capturing():
         return candidates[0]
-    times = [gpu_time_ms(lambda c=c: _launch(x, weight, bias, c), runs=7) for c in candidates]
+    times = [
+        gpu_time_ms(functools.partial(_launch, x, weight, bias, c), runs=7) for c in candidates
+    ]
     cfg = candidates[min(range(len(candidates)), key=times.__getitem__)]
     logger.debug("skinny_linear M<=%d N=%d K=%d: %s (%.1f us)", key[0], n, k, cfg, min(times) * 1e3)
     _TUNED[key] = cfg

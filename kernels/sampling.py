@@ -271,7 +271,7 @@ def gumbel_argmax(
         )
     batch, vocab = logits.shape
     per_row = isinstance(inv_temperature, torch.Tensor)
-    if per_row and (
+    if isinstance(inv_temperature, torch.Tensor) and (
         inv_temperature.shape != (batch,)
         or inv_temperature.dtype != torch.float32
         or inv_temperature.device != logits.device

@@ -134,6 +134,7 @@ def create_app(
             await client.close()
 
     app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
+    app.state.server = None  # the lifespan sets it (the gRPC channel needs the running loop)
     install_error_handlers(app)
 
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
@@ -183,12 +184,16 @@ def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, which on shutdown first aborts the generations in flight: uvicorn
-        waits for open responses to finish, and a long stream would otherwise hold the
+        """uvicorn's server of `app`, which on shutdown first aborts the generations in flight:
+        uvicorn waits for open responses to finish, and a long stream would otherwise hold the
         shutdown until the launcher's SIGKILL (and leave its work in Triton)."""
 
+        def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+            super().__init__(config)
+            self.app = app
+
         async def shutdown(self, sockets=None) -> None:
-            state = getattr(self.config.app.state, "server", None)
+            state = self.app.state.server  # None before the lifespan started
             if state is not None and state.live:
                 await state.abort_all(timeout=5.0)
             await super().shutdown(sockets)
@@ -211,4 +216,4 @@ def main(argv: list[str] | None = None) -> None:
         stream_idle_timeout_s=args.stream_idle_timeout or None,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-    _server_class()(config).run()
+    _server_class()(config, app).run()

@@ -77,7 +77,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], extra_eos: tuple[int, ...] = ()) -> ModelConfig:
         """Build from a parsed `config.json` dict. Raises ValueError if unsupported."""
-        archs = cfg.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(cfg.get("model_type"), "")]
+        archs = cfg.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(cfg.get("model_type", ""), "")]
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -234,11 +234,13 @@ class EngineConfig:
     model: str
     device: str = "cpu"
     dtype: str | None = None
-    page_size: int | None = None
+    # page_size, max_prefill_tokens and prefill_delay_steps: None ("derive") is replaced in
+    # __post_init__, so they are typed as what they always are once constructed.
+    page_size: int = None  # type: ignore[assignment]
     num_pages: int | None = None
     max_running_requests: int = 256
-    max_prefill_tokens: int | None = None
-    prefill_delay_steps: int | None = None
+    max_prefill_tokens: int = None  # type: ignore[assignment]
+    prefill_delay_steps: int = None  # type: ignore[assignment]
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"
     max_model_len: int | None = None

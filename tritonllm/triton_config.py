@@ -178,7 +178,9 @@ def engine_config(
             continue
         text = _setting(field.name, params, env)
         if text is not None:
-            kwargs[field.name] = _parse(text, str(field.type), field.name)
+            # A field that defaults to None (derived when unset) takes "none" too.
+            annotation = str(field.type) + (" | None" if field.default is None else "")
+            kwargs[field.name] = _parse(text, annotation, field.name)
         elif field.name == "device":
             kwargs["device"] = _default_device()
     return EngineConfig(**kwargs)

@@ -42,10 +42,10 @@ def _pytriton_install() -> TritonInstall | None:
     (``<prefix>/triton_backends``) from symlinks plus a copied stub, once.
     """
     try:
-        import pytriton  # noqa: F401  (only located, never imported for its API)
+        import pytriton  # only located, never used for its API
     except ImportError:
         return None
-    root = Path(sys.modules["pytriton"].__file__).parent / "tritonserver"
+    root = Path(pytriton.__file__).parent / "tritonserver"
     binary = root / "bin" / "tritonserver"
     if not binary.exists():
         return None

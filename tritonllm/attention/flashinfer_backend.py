@@ -177,7 +177,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             )
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._wrapper = self._decode
-        self._out_cache_loc: torch.Tensor | None = None
+        # This forward's K/V slots (the batch's, or the graph buffer's); empty until `prepare`.
+        self._out_cache_loc = torch.empty(0, dtype=torch.int64, device=device)
         self._graph: _GraphBuffers | None = None
         self._graph_wrappers: dict[int, object] = {}
         # graph batch size -> planned without split-KV (module docstring)
@@ -311,9 +312,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             # FlashInfer 0.5's private pinned plan-staging buffer (module docstring): a version
             # without it keeps FlashInfer's split-KV plan rather than fail at capture.
             staging = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)
-            no_split = tensor_cores and bs > self._max_batch_if_split and staging is not None
-            if no_split:
+            no_split = False
+            if staging is not None and tensor_cores and bs > self._max_batch_if_split:
                 staging.zero_()  # padding CTAs then read sequence 0 (module docstring)
+                no_split = True
             self._graph_wrappers[bs] = wrapper
             self._graph_no_split[bs] = no_split
         dummy_table = torch.zeros(bs, 1, dtype=torch.int32, device=self.device)
@@ -360,10 +362,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         n = meta.num_seqs
         if not meta.is_decode or n > bs:
             raise ValueError(f"cannot replay: decode={meta.is_decode}, num_seqs={n}, bs={bs}")
-        wrapper = self._graph_wrappers.get(bs)
-        if wrapper is None:
+        wrapper, g = self._graph_wrappers.get(bs), self._graph
+        if wrapper is None or g is None:
             raise RuntimeError(f"prepare_capture({bs}) was never called")
-        g = self._graph
         pad = self._graph_pad_tiles.get(bs)
         if pad is not None:
             # Padding tiles recompute the shortest sequence: a padding row if there is one.

@@ -59,8 +59,12 @@ class TritonAttentionBackend(AttentionBackend):
         self._workspace = torch.empty(0, dtype=torch.float32, device=device)
         self._graph: _GraphBuffers | None = None
         self._is_decode = True
-        self._page_table = self._seq_lens = self._out_cache_loc = None
-        self._cu_extend_lens: torch.Tensor | None = None
+        # The planned forward's inputs (views of the batch's metadata or of the graph
+        # buffers); empty until the first `prepare`.
+        self._page_table = torch.empty(0, 0, dtype=torch.int32, device=device)
+        self._seq_lens = torch.empty(0, dtype=torch.int32, device=device)
+        self._out_cache_loc = torch.empty(0, dtype=torch.int64, device=device)
+        self._cu_extend_lens = torch.empty(0, dtype=torch.int32, device=device)
         self._max_extend_len = 0
         self._num_kv_splits = 1
         self._decode_ws: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -147,7 +151,7 @@ class TritonAttentionBackend(AttentionBackend):
         return True
 
     def _graph_splits(self, bs: int) -> int:
-        max_len = self._graph.page_table.shape[1] * self.page_size
+        max_len = self._require_graph(bs).page_table.shape[1] * self.page_size
         return default_num_kv_splits(bs, self.num_kv_heads, max_len, self.device)
 
     def init_cuda_graph(self, max_bs: int, max_pages_per_seq: int | None = None) -> None:

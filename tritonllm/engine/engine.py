@@ -260,14 +260,15 @@ class LLMEngine:
         reason = None
         if token in req.stop_ids and num_out >= p.min_tokens:
             reason = "stop"
-        elif num_out >= p.max_tokens or pos + 1 >= self.max_model_len:
+        # add_request replaced a max_tokens of None by the room left in the context.
+        elif num_out >= p.max_tokens or pos + 1 >= self.max_model_len:  # type: ignore[operator]
             reason = "length"
         lps = None if lp is None else [lp]
         tops = None if top is None else [top]
         released, trim = [token], 0
         if req.stop_checker is not None:
             released, trim, stopped, lps, tops = self._check_stop_strings(
-                req, token, reason, lps, tops
+                req, req.stop_checker, token, reason, lps, tops
             )
             if stopped:
                 reason = "stop"
@@ -278,15 +279,22 @@ class LLMEngine:
             del self._requests[req.request_id]
         return self._output(req, released, num_out, lps, tops, trim)
 
-    def _check_stop_strings(self, req: Request, token: int, reason: str | None, lp, top):
-        """Run the request's stop-string checker on its new token.
+    def _check_stop_strings(
+        self,
+        req: Request,
+        checker: StopStringChecker,
+        token: int,
+        reason: str | None,
+        lp: list[float] | None,
+        top: list[dict[int, float]] | None,
+    ) -> tuple[list[int], int, bool, list[float] | None, list[dict[int, float]] | None]:
+        """Run the request's stop-string checker (`checker`) on its new token.
 
         Returns (released ids, trim chars, stopped, logprobs, top logprobs) for this step's
         output; a request that ends for another reason (`reason`) releases what was held. The
         logprobs of held ids wait in `req.held_logprobs` and are released with their ids, so
         an output's logprobs always align 1:1 with its `new_token_ids`.
         """
-        checker = req.stop_checker
         num_held = checker.num_held
         result = checker.process([token])
         released = list(result.release_ids)
@@ -294,7 +302,7 @@ class LLMEngine:
             req.num_withheld = num_held + 1 - len(released)
         elif reason is not None:
             released += checker.flush()
-        if lp is not None:
+        if lp is not None and top is not None:  # logprobs come with their top alternatives
             # The checker releases its oldest held ids first; `token` is the newest.
             held = req.held_logprobs
             held.append((lp[0], top[0]))

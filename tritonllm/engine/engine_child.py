@@ -11,7 +11,9 @@ the command pipe.
 
 from __future__ import annotations
 
+import cProfile
 import ctypes
+import functools
 import multiprocessing
 import os
 import signal
@@ -53,22 +55,21 @@ def engine_main(
         except OSError:
             pass
         return
-    profile_path = config.engine_profile
-    profiler = None
-    if profile_path:
-        import cProfile
-
+    profiler: cProfile.Profile | None = None
+    dump_profile: Callable[[], None] | None = None
+    if config.engine_profile:
         profiler = cProfile.Profile()
         profiler.enable()
+        dump_profile = functools.partial(profiler.dump_stats, config.engine_profile)
     try:
         results.send((READY, RequestLimits.of(engine), engine.stats()))
-        _serve(engine, commands, results, profiler and (lambda: profiler.dump_stats(profile_path)))
+        _serve(engine, commands, results, dump_profile)
     except (EOFError, OSError):
         pass  # the parent closed its end or is gone: nobody is left to serve
     finally:
-        if profiler is not None:
+        if profiler is not None and dump_profile is not None:
             profiler.disable()
-            profiler.dump_stats(profile_path)
+            dump_profile()
 
 
 def _bind_to_parent(parent_pid: int, name: str) -> None:

@@ -128,8 +128,9 @@ class EngineProcess(EngineClient):
         self._deferred: list[tuple] = []  # commands posted on the receiver thread
         self._ready = threading.Event()
         self._start_error: str | None = None
-        self._limits: RequestLimits | None = None
-        self._stats: EngineStats | None = None
+        # Both are set by the handshake, before the constructor returns.
+        self._limits: RequestLimits
+        self._stats: EngineStats
         self._times = LoopTimes()
         # The receiver thread starts the child: PR_SET_PDEATHSIG fires when the thread that
         # created the child exits, and this thread lives exactly as long as the child matters.
@@ -345,16 +346,16 @@ class EngineProcess(EngineClient):
             return  # shut down: requests in flight get no further outputs
         message = f"the engine process died ({_describe_exit(self._process.exitcode)})"
         logger.error("%s; failing %d requests in flight", message, len(self._routes))
-        if self._stats is not None:  # its requests and pages are gone with it
-            self._stats = dataclasses.replace(
-                self._stats,
-                num_running=0,
-                num_waiting=0,
-                free_pages=self._stats.total_pages,
-                used_pages=0,
-                cached_pages=0,
-                evictable_pages=0,
-            )
+        # Its requests and pages are gone with it.
+        self._stats = dataclasses.replace(
+            self._stats,
+            num_running=0,
+            num_waiting=0,
+            free_pages=self._stats.total_pages,
+            used_pages=0,
+            cached_pages=0,
+            evictable_pages=0,
+        )
         self._routes.fail_all(message)
 
 

@@ -115,6 +115,8 @@ class ModelRunner:
         computed = np.fromiter((r.num_computed for r in reqs), np.int64, count=num_seqs)
         # The new tokens, flattened: token t is row rows[t]'s token at position positions[t];
         # row b's tokens start at cu[b].
+        extend: int | np.ndarray  # new tokens per row: 1 in decode
+        logits_idx: np.ndarray | list[int]
         if batch.is_decode:  # one token per row (the last sampled one); every row samples
             ids = [r.token_ids[r.num_computed] for r in reqs]
             rows = np.arange(num_seqs)

@@ -49,11 +49,11 @@ class Attention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, mode=mode
         )
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, mode=mode)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels.fused)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels.fused)
-        else:
-            self.q_norm = self.k_norm = None
         self._rotary = [rotary]  # a list, so the shared module is not registered per layer
         self._backend_ref = backend_ref
 
@@ -67,6 +67,8 @@ class Attention(nn.Module):
         # Qwen3's q/k norms run inside the rotary layer: one kernel for both on CUDA, which
         # also stores the new K/V into the cache when the backend allows it.
         backend = self._backend_ref.backend
+        if backend is None:
+            raise RuntimeError("CausalLM.set_attention_backend() must be called first")
         target = backend.fused_kv_store_target(self.layer_id)
         stored = False
         if target is None:
