@@ -15,13 +15,11 @@ The rule every kernel with a `PDL` switch keeps: with PDL on, it calls `pdl_wait
 global memory access. So each kernel still completes after its predecessor, and a kernel
 launched without PDL (cuBLAS, PyTorch) waits as usual.
 
-Measured on an H200 (BENCHMARKS.md, "Session 5 diagnostics", `python -m kernels.bench_pdl`):
-with cuBLAS projections (the default) PDL on the norm/SiLU kernels is neutral (within 1% per
-layer at M = 1..256); with the skinny GEMM it is mixed (-4 us of a ~35 us layer at M = 1, 32 and
-64, +5.6 us at M = 8). It stays on because it costs nothing on the default path and is the
-precondition for overlapping kernel boundaries at all. Prefetching each GEMM program's weight
-slice into L2 before the wait (`cp.async.bulk.prefetch`) was tried and made the chain slower
-(30 -> 46 us per layer at M = 1), so it is not done.
+PDL stays on because on the H200 it cost nothing on the default (cuBLAS) path and is the
+precondition for overlapping kernel boundaries at all; with the skinny GEMM it was mixed.
+Prefetching each GEMM program's weight slice into L2 before the wait
+(`cp.async.bulk.prefetch`) was tried and made the chain slower, so it is not done
+(BENCHMARKS.md, "A decode layer's kernel chain, with and without PDL").
 
 `set_enabled(False)` turns it off for the process (the engine calls it with
 `EngineConfig.pdl` when it starts on CUDA); it is never on in Triton's CPU interpreter or below

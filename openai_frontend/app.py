@@ -25,8 +25,8 @@ from .triton_client import TritonClient
 # small enough that tokenizing a rejected giant prompt cannot stall other requests for seconds.
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 # Longer than any silence a healthy backend has (a fresh GPU machine compiles its prefill
-# kernels on the first request: ~60-80 s on the H200), short enough that a request whose
-# generator died does not hang its client forever.
+# kernels on the first request: ARCHITECTURE.md, "Platform facts", FlashInfer), short enough
+# that a request whose generator died does not hang its client forever.
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
 
 

@@ -163,7 +163,8 @@ CUDA_PREFILL_DELAY_STEPS = 8
 MAX_PREFILL_DELAY_STEPS = 1024
 # GEMM kernels of `Linear` on CUDA (EngineConfig.linear_kernel). cuBLAS by default: on the H200
 # `kernels.bench_linear` found it faster than the skinny-GEMM kernel at most decode shapes of
-# Qwen3-0.6B, so "auto" would mostly pick cuBLAS after ~175 timings at start-up (BENCHMARKS.md).
+# Qwen3-0.6B, so "auto" would mostly pick cuBLAS after timing every shape at start-up
+# (BENCHMARKS.md, "Kernel micro-benchmarks").
 LINEAR_KERNELS = ("auto", "cublas", "triton")
 # Default of EngineConfig.tensor_core_decode_min_batch: from this batch size on, FlashInfer's
 # tensor-core decode balances uneven contexts better than its CUDA-core kernels; 64 had the
@@ -182,9 +183,8 @@ class EngineConfig:
         dtype: "float32" | "bfloat16" | "float16"; None → float32 on CPU, bfloat16 on CUDA.
         page_size: tokens per KV page; None → 16 on CPU, 64 on CUDA (fewer, larger pages: less
             page-table work per step on the host and fewer page lookups in the attention
-            kernels; on an H200 the offline benchmark reached 57.8% of its bandwidth bound at
-            64 and 53.4% at 16, BENCHMARKS.md 2026-11-30). The prefix cache reuses whole pages
-            only.
+            kernels: the offline benchmark ran closer to its bound at 64 than at 16,
+            BENCHMARKS.md "Offline: page size"). The prefix cache reuses whole pages only.
         num_pages: KV pages in the pool (page 0 is reserved, so num_pages - 1 are usable);
             None → on CPU enough for `max_running_requests` sequences of min(max_model_len,
             2048) tokens capped at 1 GiB, on CUDA `gpu_memory_utilization` of free memory
@@ -192,10 +192,10 @@ class EngineConfig:
         max_running_requests: most requests in one batch (admitted at the same time).
         max_prefill_tokens: the per-step token budget of a prefill/extend batch (chunked
             prefill splits longer prompts across steps); None → 8192 on CPU,
-            `CUDA_MAX_PREFILL_TOKENS` on CUDA, where an eager prefill step's host time
-            (~15 ms) does not grow with its size, so fewer, larger steps finish a burst of
-            prompts sooner (the offline benchmark: 5.47 vs 5.64 s, mean of 3 and 4 runs on an
-            H200, BENCHMARKS.md "Session 5 diagnostics").
+            `CUDA_MAX_PREFILL_TOKENS` on CUDA, where an eager prefill step's host time does
+            not grow with its size, so fewer, larger steps finish a burst of prompts sooner
+            (BENCHMARKS.md, "Host time of an eager prefill step" and "Session 5 diagnostics",
+            "Offline A/Bs").
         prefill_delay_steps: most decode steps a new request waits, while others decode, so
             that arrivals share prefill steps (admission delay; see `engine.scheduler`); 0 =
             admit at the next step; at most `MAX_PREFILL_DELAY_STEPS`. None → 0 on CPU,

@@ -97,7 +97,7 @@ class TritonServer:
         (the backend's ``shm-region-prefix-name``; unique per launching process and HTTP
         port). `stop` removes what a killed stub or server left under it; with the backend's
         default prefix those regions (1 MB each at the default size) outlive the server and pile
-        up: 390 of them on one test machine."""
+        up (ARCHITECTURE.md, "Platform facts")."""
         return f"tritonllm_{os.getpid()}_{self.http_port}_"
 
     def command(self, install: TritonInstall) -> list[str]:

@@ -22,8 +22,8 @@ exceeds the CTAs it may add (`2 * SMs / kv_heads`, FlashInfer's `max_batch_size_
 sequence already takes at least one CTA, so its KV-chunk search ends at the longest sequence
 (`PrefillSplitQOKVIndptr` in FlashInfer's `attention/scheduler.cuh`, 0.5.x). Those graph wrappers
 are therefore planned with `disable_split_kv=True`: the same one chunk per sequence, written
-straight to the output, without the 28 merge kernels per step (0.11 ms of a batch-190 step on an
-H200, BENCHMARKS.md "Session 5 diagnostics"). Without split-KV FlashInfer launches its padded
+straight to the output, without the 28 merge kernels per step (BENCHMARKS.md, "Session 5
+diagnostics"). Without split-KV FlashInfer launches its padded
 grid (`bs + ceil(2 * bs / 16) - 1` tiles for GQA group 2) with no validity mask, and the padding
 CTAs read the plan's request/tile indices past the real ones, entries no plan of the wrapper
 writes (each writes `bs` of them). They are set in the wrapper's pinned plan-staging buffer,
@@ -31,7 +31,7 @@ which every plan copies to the device whole: zero at creation (so even the captu
 plan points them at a real sequence), then the batch's shortest sequence (a one-token padding
 row whenever the batch is smaller than the graph): a padding CTA recomputes that sequence's
 tile and writes the same values again. Pointing them at sequence 0, often the longest, made
-the attention 5% slower than with split-KV on (offline run of 2026-11-30 14:11 UTC).
+the attention slower than with split-KV on (BENCHMARKS.md, "Session 6 diagnostics").
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class EngineProcess(EngineClient):
         stall_timeout_s: `is_alive()` turns False while requests are in flight and the child
             has sent no step for this many seconds (a hung engine; it turns True again if the
             child resumes). None: never. The default stays above a fresh GPU machine's
-            first-request kernel compilation (~60-80 s on the H200).
+            first-request kernel compilation (ARCHITECTURE.md, "Platform facts", FlashInfer).
     Raises:
         RuntimeError: the engine could not be built (the message carries the child's error
             and traceback), the child died or was not ready within `start_timeout`.

@@ -48,9 +48,8 @@ def exponential_(out: torch.Tensor, generator: torch.Generator | None) -> torch.
 
     On CUDA `Tensor.exponential_`. On CPU `-log(U)` with `U ~ Uniform[0, 1)` clamped to the
     dtype's smallest normal (so every draw is finite): the same distribution (inverse-CDF
-    sampling), ~6x faster than CPU `exponential_` on a `[32, 151936]` float32 batch (11.9 vs
-    70.8 ms on the 2-core CI box, BENCHMARKS.md "CPU sampler noise"), which had made the CPU
-    sampler cost more than the model's layers.
+    sampling), several times faster than CPU `exponential_`, which had made the CPU sampler
+    cost more than the model's layers (BENCHMARKS.md, "CPU sampler noise").
     """
     if out.is_cuda:
         return out.exponential_(generator=generator)

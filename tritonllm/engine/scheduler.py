@@ -10,9 +10,9 @@ Policy (one batch kind per step, like mini-sglang):
 - Admission delay (`prefill_delay_steps`, 0 = off): while requests decode, new requests may
   wait up to that many decode steps so that arrivals batch into fewer, larger prefill steps.
   A prefill step that is not a CUDA graph costs about the same host time whatever its size
-  (~14 ms for Qwen3-0.6B on the H200 host, `benchmarks/prefill_host.py`), so under a steady
-  trickle of arrivals one prefill per arrival starves the decode steps (on the H200, online
-  at concurrency 256: 19,026 tok/s without the delay, 22,437 with 8 steps; BENCHMARKS.md).
+  (`benchmarks/prefill_host.py`), so under a steady trickle of arrivals one prefill per
+  arrival starves the decode steps (BENCHMARKS.md, "Host time of an eager prefill step" and
+  "Online: one eager prefill step per arrival starved the decode steps").
   The wait ends early when the waiting prompts fill a prefill batch (`max_prefill_tokens`),
   when nothing decodes, and never holds back a prompt that is part-way through chunked
   prefill. The idea is vLLM's `scheduler_delay_factor`
@@ -219,9 +219,8 @@ class Scheduler:
         # Longest context first (ties: oldest first). Attention kernels hand out one work item
         # per sequence (and head) in batch order; starting the longest ones first leaves short
         # ones for the tail instead of a few long stragglers (longest-processing-time-first
-        # list scheduling, Graham 1969). Measured on an H200, FlashInfer decode at batch 150
-        # with contexts 100..2047: 75% -> 89% of copy bandwidth on its CUDA-core kernels, 90% ->
-        # 93% on the tensor-core ones used at that batch size (kernels/bench_attention.py).
+        # list scheduling, Graham 1969). FlashInfer's decode on uneven contexts gained from it
+        # (BENCHMARKS.md, "Decode attention with uneven contexts").
         # (A stable sort: reverse=True keeps equal contexts in arrival order.)
         kept.sort(key=attrgetter("num_computed"), reverse=True)
         return ScheduledBatch(kept, [1] * len(kept), is_decode=True, page_table=self.page_table)
