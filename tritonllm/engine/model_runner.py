@@ -107,7 +107,7 @@ class ModelRunner:
 
         Per request only its counters and new token ids are read in Python; positions, slots
         and the page table are numpy over the whole batch (the page table is one gather from
-        the scheduler's `HostPageTable`).
+        the cache manager's `HostPageTable`).
         """
         ps = self.page_size
         reqs, exts = batch.reqs, batch.extend_lens
