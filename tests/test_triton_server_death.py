@@ -23,8 +23,8 @@ from tritonllm.triton_server import TritonServer
 
 
 def _group_members(pgid: int) -> dict[int, str]:
-    """Live processes of process group `pgid`: pid -> command line (up to 400 chars: a stub's command
-    line names its model directory, after a checkout path of any length)."""
+    """Live processes of process group `pgid`: pid -> command line (up to 400 chars: a stub's
+    command line names its model directory after a checkout path of any length)."""
     found = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
