@@ -114,7 +114,9 @@ def make_config(shape: str = "tiny", arch: str = "qwen3") -> PretrainedConfig:
     # rope_parameters) without declaring them, hence the call-arg ignores.
     config: PretrainedConfig
     if arch == "qwen3":
-        config = Qwen3Config(rope_theta=1e6, attention_bias=False, **common)  # type: ignore[call-arg]
+        config = Qwen3Config(  # type: ignore[call-arg]
+            rope_theta=1e6, attention_bias=False, **common
+        )
     elif arch == "qwen2":
         config = Qwen2Config(rope_theta=1e6, **common)  # type: ignore[call-arg]
     else:

@@ -115,7 +115,8 @@ class EngineThread(EngineClient):
         stall_timeout_s: `is_alive()` turns False while one engine step (or the delivery of
             its outputs) has been running for longer than this many seconds: a hung engine;
             it turns True again when the step returns. None: never. The default stays above
-            a fresh GPU machine's first-request kernel compilation (ARCHITECTURE.md, "Platform facts", FlashInfer).
+            a fresh GPU machine's first-request kernel compilation (ARCHITECTURE.md,
+            "Platform facts", FlashInfer).
     """
 
     def __init__(
