@@ -83,7 +83,8 @@ def test_prefill_logits_match_transformers(arch, tie):
     sched.add(req)
     while req.num_computed < len(prompt):
         batch = sched._schedule_prefill()
-        ids, pos, meta, _, _ = runner.build_metadata(batch)
+        fwd = runner.build_inputs(batch)
+        ids, pos, meta = fwd.input_ids, fwd.positions, fwd.meta
         runner.backend.prepare(meta)
         last = torch.tensor([len(ids) - 1])
         logits = runner.model(ids, pos, meta, last)[0]

@@ -333,7 +333,8 @@ def _prefill_logits(engine, prompt_list):
         sched.add(Request(f"r{i}", prompt, SamplingParams(), arrival=i))
     batch = sched._schedule_prefill()
     assert batch.extend_lens == [len(p) for p in prompt_list]
-    ids, pos, meta, _, _ = runner.build_metadata(batch)
+    fwd = runner.build_inputs(batch)
+    ids, pos, meta = fwd.input_ids, fwd.positions, fwd.meta
 
     def logits(enabled: bool) -> torch.Tensor:
         _set_fused(runner.model, enabled)

@@ -239,10 +239,10 @@ def test_chooser_picks_the_faster_and_remembers(monkeypatch, t_triton, t_cublas,
     assert sorted(timed) == [[], [True]]  # each implementation timed once
     assert linear_layer._choose(torch.randn(4, 16, dtype=torch.bfloat16), w, None) is expected
     assert len(timed) == 2  # same bucket (4): remembered
-    assert linear_layer.linear_choices() == {(4, 32, 16, torch.bfloat16, False, w.device): expected}
+    assert linear_layer._CHOICES == {(4, 32, 16, torch.bfloat16, False, w.device): expected}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert linear_layer._choose(torch.randn(9, 16, dtype=torch.bfloat16), w, None) is False
-    assert len(timed) == 2 and len(linear_layer.linear_choices()) == 1
+    assert len(timed) == 2 and len(linear_layer._CHOICES) == 1
 
 
 # ---- GPU ---------------------------------------------------------------------------------
@@ -292,12 +292,12 @@ def test_linear_modes_on_cuda(device, mode, monkeypatch):
                 assert torch.equal(out, triton_out)
             else:
                 key = (m_bucket(m), 3072, 1024, torch.bfloat16, False, x.device)
-                chosen = linear_layer.linear_choices()[key]
+                chosen = linear_layer._CHOICES[key]
                 assert torch.equal(out, triton_out if chosen else cublas)
         out3d = layer(torch.ones(2, 3, 1024, device=device, dtype=torch.bfloat16))
         assert out3d.shape == (2, 3, 3072)
     if mode != "auto":
-        assert linear_layer.linear_choices() == {}
+        assert linear_layer._CHOICES == {}
 
 
 @pytest.mark.parametrize("device", [CUDA])
@@ -347,7 +347,7 @@ def test_unseen_shape_during_capture_takes_cublas(device, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, F.linear(static_x, layer.weight))
-    assert linear_layer.linear_choices() == {}
+    assert linear_layer._CHOICES == {}
 
 
 @pytest.mark.parametrize("device", [CUDA])

@@ -183,13 +183,6 @@ class ModelRunner:
             sample_reqs,
         )
 
-    def build_metadata(
-        self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Request]]:
-        """`build_inputs` as a tuple: (input_ids, positions, meta, logits_indices, reqs)."""
-        f = self.build_inputs(batch)
-        return f.input_ids, f.positions, f.meta, f.logits_indices, f.sample_reqs
-
     def ids_to_device(self, ids: list[int]) -> torch.Tensor:
         """A request's token ids → `[N]` int64 device tensor of real ids (for penalties)."""
         dev = self._upload(np.asarray(ids, dtype=np.int64))

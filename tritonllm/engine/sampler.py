@@ -143,17 +143,6 @@ class Sampler:
         return gen
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        """Sample the next token of each request and return host results (syncs).
-
-        Args:
-            logits: `[B, vocab]` float (float32 logits may be modified in place).
-            reqs: the B requests, for their params, token history and generators.
-        """
-        samples = self.sample_device(logits, reqs)
-        return DeviceSamples.to_output([t.cpu() for t in samples.tensors()], samples.num_top)
-
-    @torch.inference_mode()
     def sample_device(
         self, logits: torch.Tensor, reqs: list[Request], ids_to_device: IdsToDevice | None = None
     ) -> DeviceSamples:

@@ -77,12 +77,6 @@ def _choose(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return choice
 
 
-def linear_choices() -> dict[tuple, bool]:
-    """A copy of the remembered choices: (M bucket, N, K, dtype, has bias, device) -> True
-    where skinny_linear runs."""
-    return dict(_CHOICES)
-
-
 class Linear(nn.Linear):
     """Drop-in `nn.Linear` (same parameters, state-dict names and CPU math; the constructor
     adds `mode`) whose CUDA forward may run `kernels.linear.skinny_linear` (see module
