@@ -114,7 +114,7 @@ def fused_sampler_stub():
         return logits.argmax(dim=-1)
 
     with (
-        mock.patch("tritonllm.engine.sampler.use_fused", lambda x: True),
+        mock.patch("tritonllm.engine.sampler.use_fused", lambda enabled, x: enabled),
         mock.patch("kernels.sampling.gumbel_argmax", gumbel_argmax),
     ):
         yield

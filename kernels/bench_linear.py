@@ -11,7 +11,10 @@ same run); the kernel configuration the tuner picked; and the side `Linear`'s ch
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +42,7 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (gpu_time_ms(lambda: dst.copy_(src), runs=5) / 1e3)
 
 
-def graph_time(fn, weights: list[torch.Tensor], reps: int = 10) -> float:
+def graph_time(fn: Callable[[Any], object], weights: Sequence[Any], reps: int = 10) -> float:
     """Seconds per `fn(w)`, from a CUDA graph that calls it once per weight copy."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -88,8 +91,10 @@ def main() -> None:
             expected = F.linear(x, weights[0])
             torch.testing.assert_close(skinny_linear(x, weights[0]), expected, atol=2e-2, rtol=2e-2)
             cfg = tuned_config(x, weights[0], None)
-            t_cublas = graph_time(lambda w, x=x: F.linear(x, w), weights)
-            t_triton = graph_time(lambda w, x=x, cfg=cfg: skinny_linear(x, w, None, cfg), weights)
+            t_cublas = graph_time(functools.partial(F.linear, x), weights)
+            t_triton = graph_time(
+                functools.partial(skinny_linear, x, bias=None, config=cfg), weights
+            )
             auto = "triton" if linear_layer._choose(x, weights[0], None) else "cublas"
             if name in LAYER:
                 sums = layer_sums[m]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 os.environ["TRITON_INTERPRET"] = "0"
 
@@ -73,7 +73,7 @@ class Launch(NamedTuple):
     constexprs, num_warps, num_stages, and the scalar arguments that are neither i32 nor in
     FLOAT_ARGS (name -> Triton type, e.g. `{"offset": "i64"}`)."""
 
-    fn: object
+    fn: Any  # a triton.JITFunction
     pointers: dict[str, str]
     constexprs: dict
     num_warps: int
@@ -264,7 +264,8 @@ def _linear_configs(quick: bool):
     bias, deduplicated by what is compiled (M and split_k are not specialized); the split-K
     reduce kernel for each dtype and bias. `--quick`: bf16, no bias, the first candidate at M=1
     of the qkv projection, and the reduce."""
-    tiles = {}  # ((tile), num_stages, EVEN_K), in first-seen order; the SM count sets only split_k
+    # ((tile), num_stages, EVEN_K), in first-seen order; the SM count sets only split_k
+    tiles: dict[tuple[tuple[bool, int, int, int, int], int, bool], None] = {}
     for n, k in QWEN3_PROJECTIONS[:1] if quick else QWEN3_PROJECTIONS:
         for m in (1,) if quick else range(1, MAX_M + 1):
             candidates = candidate_configs(m, n, k, H200_SMS)

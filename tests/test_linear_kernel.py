@@ -177,14 +177,34 @@ def test_loader_fills_linear_projections():
     assert torch.equal(mlp.down_proj.weight, state["model.layers.1.mlp.down_proj.weight"])
 
 
-def test_linear_mode_reads_the_environment(monkeypatch):
-    monkeypatch.delenv("TRITONLLM_LINEAR", raising=False)
-    assert linear_layer.linear_mode() == "cublas"
-    monkeypatch.setenv("TRITONLLM_LINEAR", " Triton ")
-    assert linear_layer.linear_mode() == "triton"
-    monkeypatch.setenv("TRITONLLM_LINEAR", "fast")
-    with pytest.raises(ValueError, match="TRITONLLM_LINEAR"):
-        linear_layer.linear_mode()
+def test_linear_mode_comes_from_the_engine_config():
+    """`EngineConfig.linear_kernel` (env `TRITONLLM_LINEAR_KERNEL` for the Triton model) reaches
+    every `Linear` of the model as its constructor argument; "auto" with the layer kernels off
+    is cuBLAS; an unknown mode is refused by the config and by `Linear` itself."""
+    from tritonllm.config import EngineConfig
+    from tritonllm.layers.fused import LayerKernels
+    from tritonllm.models import load_model
+    from tritonllm.triton_config import engine_config
+
+    config = engine_config({"model": checkpoint("qwen3")}, {"TRITONLLM_LINEAR_KERNEL": "triton"})
+    assert config.linear_kernel == "triton"
+    assert EngineConfig(model=checkpoint("qwen3")).linear_kernel == "cublas"
+    with pytest.raises(ValueError, match="linear_kernel"):
+        EngineConfig(model=checkpoint("qwen3"), linear_kernel="fast")
+    with pytest.raises(ValueError, match="mode"):
+        Linear(4, 4, mode="fast")
+    assert Linear(4, 4).mode == "cublas"
+    assert LayerKernels(fused=False, linear="auto").linear_mode == "cublas"
+    assert LayerKernels(fused=False, linear="triton").linear_mode == "triton"
+    model = load_model(
+        checkpoint("qwen3"),
+        config.model_config,
+        torch.device("cpu"),
+        torch.float32,
+        kernels=LayerKernels(linear=config.linear_kernel),
+    )
+    modes = {m.mode for m in model.modules() if isinstance(m, Linear)}
+    assert modes == {"triton"}
 
 
 @pytest.mark.parametrize(
@@ -219,10 +239,10 @@ def test_chooser_picks_the_faster_and_remembers(monkeypatch, t_triton, t_cublas,
     assert sorted(timed) == [[], [True]]  # each implementation timed once
     assert linear_layer._choose(torch.randn(4, 16, dtype=torch.bfloat16), w, None) is expected
     assert len(timed) == 2  # same bucket (4): remembered
-    assert linear_layer.linear_choices() == {(4, 32, 16, torch.bfloat16, False, w.device): expected}
+    assert linear_layer._CHOICES == {(4, 32, 16, torch.bfloat16, False, w.device): expected}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert linear_layer._choose(torch.randn(9, 16, dtype=torch.bfloat16), w, None) is False
-    assert len(timed) == 2 and len(linear_layer.linear_choices()) == 1
+    assert len(timed) == 2 and len(linear_layer._CHOICES) == 1
 
 
 # ---- GPU ---------------------------------------------------------------------------------
@@ -257,9 +277,8 @@ def test_skinny_linear_fp16_with_bias(device):
 def test_linear_modes_on_cuda(device, mode, monkeypatch):
     """Forced modes run exactly the forced implementation; auto runs the remembered winner.
     All agree with the float32 reference."""
-    monkeypatch.setenv("TRITONLLM_LINEAR", mode)
     monkeypatch.setattr(linear_layer, "_CHOICES", {})
-    layer = Linear(1024, 3072, bias=False, device=device, dtype=torch.bfloat16)
+    layer = Linear(1024, 3072, bias=False, device=device, dtype=torch.bfloat16, mode=mode)
     with torch.inference_mode():
         for m in (1, 5, 24, 200, 300):
             x = torch.randn(m, 1024, device=device, dtype=torch.bfloat16)
@@ -273,12 +292,12 @@ def test_linear_modes_on_cuda(device, mode, monkeypatch):
                 assert torch.equal(out, triton_out)
             else:
                 key = (m_bucket(m), 3072, 1024, torch.bfloat16, False, x.device)
-                chosen = linear_layer.linear_choices()[key]
+                chosen = linear_layer._CHOICES[key]
                 assert torch.equal(out, triton_out if chosen else cublas)
         out3d = layer(torch.ones(2, 3, 1024, device=device, dtype=torch.bfloat16))
         assert out3d.shape == (2, 3, 3072)
     if mode != "auto":
-        assert linear_layer.linear_choices() == {}
+        assert linear_layer._CHOICES == {}
 
 
 @pytest.mark.parametrize("device", [CUDA])
@@ -286,9 +305,8 @@ def test_linear_modes_on_cuda(device, mode, monkeypatch):
 def test_cuda_graph_with_linear_replays_correctly(device, mode, monkeypatch):
     """Warm-up outside the capture decides; the captured graph (split-K workspace included)
     replays the same result for new input data."""
-    monkeypatch.setenv("TRITONLLM_LINEAR", mode)
     monkeypatch.setattr(linear_layer, "_CHOICES", {})
-    layer = Linear(3072, 1024, bias=True, device=device, dtype=torch.bfloat16)
+    layer = Linear(3072, 1024, bias=True, device=device, dtype=torch.bfloat16, mode=mode)
     static_x = torch.randn(4, 3072, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
         stream = torch.cuda.Stream()
@@ -314,9 +332,8 @@ def test_cuda_graph_with_linear_replays_correctly(device, mode, monkeypatch):
 
 @pytest.mark.parametrize("device", [CUDA])
 def test_unseen_shape_during_capture_takes_cublas(device, monkeypatch):
-    monkeypatch.setenv("TRITONLLM_LINEAR", "auto")
     monkeypatch.setattr(linear_layer, "_CHOICES", {})
-    layer = Linear(1024, 4096, bias=False, device=device, dtype=torch.bfloat16)
+    layer = Linear(1024, 4096, bias=False, device=device, dtype=torch.bfloat16, mode="auto")
     static_x = torch.randn(8, 1024, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
         stream = torch.cuda.Stream()
@@ -330,14 +347,15 @@ def test_unseen_shape_during_capture_takes_cublas(device, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, F.linear(static_x, layer.weight))
-    assert linear_layer.linear_choices() == {}
+    assert linear_layer._CHOICES == {}
 
 
 @pytest.mark.parametrize("device", [CUDA])
-def test_swiglu_mlp_with_triton_linear_matches_cpu(device, monkeypatch):
-    monkeypatch.setenv("TRITONLLM_LINEAR", "triton")
+def test_swiglu_mlp_with_triton_linear_matches_cpu(device):
+    from tritonllm.layers.fused import LayerKernels
+
     torch.manual_seed(0)
-    mlp = SwiGLUMLP(1024, 3072).to(torch.bfloat16)
+    mlp = SwiGLUMLP(1024, 3072, LayerKernels(linear="triton")).to(torch.bfloat16)
     x = torch.randn(8, 1024, dtype=torch.bfloat16)
     with torch.inference_mode():
         expected = mlp.float()(x.float())

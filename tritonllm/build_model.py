@@ -21,6 +21,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -100,7 +101,7 @@ def make_config(shape: str = "tiny", arch: str = "qwen3") -> PretrainedConfig:
         raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=VOCAB_SIZE,
         tie_word_embeddings=True,
         rms_norm_eps=1e-6,
@@ -109,12 +110,19 @@ def make_config(shape: str = "tiny", arch: str = "qwen3") -> PretrainedConfig:
         eos_token_id=QWEN3_EOS_TOKEN_ID,
         **_SHAPE_KWARGS[shape],
     )
+    # transformers 5 still takes the legacy rope_theta / rope_scaling keys (it folds them into
+    # rope_parameters) without declaring them, hence the call-arg ignores.
+    config: PretrainedConfig
     if arch == "qwen3":
-        config = Qwen3Config(rope_theta=1e6, attention_bias=False, **common)
+        config = Qwen3Config(  # type: ignore[call-arg]
+            rope_theta=1e6, attention_bias=False, **common
+        )
     elif arch == "qwen2":
-        config = Qwen2Config(rope_theta=1e6, **common)
+        config = Qwen2Config(rope_theta=1e6, **common)  # type: ignore[call-arg]
     else:
-        config = LlamaConfig(rope_theta=5e5, rope_scaling=dict(LLAMA3_ROPE_SCALING), **common)
+        config = LlamaConfig(  # type: ignore[call-arg]
+            rope_theta=5e5, rope_scaling=dict(LLAMA3_ROPE_SCALING), **common
+        )
     config.dtype = _SHAPE_DTYPE[shape]
     return config
 
