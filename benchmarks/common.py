@@ -265,7 +265,13 @@ def argument_parser(
     p = argparse.ArgumentParser(
         description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--model", help="HF model directory (default: build models/qwen3-0.6b)")
+    p.add_argument("--model", help="HF model directory (default: build models/<--shape>)")
+    p.add_argument(
+        "--shape",
+        default="qwen3-0.6b",
+        help="without --model: the random-weight checkpoint to build (tritonllm.build_model "
+        "shapes, e.g. qwen3-8b)",
+    )
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--device", default=device)
     p.add_argument(

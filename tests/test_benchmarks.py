@@ -130,7 +130,15 @@ def test_offline_benchmark_generates_exactly_the_workload(tiny_model_dir):
     assert res.hf.generated_tokens == 2 * max(w.output_lens[:2])
 
 
-def test_online_benchmark_streams_exact_token_counts(tiny_model_dir, triton_server, tokenizer):
+def test_online_benchmark_streams_exact_token_counts(
+    tiny_model_dir, triton_server, tokenizer, tmp_path
+):
+    """Exact token counts per request; per level the load probe's columns, the generator's
+    responses/s against the platform ceiling measured in the same run (`--ceiling`), and the
+    concurrency-1 ITL against the batch-1 decode step; the JSON summary and plots are written
+    and linked from the appended section."""
+    import json
+
     from tritonllm.tokenization.chat import render_prompt
 
     args = [
@@ -156,10 +164,49 @@ def test_online_benchmark_streams_exact_token_counts(tiny_model_dir, triton_serv
         triton_server.grpc_url,
         "--metrics-url",
         triton_server.metrics_url,
-        "--no-append",
+        "--ceiling",
+        "--ceiling-seconds",
+        "0.5",
+        "--ceiling-tokens",
+        "8",
+        "--ceiling-client-processes",
+        "2",
+        "--plots-dir",
+        str(tmp_path / "plots"),
+        "--benchmarks-md",
+        str(tmp_path / "BENCHMARKS.md"),
     ]
-    results, offline_tps, loads = online.main(args)
+    run = online.main(args)
+    results, offline_tps, loads = run.results, run.offline, run.loads
     assert set(results) == {1, 2} and set(offline_tps) == {1, 2}
+    assert run.decode_step_s > 0
+    # The generator's responses/s: at least one response per request, and per streamed chunk.
+    for c, level in results.items():
+        assert run.responses_per_s[c] * level.seconds >= len(level.records)
+        for mode in ("alone", "ensemble"):
+            ceiling_level = run.ceiling[mode][c]
+            assert ceiling_level.errors == () and ceiling_level.responses > 0
+    (summary_file,) = (tmp_path / "plots").glob("online-*.json")
+    summary = json.loads(summary_file.read_text())
+    assert [lv["concurrency"] for lv in summary["levels"]] == [1, 2]
+    for lv in summary["levels"]:
+        c = lv["concurrency"]
+        assert lv["generator_over_ceiling"] == pytest.approx(
+            run.responses_per_s[c] / run.ceiling["ensemble"][c].responses_per_s
+        )
+        assert lv["online_over_offline"] == pytest.approx(
+            results[c].output_tokens_per_s / offline_tps[c]
+        )
+    assert summary["decode_step_b1_ms"] == pytest.approx(run.decode_step_s * 1e3)
+    assert summary["itl_over_decode_step"] == pytest.approx(
+        summary["itl_p50_c1_ms"] / summary["decode_step_b1_ms"]
+    )
+    section = (tmp_path / "BENCHMARKS.md").read_text()
+    stem = summary_file.stem
+    for kind in ("throughput", "ttft", "chunks"):
+        assert (tmp_path / "plots" / f"{stem}-{kind}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"](plots/{stem}-{kind}.png)" in section
+    assert "Platform ceiling" in section and "ITL p50 at concurrency 1" in section
     # Per level: CPU of the sidecar and this client, and the generator's time counters.
     for load in loads.values():
         assert "sidecar" in load["cpu"] and "client" in load["cpu"], load
