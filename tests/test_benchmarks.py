@@ -3,6 +3,8 @@ token accounting of each benchmark are checked; speeds never are."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import subprocess
@@ -47,6 +49,49 @@ def test_qwen3_0_6b_bound_matches_design_yardstick():
     assert seconds == pytest.approx(3.56, abs=0.01)
     assert w.num_output_tokens / seconds == pytest.approx(37_700, rel=0.005)
     assert traffic.total_bytes == pytest.approx(15.09e12, rel=0.005)
+
+
+def test_qwen3_8b_bound_counts_the_untied_lm_head_not_the_embedding(tmp_path):
+    """Qwen3-8B decode reads every weight but the embedding (only gathered by row) once per
+    step: 15.14 GB in bf16 with its own lm_head; 147,456 B of K/V per token (36 layers x 8 KV
+    heads x 128 x 2 x bf16). The checkpoint's shard headers give the same byte count."""
+    from safetensors.torch import save_file
+
+    from tritonllm.build_model import make_config, parameter_shapes, shard_names
+    from tritonllm.config import ModelConfig
+
+    hf_config = make_config("qwen3-8b")
+    shapes = parameter_shapes(hf_config)
+    numel = {n: math.prod(s) for n, s in shapes.items()}
+    weight_bytes = 2 * (sum(numel.values()) - numel["model.embed_tokens.weight"])
+    assert weight_bytes == 15_136_811_008
+    assert ModelConfig.from_dict(hf_config.to_dict()).kv_bytes_per_token * 2 == 147_456
+    # Shards holding the same names, as headers only (checkpoint_weight_bytes reads no data):
+    # tensors of one element with the 8B shapes written into the header by hand.
+    for i, names in enumerate(shard_names(shapes, 2)):
+        header = {
+            n: {"dtype": "BF16", "shape": list(shapes[n]), "data_offsets": [0, 0]} for n in names
+        }
+        data = json.dumps(header).encode()
+        path = tmp_path / f"model-{i:05d}.safetensors"
+        path.write_bytes(len(data).to_bytes(8, "little") + data)
+    assert bandwidth.checkpoint_weight_bytes(tmp_path, 2) == weight_bytes
+    # A tied checkpoint (no lm_head stored) counts its embedding once, as the LM head.
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(10, 4), "norm": torch.zeros(3)},
+        str(tied / "model.safetensors"),
+    )
+    assert bandwidth.checkpoint_weight_bytes(tied, 2) == 2 * 43
+    w = common.random_workload(256)
+    traffic = bandwidth.decode_bytes(
+        [len(p) for p in w.prompts], w.output_lens, weight_bytes, 147_456
+    )
+    assert traffic.decode_steps == 1_023
+    # KV per token is 1.286x Qwen3-0.6B's and the weights 12.7x: 33.3 TB, 7.85 s at 4.24 TB/s.
+    assert traffic.total_bytes == pytest.approx(33.30e12, rel=1e-3)
+    assert traffic.bound_seconds(4.24e12) == pytest.approx(7.85, abs=0.02)
 
 
 def test_decode_schedule_sums_prompt_plus_generated_tokens():
