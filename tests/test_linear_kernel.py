@@ -108,6 +108,33 @@ def test_skinny_linear_split_k_with_bias_and_strided_rows(device):
         _check(skinny_linear(x, w, b, config=cfg), x, w, b)
 
 
+@pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize(("m", "use_dot", "block_m"), [(3, False, 4), (20, True, 16)])
+def test_split_k_fixup_gives_the_reduce_kernels_bits_in_one_launch(device, m, use_dot, block_m):
+    """The fix-up variant (the tile's last program sums the partials) adds them in the reduce
+    kernel's order: bit-identical output, bias added once, every tile counter back at 0 after
+    each launch, so a second launch (as a CUDA-graph replay) gives the same result."""
+    import kernels.linear as kl
+
+    x = _padded(m, 1000, torch.bfloat16, device, seed=3)
+    w = _padded(40, 1000, torch.bfloat16, device, seed=4, scale=0.03)
+    b = torch.randn(40, generator=torch.Generator().manual_seed(5)).bfloat16()
+    for split in (2, 3, 4):
+        reduce_cfg = LinearConfig(use_dot, block_m, 16, 64, split, num_warps=4, num_stages=2)
+        fixup_cfg = reduce_cfg._replace(fixup=True)
+        expected = skinny_linear(x, w, b, config=reduce_cfg)
+        for _ in range(2):
+            out = skinny_linear(x, w, b, config=fixup_cfg)
+            assert torch.equal(out, expected), split
+            assert not kl._locks(x.device, 1).any()
+        _check(out, x, w, b)
+    # Without a split there is nothing to fix up: the plain kernel's result.
+    one = LinearConfig(use_dot, block_m, 16, 64, 1, 4, 2)
+    assert torch.equal(
+        skinny_linear(x, w, b, one._replace(fixup=True)), skinny_linear(x, w, b, one)
+    )
+
+
 def test_m_bucket_is_the_cuda_graph_batch_size_that_serves_m():
     sizes = [1, 2, 4, 8] + list(range(16, 257, 8))
     for m in range(1, 257):
@@ -242,6 +269,37 @@ def test_skinny_linear_qwen3_shapes_every_config(device, m, n, k):
     assert tuned_config(x, w, None) in candidate_configs(
         m, n, k, torch.cuda.get_device_properties(0).multi_processor_count
     )
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize(("n", "k"), QWEN3_SHAPES[:4])
+def test_split_k_fixup_replays_in_a_cuda_graph_as_the_reduce_kernel(device, m, n, k):
+    """Fix-up launches on the GPU, eager and replayed 20 times from one CUDA graph with new
+    inputs, match the two-kernel split-K bit for bit: no replay reads a partial before it is
+    written or finds a counter left over."""
+    from kernels.linear import candidate_configs as configs
+
+    w = _padded(n, k, torch.bfloat16, device, seed=n, scale=k**-0.5)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = [c for c in configs(m, n, k, sms) if c.split_k > 1]
+    assert splits
+    with torch.inference_mode():
+        for cfg in splits:
+            fixup = cfg._replace(fixup=True)
+            x = _padded(m, k, torch.bfloat16, device, seed=m)
+            assert torch.equal(skinny_linear(x, w, None, fixup), skinny_linear(x, w, None, cfg))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = skinny_linear(x, w, None, fixup)
+            for seed in range(20):
+                x.copy_(
+                    torch.randn(
+                        m, k, device=device, generator=torch.Generator(device).manual_seed(seed)
+                    )
+                )
+                graph.replay()
+                assert torch.equal(out, skinny_linear(x, w, None, cfg)), (cfg, seed)
 
 
 @pytest.mark.parametrize("device", [CUDA])
