@@ -324,6 +324,102 @@ def test_gpu_suite_refuses_bad_steps_before_doing_anything(tmp_path, steps):
     assert not out.exists()
 
 
+def _suite(tmp_path, steps, **env):
+    """Run gpu_suite.sh with stand-ins for python3 and nvidia-smi first on PATH: each records its
+    arguments and, for the benchmarks, writes the files the real ones would (a log line, the
+    JSON, a plot), so that the suite's own logic (steps, limits, packing) is what is tested."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    calls = tmp_path / "calls.txt"
+    fake = f"""#!/bin/sh
+echo "$*" >> "{calls}"
+for a in "$@"; do
+  case "$prev" in
+  --json) echo '{{}}' > "$a" ;;
+  --plots-dir) mkdir -p "$a" && echo png > "$a/plot.png" ;;
+  esac
+  prev=$a
+done
+echo "ran $*"
+"""
+    (bin_dir / "python3").write_text(fake)
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho gpu\n")
+    for tool in ("python3", "nvidia-smi"):
+        (bin_dir / tool).chmod(0o755)
+    out = tmp_path / "out"
+    env = {"OUT": str(out), **env}
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **env)
+    result = subprocess.run(
+        ["bash", str(REPO_ROOT / "benchmarks" / "gpu_suite.sh"), *steps],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    return result, lines, out
+
+
+def test_gpu_suite_runs_the_issue16_steps_and_packs_their_results(tmp_path):
+    """ceiling, gemm, offline8b and online8b run their benchmarks with the flags that write
+    into $OUT (the 8B checkpoint built first, once per step, the 0.6B one not at all); every log,
+    JSON and plot lands in one archive, the originals are removed, BENCHMARKS.md and the summary
+    stay."""
+    import tarfile
+
+    result, calls, out = _suite(tmp_path, ["ceiling", "gemm", "bench8b"])
+    assert result.returncode == 0, result.stderr
+    assert [c.split()[1] for c in calls] == [
+        "benchmarks.ceiling",
+        "kernels.bench_linear",
+        "tritonllm.build_model",
+        "benchmarks.offline",
+        "tritonllm.build_model",
+        "benchmarks.online",
+    ]
+    assert f"--json {out}/linear-sweep.json" in calls[1]
+    assert "--shape qwen3-8b --out models/qwen3-8b" in calls[2]
+    assert "--model models/qwen3-8b --hf-subset 0" in calls[3]
+    assert "--model models/qwen3-8b" in calls[5] and "--prompts-per-client 2" in calls[5]
+    assert all(f"--benchmarks-md {out}/BENCHMARKS.md" in calls[i] for i in (0, 3, 5))
+    summary = (out / "suite-summary.txt").read_text().splitlines()
+    assert [line.split()[:2] for line in summary] == [
+        ["ceiling", "rc=0"],
+        ["gemm", "rc=0"],
+        ["build-qwen3-8b", "rc=0"],
+        ["offline8b", "rc=0"],
+        ["build-qwen3-8b", "rc=0"],
+        ["online8b", "rc=0"],
+    ]
+    (archive,) = out.glob("results-ceiling-gemm-offline8b-online8b-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert {
+        "ceiling.log",
+        "gemm.log",
+        "linear-sweep.json",
+        "offline-8b.log",
+        "online-8b.log",
+    } <= names
+    assert {"build.log", "benchmarks/plots/plot.png", "BENCHMARKS.md", "suite-summary.txt"} <= names
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["BENCHMARKS.md", "suite-summary.txt", archive.name]
+    )
+
+
+def test_gpu_suite_skips_steps_the_time_budget_cannot_hold(tmp_path):
+    result, calls, out = _suite(tmp_path, ["gemm", "online8b"], SUITE_SECONDS="70")
+    assert result.returncode == 1
+    assert calls == []
+    assert "gemm: skipped" in (out / "suite-summary.txt").read_text()
+
+
+def test_gpu_suite_refuses_an_output_folder_inside_the_repository(tmp_path):
+    result, calls, _ = _suite(tmp_path, ["gemm"], OUT=str(REPO_ROOT / "benchmarks" / "new"))
+    assert result.returncode == 2 and "outside the repository" in result.stderr
+    assert calls == [] and not (REPO_ROOT / "benchmarks" / "new").exists()
+
+
 def test_only_publishing_tools_offer_benchmarks_md_flags(capsys):
     """profile_step writes no BENCHMARKS.md section, so its --help offers no flag for one."""
     with pytest.raises(SystemExit):
