@@ -7,7 +7,10 @@ For each concurrency level, `c` closed-loop clients stream chat completions (a c
 next request when the last one finished) with random prompts and fixed output lengths
 (`ignore_eos`, `max_tokens`). Reported: TTFT, TPOT, chunk ITL, output tokens/s, and the offline
 engine's tokens/s on the very same prompt ids with the same concurrency cap, measured first in
-a subprocess (so its GPU memory is freed before the server starts), in the same run.
+a subprocess (so its GPU memory is freed before the server starts), in the same run. With
+`--ceiling`, the platform ceiling (`benchmarks.ceiling`) too, and the generator's responses/s
+against it; `--plots-dir` draws the plots (`benchmarks.plots`). What is reported:
+`benchmarks.online_report`.
 """
 
 from __future__ import annotations
