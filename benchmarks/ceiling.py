@@ -103,7 +103,8 @@ def repository_copy(instances: int, into: Path) -> Path:
     shutil.copytree(REPOSITORY, target, ignore=shutil.ignore_patterns("__pycache__"))
     config = target / STREAM_MODEL / "config.pbtxt"
     text, count = re.subn(r"count: \d+", f"count: {instances}", config.read_text())
-    assert count == 1, "ceiling_stream's config must have one instance_group count"
+    if count != 1:
+        raise RuntimeError(f"{config}: expected one instance_group count, found {count}")
     config.write_text(text)
     return target
 
@@ -250,7 +251,7 @@ class CeilingServer:
             futures.append(self.pool.submit(_client_process, *args))
             first += size
         results = [f.result() for f in futures]
-        cores = [r.cpu_s / r.wall_s if r.wall_s > 0 else 0.0 for r in results]
+        client = [r.cpu_s / r.wall_s if r.wall_s > 0 else 0.0 for r in results]
         wall = time.monotonic() - wall0
         cores = {k: (v - cpu0.get(k, 0.0)) / wall for k, v in process_cpu_seconds(pgids).items()}
         server_cpu = ", ".join(
@@ -263,8 +264,8 @@ class CeilingServer:
             requests=sum(r.requests for r in results),
             errors=tuple(e for r in results for e in r.errors),
             window_s=seconds,
-            client_cores=sum(cores),
-            client_max_cores=max(cores),
+            client_cores=sum(client),
+            client_max_cores=max(client),
             server_cpu=server_cpu,
         )
 
