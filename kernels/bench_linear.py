@@ -102,15 +102,20 @@ def config_text(cfg: LinearConfig) -> str:
 def _compile(items: list[tuple[LinearConfig, int, int]]) -> int:
     """Launch each (config, N, K) once on a one-row problem: compiles it into Triton's cache."""
     tensors: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    done = 0
     for cfg, n, k in items:
         if (n, k) not in tensors:
             tensors[n, k] = (
                 torch.zeros(1, k, dtype=torch.bfloat16, device="cuda"),
                 torch.zeros(n, k, dtype=torch.bfloat16, device="cuda"),
             )
-        skinny_linear(*tensors[n, k], None, cfg)
+        try:
+            skinny_linear(*tensors[n, k], None, cfg)
+            done += 1
+        except Exception as exc:  # noqa: BLE001 (the sweep reports it for that configuration)
+            print(f"compile {config_text(cfg)}: {type(exc).__name__}: {exc}", flush=True)
     torch.cuda.synchronize()
-    return len(items)
+    return done
 
 
 def compile_items(points: list[tuple[int, int, int]], sms: int) -> list[tuple]:
@@ -142,7 +147,7 @@ def measure_point(
 ) -> dict:
     """cuBLAS and every candidate on one (shape, M): `{"cublas_us", "families": {family:
     {"us", "config", "wrong"}}}` (a family's best; `wrong`: configurations whose result
-    differed from `F.linear`, which are not timed)."""
+    differed from `F.linear`, or that failed to compile or launch, which are not timed)."""
     expected = F.linear(x, weights[0])
     scale = expected.float().abs().max().item()
     out = {"cublas_us": graph_time(lambda w: F.linear(x, w), weights) * 1e6, "families": {}}
@@ -150,7 +155,11 @@ def measure_point(
         best: tuple[float, LinearConfig] | None = None
         wrong = []
         for cfg in configs:
-            got = skinny_linear(x, weights[0], None, cfg)
+            try:
+                got = skinny_linear(x, weights[0], None, cfg)
+            except Exception as exc:  # noqa: BLE001 (e.g. more shared memory than the GPU has)
+                wrong.append(f"{config_text(cfg)} ({type(exc).__name__}: {str(exc)[:80]})")
+                continue
             if not torch.allclose(got.float(), expected.float(), rtol=2e-2, atol=2e-2 * scale):
                 wrong.append(config_text(cfg))
                 continue

@@ -188,9 +188,12 @@ def test_bench_linear_times_every_candidate_and_leaves_wrong_ones_out(monkeypatc
     import kernels.bench_linear as bench
 
     bad = LinearConfig(False, 1, 16, 256, 1, 4, 3)  # the first sweep tile at M = 1, no split
+    broken = LinearConfig(False, 1, 8, 512, 1, 2, 4)  # a sweep tile that fails to launch
     launched = []
 
     def fake_skinny(x, w, b=None, config=None):
+        if config == broken:
+            raise RuntimeError("out of resources")
         launched.append(config)
         return torch.zeros_like(F.linear(x, w)) if config == bad else F.linear(x, w)
 
@@ -217,7 +220,10 @@ def test_bench_linear_times_every_candidate_and_leaves_wrong_ones_out(monkeypatc
     first = result["points"][0]
     # `bad` is in both the tuned set and the sweep, and wrong wherever it runs (M = 1).
     assert first["families"]["tuned"]["wrong"] == [bench.config_text(bad)]
-    assert first["families"]["sweep"]["wrong"] == [bench.config_text(bad)]
+    assert first["families"]["sweep"]["wrong"] == [
+        bench.config_text(bad),
+        f"{bench.config_text(broken)} (RuntimeError: out of resources)",
+    ]
     assert first["families"]["fixup"]["wrong"] == []
     assert first["families"]["tuned"]["us"] == pytest.approx(6.016)  # no fix-up, block_n 16
     for point, choice in zip(result["points"], result["choices"], strict=True):
@@ -232,10 +238,8 @@ def test_bench_linear_times_every_candidate_and_leaves_wrong_ones_out(monkeypatc
     # Only qkv_proj is a layer projection here: the layer row is its best alone.
     assert [(r["m"], r["cublas_us"]) for r in result["layers"]] == [(1, 5.0), (20, 5.0)]
     assert all(r["best_us"] < 4.1 for r in result["layers"])
-    assert bench.wrong_results(result) == [
-        f"tiny {shape} M=1: {bench.config_text(bad)}"
-        for shape in ("qkv_proj", "qkv_proj", "lm_head", "lm_head")
-    ]
+    wrong = [line.split(": ", 1)[0] for line in bench.wrong_results(result)]
+    assert wrong == ["tiny qkv_proj M=1"] * 3 + ["tiny lm_head M=1"] * 3
 
 
 def test_bench_linear_precompiles_each_distinct_kernel_of_the_sweep_once():
