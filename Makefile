@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" "numpy<2"
-	$(PY) -m pip install -q -e ".[server,build,dev]"
+	$(PY) -m pip install -q -e ".[server,build,dev,bench]"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -18,7 +18,9 @@ class LinearConfig(NamedTuple):
     """One launch configuration of `_skinny_linear_kernel`.
 
     `split_k`: K-ranges (1 = no workspace, no reduce kernel); `block_m`: token rows per program
-    (a power of 2; >= 16 with `use_dot`); `block_n`, `block_k`: weight tile (elements).
+    (a power of 2; >= 16 with `use_dot`); `block_n`, `block_k`: weight tile (elements);
+    `fixup` (with `split_k` > 1): the tile's last program reduces the partials, instead of a
+    second kernel (`kernels.linear_kernels`; never concurrently on two streams of a device).
     """
 
     use_dot: bool
@@ -28,6 +30,7 @@ class LinearConfig(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int
+    fixup: bool = False
 
 
 def m_bucket(m: int) -> int:
