@@ -54,6 +54,8 @@ class LaunchConfig:
         grpc_port, http_port, metrics_port: tritonserver's TCP ports on ``triton_host``.
         startup_timeout_s: seconds each server may take to become ready.
         triton_log: tritonserver's log file (None: a temp file).
+        tensor_parallel_size: ranks the engine splits the model across
+            (``TRITONLLM_TENSOR_PARALLEL_SIZE``; None: the repository's setting, 1).
     """
 
     model: str | None = None
@@ -66,6 +68,7 @@ class LaunchConfig:
     metrics_port: int = 8002
     startup_timeout_s: float = 600.0
     triton_log: Path | None = None
+    tensor_parallel_size: int | None = None
 
     @property
     def base_url(self) -> str:
@@ -123,10 +126,13 @@ def serve(cfg: LaunchConfig) -> int:
     model = resolve_model(cfg.model)
     model_name = cfg.model_name or served_name(model)
     # TRITONLLM_MODEL goes through env (not model_path) so a hub id is not turned into a path.
+    env = {"TRITONLLM_MODEL": model}
+    if cfg.tensor_parallel_size is not None:
+        env["TRITONLLM_TENSOR_PARALLEL_SIZE"] = str(cfg.tensor_parallel_size)
     triton = TritonServer(
         model_path=None,
         model_repository=MODEL_REPOSITORY,
-        env={"TRITONLLM_MODEL": model},
+        env=env,
         log_path=cfg.triton_log,
         http_port=cfg.http_port,
         grpc_port=cfg.grpc_port,
@@ -196,6 +202,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     p.add_argument("--metrics-port", type=int, default=8002, help="tritonserver metrics port")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds per server")
     p.add_argument("--triton-log", type=Path, default=None, help="tritonserver log file")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, help="ranks (GPUs) per model")
     a = p.parse_args(argv)
     return LaunchConfig(
         model=a.model,
@@ -208,6 +215,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         metrics_port=a.metrics_port,
         startup_timeout_s=a.startup_timeout,
         triton_log=a.triton_log,
+        tensor_parallel_size=a.tensor_parallel_size,
     )
 
 

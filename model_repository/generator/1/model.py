@@ -176,7 +176,7 @@ class TritonPythonModel:
         self.last_cancel_scan = time.monotonic()
         config, serving = engine_config(params), serving_config(params)
         self.engine: EngineClient
-        if serving.use_engine_process(config.device):
+        if serving.use_engine_process(config.device, config.tensor_parallel_size):
             self.engine = EngineProcess(config)  # RuntimeError with the reason fails the load
         else:
             self.engine = EngineThread(LLMEngine(config))
