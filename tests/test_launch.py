@@ -445,3 +445,36 @@ def test_readme_plain_tritonserver_recipe_serves(tiny_model_dir, tmp_path):
     finally:
         stop_process_group(process, 30)
         _kill_marked(entry)
+
+
+def test_tensor_parallel_flag_reaches_the_servers_environment(monkeypatch, tmp_path):
+    """``--tensor-parallel-size 2`` becomes ``TRITONLLM_TENSOR_PARALLEL_SIZE=2`` in
+    tritonserver's environment (what the generator reads); without it, nothing is set."""
+    import tritonllm.launch as launch
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, **kwargs):
+            seen.append(kwargs["env"])
+            self.process = None
+
+        def start(self, timeout):
+            raise RuntimeError("recorded")
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(launch, "TritonServer", Recorder)
+    model = str(tmp_path)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:  # serve() installs its own handlers, and ignores both signals when it returns
+        assert launch.serve(parse_args(["--model", model, "--tensor-parallel-size", "2"])) == 1
+        assert launch.serve(parse_args(["--model", model])) == 1
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert seen == [
+        {"TRITONLLM_MODEL": model, "TRITONLLM_TENSOR_PARALLEL_SIZE": "2"},
+        {"TRITONLLM_MODEL": model},
+    ]

@@ -4,6 +4,7 @@ group with the collectives the layers call (`group`)."""
 from tritonllm.distributed.group import (
     MULTICAST_OFF_ENV,
     TensorParallelGroup,
+    disable_multicast,
     init_tensor_parallel,
     rank_device,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "ModelShard",
     "Span",
     "TensorParallelGroup",
+    "disable_multicast",
     "init_tensor_parallel",
     "partition_heads",
     "rank_device",

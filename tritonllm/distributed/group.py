@@ -31,6 +31,12 @@ MULTICAST_OFF_ENV = {
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def disable_multicast() -> None:
+    """Put `MULTICAST_OFF_ENV` into this process' environment (inherited by every process it
+    starts from now on)."""
+    os.environ.update(MULTICAST_OFF_ENV)
+
+
 def rank_device(device: str, rank: int) -> str:
     """The device of rank `rank` when the engine's device is `device`: "cpu" for every rank on
     CPU; the (index + rank)-th GPU on CUDA ("cuda" counts as "cuda:0")."""
@@ -98,7 +104,7 @@ def init_tensor_parallel(rank: int, size: int, store_path: str, device: str) -> 
     Raises:
         RuntimeError: a CUDA device that does not exist, or a failed rendezvous.
     """
-    os.environ.update(MULTICAST_OFF_ENV)
+    disable_multicast()
     dev = torch.device(device)
     if dev.type == "cuda":
         if dev.index is not None and dev.index >= torch.cuda.device_count():

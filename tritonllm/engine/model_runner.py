@@ -152,6 +152,7 @@ class ModelRunner:
                 config.max_pages_per_seq,
                 self.model_config.vocab_size,
                 self.device,
+                capture_error_mode="global" if tp is None else "thread_local",
             )
 
     # ---- inputs -----------------------------------------------------------------------------

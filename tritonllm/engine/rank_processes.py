@@ -7,7 +7,9 @@
 The parent spawns every rank (multiprocessing `spawn`) from `EngineProcess`'s receiver thread,
 so that `PR_SET_PDEATHSIG` kills them all when that thread or the whole parent dies, and
 creates what they need to meet: the rendezvous file of the process group and one pipe from
-rank 0 to each other rank (`engine_child.RankLink`). It also watches them: a thread waits on
+rank 0 to each other rank (`engine_child.RankLink`). It puts `distributed.MULTICAST_OFF_ENV`
+into its own environment first (`distributed.disable_multicast`), so every rank starts with NVLink multicast off (each sets it
+again before torch.distributed initialises). It also watches them: a thread waits on
 every rank's exit, and the first unexpected exit is reported to `EngineProcess`, which kills
 the rest (a rank without its peers can only hang in a collective) and fails the requests in
 flight.
@@ -25,6 +27,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.context import SpawnContext, SpawnProcess
 
 from tritonllm.config import EngineConfig
+from tritonllm.distributed import ModelShard, disable_multicast
 from tritonllm.engine.engine_child import RankLink, worker_main
 
 
@@ -39,10 +42,19 @@ class WorkerRanks:
     Attributes:
         rank0: the `RankLink` to start rank 0 with (`engine_child.engine_main`).
         processes: ranks 1..N-1, named `tritonllm-tp<rank>`.
+
+    Raises:
+        RuntimeError: the model's config cannot be read or its heads cannot be split into
+            `tensor_parallel_size` ranks (refused before any rank is started).
     """
 
     def __init__(self, ctx: SpawnContext, config: EngineConfig, parent_pid: int) -> None:
         size = config.tensor_parallel_size
+        try:
+            ModelShard.of(config.model_config, 0, size)
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"engine failed to start: {type(exc).__name__}: {exc}") from exc
+        disable_multicast()  # inherited by every rank (rank 0 included)
         fd, self.store_path = tempfile.mkstemp(prefix="tritonllm-tp-", suffix=".store")
         os.close(fd)  # FileStore takes an empty file
         pipes = [ctx.Pipe(duplex=False) for _ in range(1, size)]
