@@ -15,6 +15,7 @@ import threading
 
 import pytest
 import torch
+from test_engine_helpers import checkpoint
 from test_engine_thread import TIMEOUT, Collector
 from tp_helpers import assert_same_greedy, run_client
 
@@ -233,3 +234,11 @@ def test_a_tensor_parallel_size_the_heads_cannot_split_fails_the_start_with_the_
     config = dataclasses.replace(_tiny_config(tiny_model_dir, 1), tensor_parallel_size=5)
     with pytest.raises(RuntimeError, match=r"tensor_parallel_size must be in 1\.\.4"):
         EngineProcess(config)
+
+
+def test_an_in_process_engine_refuses_a_tensor_parallel_size():
+    """Only `EngineProcess` starts ranks: `LLMEngine` (and so `EngineThread`) with a size above
+    1 fails rather than silently holding the whole model."""
+    config = EngineConfig(model=checkpoint("qwen3"), page_size=4, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 runs one process per rank"):
+        LLMEngine(config)

@@ -93,6 +93,10 @@ class ModelRunner:
             loads its shard; its KV cache and attention backend hold its heads only; the ranks
             agree on the smallest pool size.
         followers: rank 0 only: the links to ranks 1..N-1 that `run` sends each step to.
+
+    Raises:
+        ValueError: `tp` does not match `config.tensor_parallel_size` (a size above 1 needs
+            its ranks' processes: `EngineProcess` starts them).
     """
 
     def __init__(
@@ -105,6 +109,11 @@ class ModelRunner:
         self.model_config = config.model_config
         self.device = config.torch_device
         self.page_size = config.page_size
+        if (1 if tp is None else tp.size) != config.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={config.tensor_parallel_size} runs one process per rank: "
+                "use EngineProcess (an engine in this process holds the whole model)"
+            )
         self.tp, self.followers = tp, followers
         if self.device.type == "cuda":
             _set_kernel_switches(config)
@@ -291,7 +300,21 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> LaunchedStep:
         """Enqueue the forward and sampling of `batch`; no host sync. The engine commits the
-        returned step and later takes its samples with `LaunchedStep.result()`."""
+        returned step and later takes its samples with `LaunchedStep.result()`.
+
+        Raises:
+            SystemExit: tensor-parallel rank 0 only, when the step failed (a rank is gone, a
+                collective failed, ...): the ranks would be out of step, so no caller may go
+                on; the process ends and `EngineProcess` fails the engine.
+        """
+        if self.tp is None:
+            return self._launch(batch)
+        try:
+            return self._launch(batch)
+        except Exception as exc:
+            raise SystemExit(f"tensor-parallel rank 0: step failed: {exc!r}") from exc
+
+    def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         fwd = self.build_inputs(batch)
         if self.followers is not None:  # before the forward: its collectives need every rank
             self.followers.send(fwd.host, len(fwd.sample_reqs))

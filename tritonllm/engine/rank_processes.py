@@ -94,16 +94,18 @@ class WorkerRanks:
         self._ends = []
 
     def _watch(self, rank0: SpawnProcess, stopping: Callable[[], bool]) -> None:
-        ranks = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
-        ready = wait([rank0.sentinel, *ranks])
-        first = min(ranks.get(s, 0) for s in ready if isinstance(s, int))
+        ready = set(wait([rank0.sentinel, *(p.sentinel for p in self.processes)]))
         if stopping():
             return  # shut down: the ranks exit one after the other
-        if first:
-            dead = self.processes[first - 1]
-            dead.join(5.0)  # its sentinel closes as it exits, a moment before it can be reaped
-            self.dead_rank = (first, dead.exitcode)
-            rank0.kill()  # its end of file fails the requests in flight (EngineProcess)
+        # A rank that dies makes rank 0 fail at its next collective or step message: when rank
+        # 0 is gone too, a rank that exited around then is the cause.
+        for rank, p in enumerate(self.processes, start=1):
+            # A sentinel closes as its process exits, a moment before it can be reaped.
+            p.join(5.0 if p.sentinel in ready else 0.5 if rank0.sentinel in ready else 0.0)
+            if p.exitcode is not None:
+                self.dead_rank = (rank, p.exitcode)
+                break
+        rank0.kill()  # its end of file fails the requests in flight (EngineProcess)
         self.kill()
 
     def alive(self) -> bool:
