@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -261,6 +262,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Chat until ``/exit`` or Ctrl-D."""
     args = parse_args(argv)
+    # Ctrl-C must reach this process even when started with SIGINT ignored (a background job
+    # of a non-interactive shell inherits that): it stops a reply.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
