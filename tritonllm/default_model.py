@@ -114,7 +114,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
         )
         # transformers refuses to save a model that carries a quantizer; the tensors are
         # already plain float32, so dropping the marker saves them as they are.
-        model.hf_quantizer = None
+        # (nn.Module types every attribute as a tensor or module, hence the ignore)
+        model.hf_quantizer = None  # type: ignore[assignment]
         del model.config.quantization_config
         bar.update()
         bar.set_postfix_str(steps[2])
