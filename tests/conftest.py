@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: the tiny offline checkpoint and a real tritonserver serving it."""
+"""Shared pytest fixtures: the tiny offline checkpoint and a real tritonserver serving it, and
+the trained default model (``smollm2_fixtures.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from frontend_fixtures import sidecar  # noqa: F401  (the OpenAI sidecar fixture)
+from smollm2_fixtures import smollm2_dir, smollm2_service, smollm2_tokenizer  # noqa: F401
 
 
 def _has_cuda() -> bool:

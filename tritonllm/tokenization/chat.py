@@ -9,6 +9,7 @@ is written here, without function-calling support, since the service takes no ``
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,19 +90,41 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
     return cleaned
 
 
-def render_chat(
-    tokenizer: Any, messages: Sequence[dict[str, str]], enable_thinking: bool = True
-) -> str:
-    """The prompt text of ``messages`` with the generation prompt, by the tokenizer's template.
+def template_uses(template: str, variable: str) -> bool:
+    """Whether the chat template ``template`` (Jinja source) refers to ``variable``.
 
+    A name match on the source: a template option such as Qwen3's ``enable_thinking`` is a
+    plain variable of the template, never spelled inside another identifier.
+    """
+    return re.search(rf"\b{re.escape(variable)}\b", template) is not None
+
+
+def render_chat(
+    tokenizer: Any, messages: Sequence[dict[str, str]], enable_thinking: bool | None = None
+) -> str:
+    """The prompt text of ``messages`` with the generation prompt, by the tokenizer's own chat
+    template (``tokenizer_config.json`` / ``chat_template.jinja`` of the model directory).
+
+    Args:
+        enable_thinking: passed to the template only when given; None leaves the template's
+            default (Qwen3: thinking on).
     Raises:
-        ValueError: invalid messages (see ``validate_messages``) or no chat template.
+        ValueError: invalid messages (see ``validate_messages``), no chat template, or
+            ``enable_thinking`` given for a template that has no such option.
     """
     cleaned = validate_messages(messages)
-    if not getattr(tokenizer, "chat_template", None):
+    template = tokenizer.chat_template
+    if not template:
         raise ValueError("the tokenizer has no chat template; send text_input instead")
+    options = {}
+    if enable_thinking is not None:
+        if not template_uses(str(template), "enable_thinking"):
+            raise ValueError(
+                "enable_thinking is not supported: the model's chat template has no such option"
+            )
+        options["enable_thinking"] = enable_thinking
     return tokenizer.apply_chat_template(
-        cleaned, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+        cleaned, tokenize=False, add_generation_prompt=True, **options
     )
 
 
@@ -109,21 +132,23 @@ def render_prompt(
     tokenizer: Any,
     text_input: str | None = None,
     messages: Sequence[dict[str, str]] | None = None,
-    enable_thinking: bool = True,
+    enable_thinking: bool | None = None,
 ) -> list[int]:
     """Prompt token ids from exactly one of ``text_input`` or ``messages``.
 
     ``text_input`` is encoded as is: no chat template, no special tokens added (special-token
     text such as ``<|im_start|>`` inside it is still recognised, as Hugging Face does).
     ``messages`` go through the chat template with the assistant generation prompt;
-    ``enable_thinking=False`` pre-fills an empty ``<think>`` block (Qwen3 convention).
+    ``enable_thinking=False`` pre-fills an empty ``<think>`` block (Qwen3 convention; refused
+    for a template without that option, see ``render_chat``).
 
     Args:
         tokenizer: a Hugging Face tokenizer (``PreTrainedTokenizerFast``-like).
     Returns:
         Prompt ids, ``list[int]`` (may be empty for ``text_input=""``).
     Raises:
-        ValueError: neither or both inputs given, ``text_input`` not a string, invalid messages.
+        ValueError: neither or both inputs given, ``text_input`` not a string, invalid messages,
+            ``enable_thinking`` for a template without it.
     """
     if (text_input is None) == (messages is None):
         raise ValueError("give exactly one of text_input or messages")

@@ -26,7 +26,7 @@ except ImportError:  # not pip-installed: use the checkout that holds this repos
 from tritonllm.engine.stop_strings import apply_trim
 from tritonllm.serving.logprobs import logprob_entries
 from tritonllm.tokenization.detokenizer import Detokenizer
-from tritonllm.triton_config import model_parameters, resolve_model_path
+from tritonllm.triton_config import model_parameters, served_model_dir
 
 PASS_THROUGH = ("finish_reason", "num_input_tokens", "num_output_tokens", "cached_tokens")
 # Optional inputs (sent by the generator only when logprobs were requested): passed through.
@@ -37,7 +37,7 @@ class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
 
-        path = resolve_model_path(model_parameters(args["model_config"]))
+        path = served_model_dir(model_parameters(args["model_config"]))
         self.detokenizer = Detokenizer(AutoTokenizer.from_pretrained(path))
 
     def _response(self, request):

@@ -42,7 +42,12 @@ from tritonllm.serving.metrics import (
 from tritonllm.serving.request_table import RequestTable
 from tritonllm.serving.response_streamer import ResponseStreamer
 from tritonllm.serving.stream_state import ResponseChunk, StreamState
-from tritonllm.triton_config import engine_config, model_parameters, serving_config
+from tritonllm.triton_config import (
+    engine_config,
+    model_parameters,
+    served_model_dir,
+    serving_config,
+)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Prefix of errors that are the server's fault, not the request's (the sidecar maps them to
@@ -174,6 +179,7 @@ class TritonPythonModel:
         self.metrics = _Metrics()
         self.new_tokens = 0
         self.last_cancel_scan = time.monotonic()
+        served_model_dir(params)  # a missing model directory fails the load with how to build it
         config, serving = engine_config(params), serving_config(params)
         self.engine: EngineClient
         if serving.use_engine_process(config.device):

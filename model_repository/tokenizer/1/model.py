@@ -17,7 +17,7 @@ except ImportError:  # not pip-installed: use the checkout that holds this repos
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tritonllm.tokenization.chat import render_prompt
-from tritonllm.triton_config import model_parameters, resolve_model_path
+from tritonllm.triton_config import model_parameters, served_model_dir
 
 
 def _text(request, name):
@@ -44,7 +44,7 @@ def _prompt_ids(tokenizer, request):
         except json.JSONDecodeError as exc:
             raise ValueError(f"messages is not valid JSON: {exc}") from None
     thinking = pb_utils.get_input_tensor_by_name(request, "enable_thinking")
-    enable_thinking = True if thinking is None else bool(thinking.as_numpy().reshape(-1)[0])
+    enable_thinking = None if thinking is None else bool(thinking.as_numpy().reshape(-1)[0])
     return render_prompt(tokenizer, text_input, messages, enable_thinking=enable_thinking)
 
 
@@ -52,7 +52,7 @@ class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
 
-        path = resolve_model_path(model_parameters(args["model_config"]))
+        path = served_model_dir(model_parameters(args["model_config"]))
         self.tokenizer = AutoTokenizer.from_pretrained(path)
 
     def execute(self, requests):
