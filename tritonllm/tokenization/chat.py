@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 QWEN3_CHAT_TEMPLATE = (
@@ -70,23 +72,30 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
     Returns:
         The messages as plain ``{"role", "content"}`` dicts.
     Raises:
-        ValueError: with a message naming the first offending entry.
+        RequestError: (``invalid_value``, param ``messages``) with a message naming the first
+            offending entry.
     """
     if not isinstance(messages, list | tuple) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
+        raise _bad_messages("messages must be a non-empty list of {'role': str, 'content': str}")
     cleaned = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+            raise _bad_messages(f"messages[{i}] must be an object with 'role' and 'content'")
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str):
-            raise ValueError(f"messages[{i}].role must be a string")
+            raise _bad_messages(f"messages[{i}].role must be a string")
         if role not in CHAT_ROLES:
-            raise ValueError(f"messages[{i}].role {role!r} is not one of {', '.join(CHAT_ROLES)}")
+            raise _bad_messages(
+                f"messages[{i}].role {short_repr(role)} is not one of {', '.join(CHAT_ROLES)}"
+            )
         if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string")
+            raise _bad_messages(f"messages[{i}].content must be a string")
         cleaned.append({"role": role, "content": content})
     return cleaned
+
+
+def _bad_messages(message: str) -> RequestError:
+    return RequestError(ErrorCode.INVALID_VALUE, "messages", message)
 
 
 def render_chat(
@@ -95,11 +104,16 @@ def render_chat(
     """The prompt text of ``messages`` with the generation prompt, by the tokenizer's template.
 
     Raises:
-        ValueError: invalid messages (see ``validate_messages``) or no chat template.
+        RequestError: invalid messages (see ``validate_messages``) or no chat template
+            (``unsupported_parameter``).
     """
     cleaned = validate_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template; send text_input instead")
+        raise RequestError(
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            "messages",
+            "the tokenizer has no chat template; send text_input instead",
+        )
     return tokenizer.apply_chat_template(
         cleaned, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
     )
@@ -123,13 +137,20 @@ def render_prompt(
     Returns:
         Prompt ids, ``list[int]`` (may be empty for ``text_input=""``).
     Raises:
-        ValueError: neither or both inputs given, ``text_input`` not a string, invalid messages.
+        RequestError: neither (``missing_input``) or both inputs given, ``text_input`` not a
+            string, invalid messages (``invalid_value``).
     """
-    if (text_input is None) == (messages is None):
-        raise ValueError("give exactly one of text_input or messages")
+    if text_input is None and messages is None:
+        raise RequestError(
+            ErrorCode.MISSING_INPUT, "text_input", "give exactly one of text_input or messages"
+        )
+    if text_input is not None and messages is not None:
+        raise RequestError(
+            ErrorCode.INVALID_VALUE, "messages", "give exactly one of text_input or messages"
+        )
     if text_input is not None:
         if not isinstance(text_input, str):
-            raise ValueError("text_input must be a string")
+            raise RequestError(ErrorCode.INVALID_VALUE, "text_input", "text_input must be a string")
         return list(tokenizer.encode(text_input, add_special_tokens=False))
     text = render_chat(tokenizer, messages, enable_thinking=enable_thinking)
     return list(tokenizer.encode(text, add_special_tokens=False))
