@@ -4,14 +4,15 @@ Triton's response path tops out near 7k responses/s through the ensemble (ARCHIT
 "Platform facts"), well below what the engine can generate on a GPU. The
 sender therefore merges every output of one request that is waiting in its queue into a single
 response: one token per response when the server is idle, several under load. Outputs are keyed
-by the engine's request id, so the n children ``"{id}#{i}"`` of one request are never merged.
+by (request id, choice index), so the n choices of one request are never merged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import is_dataclass, replace
-from typing import Any
+from dataclasses import replace
+
+from tritonllm.engine.request import RequestOutput
 
 
 def _concat(first: list | None, second: list | None) -> list | None:
@@ -22,34 +23,37 @@ def _concat(first: list | None, second: list | None) -> list | None:
     return list(first or []) + list(second or [])
 
 
-def _merged(previous: Any, output: Any) -> Any:
-    """``output`` (dataclass or NamedTuple ``RequestOutput``) with ``previous``'s ids and
-    logprobs in front of its own."""
-    changes = {"new_token_ids": list(previous.new_token_ids) + list(output.new_token_ids)}
-    for name in ("logprobs", "top_logprobs"):
-        if hasattr(output, name):
-            changes[name] = _concat(getattr(previous, name), getattr(output, name))
-    if is_dataclass(output):
-        return replace(output, **changes)
-    return output._replace(**changes)
+def _merged(previous: RequestOutput, output: RequestOutput) -> RequestOutput:
+    """``output`` with ``previous``'s ids and logprobs in front of its own."""
+    return replace(
+        output,
+        new_token_ids=list(previous.new_token_ids) + list(output.new_token_ids),
+        logprobs=_concat(previous.logprobs, output.logprobs),
+        top_logprobs=_concat(previous.top_logprobs, output.top_logprobs),
+    )
 
 
-def coalesce(outputs: Iterable[Any]) -> list[Any]:
+def coalesce(outputs: Iterable[RequestOutput]) -> list[RequestOutput]:
     """Merge the outputs of each request into one, keeping per-request order.
 
     Args:
         outputs: ``RequestOutput`` objects in the order the engine produced them.
     Returns:
-        One ``RequestOutput`` per request id, in order of first appearance: its
+        One ``RequestOutput`` per (request id, index), in the order of the last output merged
+        into each (so the output that ends a request, ``request_finished``, stays behind every
+        other output of that request's choices): its
         ``new_token_ids`` (and ``logprobs`` / ``top_logprobs``) are the concatenation of the
         merged outputs'; ``finished``, ``finish_reason`` and the token counts are those of the
         last one. Outputs that arrive after a request's finished output are dropped (stale).
     """
-    merged: dict[str, Any] = {}
+    merged: dict[tuple[str, int], RequestOutput] = {}
     for output in outputs:
-        previous = merged.get(output.request_id)
+        key = (output.request_id, output.index)
+        previous = merged.pop(key, None)
         if previous is None:
-            merged[output.request_id] = output
+            merged[key] = output
         elif not previous.finished:
-            merged[output.request_id] = _merged(previous, output)
+            merged[key] = _merged(previous, output)
+        else:
+            merged[key] = previous  # stale: an output after the finished one is dropped
     return list(merged.values())
