@@ -367,12 +367,13 @@ def test_coalesce_and_stream_state_carry_logprobs_per_choice():
             out("r", [], "abort"),
         ]
     )
-    # Choices of one request are merged by index, never with each other.
+    # Choices of one request are merged by index, never with each other (in the order of
+    # their last outputs).
     assert [(m.index, m.new_token_ids, m.logprobs) for m in merged] == [
-        (0, [1, 2], [-0.1, -0.2]),
         (1, [5], [-0.5]),
+        (0, [1, 2], [-0.1, -0.2]),
     ]
-    ids, values = flatten_top_logprobs(merged[0].top_logprobs, 2)
+    ids, values = flatten_top_logprobs(merged[1].top_logprobs, 2)
     assert ids.tolist() == [1, 2, 2, 3] and values.tolist() == pytest.approx(
         [-0.1, -1.1, -0.2, -1.2]
     )

@@ -30,6 +30,7 @@ except ImportError:  # not pip-installed: use the checkout that holds this repos
 
 from tritonllm.contract.errors import ErrorCode, encode_error
 from tritonllm.engine.stop_strings import apply_trim
+from tritonllm.serving.bls import abort_generation
 from tritonllm.serving.cancel_watch import CancelWatch
 from tritonllm.serving.logprobs import logprob_entries
 from tritonllm.tokenization.detokenizer import Detokenizer
@@ -103,18 +104,8 @@ class TritonPythonModel:
         request_id = request.request_id() if key is None else _first_text(key)
         if not self.cancel_watch.should_abort(request_id, final, request.is_cancelled):
             return
-        abort = np.array([request_id.encode("utf-8")], dtype=np.object_)
-        control = pb_utils.InferenceRequest(
-            model_name="generator",
-            inputs=[pb_utils.Tensor("abort_request_id", abort)],
-            requested_output_names=[],
-        )
-        for response in control.exec(decoupled=True):
-            if response.has_error():
-                self.logger.log_warn(
-                    f"detokenizer: abort of cancelled request {request_id!r} failed: "
-                    f"{response.error().message()}"
-                )
+        for error in abort_generation(pb_utils, request_id):
+            self.logger.log_warn(f"detokenizer: abort of {request_id!r} failed: {error}")
 
     def execute(self, requests):
         responses = []

@@ -18,7 +18,6 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 try:
@@ -28,6 +27,7 @@ except ImportError:  # not pip-installed: use the checkout that holds this repos
 
 from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
 from tritonllm.contract.tensors import TRTLLM_ENSEMBLE
+from tritonllm.serving.bls import abort_generation
 from tritonllm.serving.trtllm_convention import OutputState, llm_inputs
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -44,17 +44,6 @@ def _parameters(request):
     """The request's Triton parameters for the ``llm`` request (BLS takes bool/int/str)."""
     raw = json.loads(request.parameters() or "{}")
     return {k: v if isinstance(v, bool | int | str) else str(v) for k, v in raw.items()}
-
-
-def _abort(key):
-    abort = np.array([key.encode("utf-8")], dtype=np.object_)
-    control = pb_utils.InferenceRequest(
-        model_name="generator",
-        inputs=[pb_utils.Tensor("abort_request_id", abort)],
-        requested_output_names=[],
-    )
-    for _ in control.exec(decoupled=True):
-        pass
 
 
 def _generate(request, sender):
@@ -87,7 +76,7 @@ def _generate(request, sender):
         if now - checked >= CANCEL_CHECK_S:
             checked = now
             if sender.is_cancelled():
-                _abort(key)
+                abort_generation(pb_utils, key)
                 aborted = True
                 continue
         tensors = state.outputs(outputs, translation.return_log_probs)
