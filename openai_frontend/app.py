@@ -25,8 +25,8 @@ from .triton_client import TritonClient
 # small enough that tokenizing a rejected giant prompt cannot stall other requests for seconds.
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 # Longer than any silence a healthy backend has (a fresh GPU machine compiles its prefill
-# kernels on the first request: ~60-80 s on the H200), short enough that a request whose
-# generator died does not hang its client forever.
+# kernels on the first request: ARCHITECTURE.md, "Platform facts", FlashInfer), short enough
+# that a request whose generator died does not hang its client forever.
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
 
 
@@ -134,6 +134,7 @@ def create_app(
             await client.close()
 
     app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
+    app.state.server = None  # the lifespan sets it (the gRPC channel needs the running loop)
     install_error_handlers(app)
 
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
@@ -183,12 +184,16 @@ def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, which on shutdown first aborts the generations in flight: uvicorn
-        waits for open responses to finish, and a long stream would otherwise hold the
+        """uvicorn's server of `app`, which on shutdown first aborts the generations in flight:
+        uvicorn waits for open responses to finish, and a long stream would otherwise hold the
         shutdown until the launcher's SIGKILL (and leave its work in Triton)."""
 
+        def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+            super().__init__(config)
+            self.app = app
+
         async def shutdown(self, sockets=None) -> None:
-            state = getattr(self.config.app.state, "server", None)
+            state = self.app.state.server  # None before the lifespan started
             if state is not None and state.live:
                 await state.abort_all(timeout=5.0)
             await super().shutdown(sockets)
@@ -211,4 +216,4 @@ def main(argv: list[str] | None = None) -> None:
         stream_idle_timeout_s=args.stream_idle_timeout or None,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-    _server_class()(config).run()
+    _server_class()(config, app).run()

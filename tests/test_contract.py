@@ -147,5 +147,6 @@ def test_contract_package_has_no_heavy_imports():
                     "enum",
                     "json",
                     "math",
+                    "typing",
                     "tritonllm",
                 }, f"{path.name}: {line}"

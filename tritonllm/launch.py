@@ -137,6 +137,7 @@ def serve(cfg: LaunchConfig) -> int:
     try:
         print(f"starting tritonserver (model {model}) ...", flush=True)
         triton.start(timeout=cfg.startup_timeout_s)
+        assert triton.process is not None  # start() returns with the server running
         print(f"tritonserver pid {triton.process.pid}, log {triton.log_path}", flush=True)
         command = sidecar_command(triton.grpc_url, cfg.port, cfg.host, model_name)
         sidecar = start_process_group(command, cwd=REPO_ROOT)

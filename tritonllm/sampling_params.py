@@ -162,15 +162,18 @@ def _in(value: object, allowed: limits.Range, kind: type) -> bool:
 
 def _in_range(name: str, value: object, allowed: limits.Range) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        _check(False, name, f"a number {allowed.describe()}", value)
+        raise _error(name, f"a number {allowed.describe()}", value)
     # NaN and infinities are refused; every float parameter has a finite range.
     if not math.isfinite(value):
-        _check(False, name, f"a finite number {allowed.describe()}", value)
+        raise _error(name, f"a finite number {allowed.describe()}", value)
     _check(value in allowed, name, allowed.describe(), value)
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
     if not ok:
-        raise RequestError(
-            ErrorCode.INVALID_VALUE, name, f"{name} must be {allowed}, got {short_repr(value)}"
-        )
+        raise _error(name, allowed, value)
+
+
+def _error(name: str, allowed: str, value: object) -> RequestError:
+    message = f"{name} must be {allowed}, got {short_repr(value)}"
+    return RequestError(ErrorCode.INVALID_VALUE, name, message)

@@ -9,9 +9,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypedDict
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class Bounds(TypedDict, total=False):
+    """A range as pydantic ``Field`` keyword arguments."""
+
+    ge: float
+    gt: float
+    le: float
+    lt: float
 
 
 @dataclass(frozen=True)
@@ -44,13 +54,19 @@ class Range:
             return f"{'<' if self.high_open else '<='} {_num(self.high)}"
         return "a finite number"
 
-    def field_bounds(self) -> dict[str, float]:
+    def field_bounds(self) -> Bounds:
         """The bounds as pydantic ``Field`` keyword arguments (``ge``/``gt``/``le``/``lt``)."""
-        bounds: dict[str, float] = {}
+        bounds = Bounds()
         if self.low is not None:
-            bounds["gt" if self.low_open else "ge"] = self.low
+            if self.low_open:
+                bounds["gt"] = self.low
+            else:
+                bounds["ge"] = self.low
         if self.high is not None:
-            bounds["lt" if self.high_open else "le"] = self.high
+            if self.high_open:
+                bounds["lt"] = self.high
+            else:
+                bounds["le"] = self.high
         return bounds
 
 

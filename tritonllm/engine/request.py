@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,12 +24,13 @@ class Request:
     """One sequence being generated.
 
     `index` is the choice (0..n-1) of a request with `params.n > 1`; the engine keys a request
-    by `key` = (request_id, index). `max_tokens` is the resolved output limit (tokens; the
-    engine sets it from `params.max_tokens` or the room left in the context). `token_ids` is
-    prompt + generated tokens. `num_computed` tokens of it have K/V in the
-    cache (in `pages`); the first `num_tree_pages` pages belong to the radix cache and are
+    by `key` = (request_id, index). `max_tokens` is the resolved output limit in tokens (the
+    engine passes `params.max_tokens` or the room left in the context; left 0, it is
+    `params.max_tokens`, or no limit). `token_ids` is prompt + generated tokens. `num_computed`
+    tokens of it have K/V in the cache (in `pages`); the first `num_tree_pages` pages belong to
+    the prefix cache and are
     locked through `tree_node` while the request holds them. `page_row` is the request's row
-    in the scheduler's `HostPageTable` (-1 while it holds no pages).
+    in the cache manager's `HostPageTable` (-1 while it holds no pages).
 
     The prompt and the sampling params never change after construction, so what the hot path
     asks of them each step is computed once: `num_prompt_tokens`, `uses_penalties` (any of
@@ -41,7 +43,7 @@ class Request:
     params: SamplingParams
     arrival: int  # admission order key: larger is newer (the preemption victim)
     index: int = 0
-    max_tokens: int | None = None  # None: params.max_tokens
+    max_tokens: int = 0  # 0: not resolved (see the class docstring)
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     pages: list[int] = field(default_factory=list)
@@ -68,8 +70,8 @@ class Request:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
         p = self.params
-        if self.max_tokens is None:
-            self.max_tokens = p.max_tokens
+        if not self.max_tokens:
+            self.max_tokens = sys.maxsize if p.max_tokens is None else p.max_tokens
         self.num_prompt_tokens = len(self.prompt_ids)
         self.uses_penalties = bool(
             p.repetition_penalty != 1.0

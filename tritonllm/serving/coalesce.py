@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from tritonllm.engine.request import RequestOutput
+if TYPE_CHECKING:
+    from tritonllm.engine.request import RequestOutput
 
 
 def _concat(first: list | None, second: list | None) -> list | None:

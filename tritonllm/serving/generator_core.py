@@ -26,21 +26,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from tritonllm.contract import tensors
 from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
+from tritonllm.engine.client import EngineClient
 from tritonllm.engine.request import RequestOutput
 from tritonllm.serving.inputs import generate_request, scalar
 from tritonllm.serving.request_table import RequestTable
 from tritonllm.serving.response_streamer import ResponseStreamer
 from tritonllm.serving.stream_state import ResponseChunk, StreamState
-
-if TYPE_CHECKING:
-    from tritonllm.engine.engine_process import EngineProcess
-    from tritonllm.engine.engine_thread import EngineThread
 
 # How often a live request's client is asked whether it cancelled (seconds).
 CANCEL_CHECK_S = 0.2
@@ -77,7 +74,7 @@ class GeneratorCore:
     """Requests in, responses out, for one generator instance.
 
     Args:
-        engine: the engine front (``EngineThread`` or ``EngineProcess``).
+        engine: the engine front (an ``EngineClient``: ``EngineThread`` or ``EngineProcess``).
         on_tick: called on the sender thread every tick with ``(EngineStats, new tokens since
             the last tick, LoopTimes, SenderTimes)`` (the adapter's metrics).
         parent_alive: False once tritonserver (the stub's parent) is gone: the sender thread
@@ -90,7 +87,7 @@ class GeneratorCore:
 
     def __init__(
         self,
-        engine: EngineThread | EngineProcess,
+        engine: EngineClient,
         on_tick: Callable[[Any, int, Any, Any], None],
         parent_alive: Callable[[], bool],
         log_warning: Callable[[str], None],

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tritonllm.engine.request import RequestOutput
 
 # Ids before a response's new ids that the stateless detokenizer gets as context: enough for a
 # UTF-8 character split over byte-level tokens (<= 4) plus a word boundary.
@@ -83,7 +86,7 @@ class StreamState:
     _pending_logprobs: list[float] | None = None
     _pending_top: list[dict[int, float]] | None = None
 
-    def on_output(self, output: Any) -> ResponseChunk | None:
+    def on_output(self, output: RequestOutput) -> ResponseChunk | None:
         """The chunk to send for ``output`` (a ``RequestOutput``), or None if nothing is due."""
         new_ids = [int(t) for t in output.new_token_ids]
         logprobs, top = output.logprobs, output.top_logprobs

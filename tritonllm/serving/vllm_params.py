@@ -167,8 +167,13 @@ def _to_strings(value: Any) -> list[str] | None:
 def _to_ints(value: Any) -> list[int] | None:
     if not isinstance(value, list):
         return None
-    ints = [_to_int(v) for v in value]
-    return None if any(v is None for v in ints) else ints
+    ints = []
+    for item in value:
+        number = _to_int(item)
+        if number is None:
+            return None
+        ints.append(number)
+    return ints
 
 
 _CONVERTERS = {

@@ -148,7 +148,7 @@ def render_prompt(
         raise RequestError(
             ErrorCode.INVALID_VALUE, "messages", "give exactly one of text_input or messages"
         )
-    if text_input is not None:
+    if messages is None:
         if not isinstance(text_input, str):
             raise RequestError(ErrorCode.INVALID_VALUE, "text_input", "text_input must be a string")
         return list(tokenizer.encode(text_input, add_special_tokens=False))

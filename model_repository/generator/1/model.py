@@ -22,6 +22,7 @@ except ImportError:  # not pip-installed: use the checkout that holds this repos
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tritonllm.contract.tensors import GENERATOR
+from tritonllm.engine.client import EngineClient
 from tritonllm.engine.engine import LLMEngine
 from tritonllm.engine.engine_process import EngineProcess
 from tritonllm.engine.engine_thread import EngineThread
@@ -143,6 +144,7 @@ class TritonPythonModel:
         # (Triton 2.51's Python backend): the core stops calling pb_utils once it changed.
         parent_pid = os.getppid()
         config, serving = engine_config(params), serving_config(params)
+        engine: EngineClient
         if serving.use_engine_process(config.device):
             engine = EngineProcess(config)  # RuntimeError with the reason fails the load
         else:
