@@ -78,6 +78,18 @@ def test_llm_ensemble_steps_map_only_declared_tensors():
         assert generator_step.input_map[spec.name] == spec.name
 
 
+def test_the_platform_ceiling_batches_its_post_step_as_the_detokenizer():
+    """benchmarks/ceiling measures Triton's cost of an llm-shaped ensemble: its stand-in for the
+    detokenizer must batch (or not) the same way."""
+    post = text_format.Parse(
+        (REPO_ROOT / "benchmarks/ceiling_repository/ceiling_post/config.pbtxt").read_text(),
+        model_config_pb2.ModelConfig(),
+    )
+    detokenizer = _config("detokenizer")
+    assert post.max_batch_size == detokenizer.max_batch_size
+    assert post.HasField("dynamic_batching") == detokenizer.HasField("dynamic_batching")
+
+
 def test_sidecar_and_engine_share_the_limits():
     """The sidecar's schemas are built from the contract's ranges: one value each, not two."""
     from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -107,6 +108,14 @@ def core():
     core.finalize()
 
 
+def eventually(condition) -> None:
+    """Poll ``condition`` (set from the sender thread) until it holds."""
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.005)
+
+
 def ids(*values, dtype=np.int32):
     return np.array(values, dtype=dtype)
 
@@ -158,7 +167,7 @@ def test_a_cancelled_client_is_aborted_and_gets_its_final_flag_at_once(core):
     sink.wait()
     assert core.engine.aborted == ["c"] and sink.sent == [(None, True)]
     core.engine.emit("c", out("c", [], reason="abort"))  # the engine's late final is dropped
-    sink.wait(lambda: len(core.requests) == 0)
+    eventually(lambda: len(core.requests) == 0)
     assert sink.sent == [(None, True)]
 
 
@@ -167,8 +176,7 @@ def test_a_stream_that_is_gone_aborts_the_generation(core):
     core.execute("g", {"input_ids": ids(1)}, "", sink)
     sink.gone = True
     core.engine.emit("g", out("g", [4]))
-    with sink._cv:
-        sink._cv.wait_for(lambda: core.engine.aborted, TIMEOUT)
+    eventually(lambda: core.engine.aborted)
     assert core.engine.aborted == ["g"]
 
 
