@@ -6,13 +6,10 @@ building numpy arrays). The raw stub is used rather than
 ``tritonclient.grpc.aio.InferenceServerClient.stream_infer`` because every stream here sets the
 reserved request parameter ``triton_enable_empty_final_response``: the empty final response marks
 the end of a decoupled request (the generator answers an abort with exactly that), and that
-client offers no way to set reserved parameters.
-
-Tensor shapes and datatypes come from the model's metadata, so the client sends ``[1]`` or
-``[1, 1]`` scalars as the served config declares them.
-
-Every stream is read to its end; one whose client went away is ended by an abort to the
-generator rather than by cancelling it (``TritonClient.finish`` says why).
+client offers no way to set reserved parameters. Tensor shapes and datatypes come from the
+model's metadata (``[1]`` or ``[1, 1]`` scalars, as the served config declares them). Every
+stream is read to its end; one whose client went away is ended by an abort to the generator
+rather than by cancelling it (``TritonClient.finish`` says why).
 """
 
 from __future__ import annotations
@@ -356,8 +353,7 @@ class TritonClient:
 
     async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
         """Ask the generator to abort ``request_id`` now and free its KV pages (its control
-        request ``abort_request_id``); True when it acknowledged within ``timeout`` s. The
-        generation's stream then ends with finish_reason "abort" within milliseconds."""
+        request ``abort_request_id``); True when it acknowledged within ``timeout`` s."""
         return await self._control(f"abort-{request_id}", {"abort_request_id": request_id}, timeout)
 
     async def finish(

@@ -134,28 +134,18 @@ class LLMEngine:
                 f"request id {short_repr(request_id)} is already in use",
             )
         self._choices[request_id] = set(range(params.n))
-        for index in range(params.n):
-            self._enqueue(request_id, index, list(prompt_ids), params, max_tokens)
-
-    def _enqueue(
-        self,
-        request_id: str,
-        index: int,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        max_tokens: int,
-    ) -> None:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.model_config.eos_token_ids)
-        req = Request(request_id, prompt_ids, params, next(self._arrival), index, max_tokens)
-        req.stop_ids = frozenset(stop)
-        if params.seed is not None:
-            req.generator = self.runner.sampler.make_generator(params.seed + index)
-        if params.stop:
-            req.stop_checker = StopStringChecker(self._detokenizer(), params.stop)
-        self._requests[req.key] = req
-        self.scheduler.add(req)
+        for index in range(params.n):  # the choices share the prompt's pages once cached
+            req = Request(request_id, list(prompt_ids), params, next(self._arrival), index)
+            req.max_tokens, req.stop_ids = max_tokens, frozenset(stop)
+            if params.seed is not None:
+                req.generator = self.runner.sampler.make_generator(params.seed + index)
+            if params.stop:
+                req.stop_checker = StopStringChecker(self._detokenizer(), params.stop)
+            self._requests[req.key] = req
+            self.scheduler.add(req)
 
     def _detokenizer(self) -> Detokenizer:
         # Loaded on first use: only requests with stop strings need text in the engine.
