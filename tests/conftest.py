@@ -62,6 +62,24 @@ def hf_logprobs(tiny_model_dir):
     return run
 
 
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_model_dir):
+    """``hf_greedy(prompt_ids, n)``: n greedy ids from Hugging Face transformers (no EOS stop)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def generate(prompt_ids: list[int], n: int) -> list[int]:
+        ids = list(prompt_ids)
+        for _ in range(n):  # no KV cache: the tiny model recomputes the prefix in microseconds
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+        return ids[len(prompt_ids) :]
+
+    return generate
+
+
 # Engine settings for the served test model: small pages so prompts span several of them, and a
 # KV pool small enough that the cache accounting is observable.
 SERVER_ENV = {

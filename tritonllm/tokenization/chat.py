@@ -13,6 +13,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 QWEN3_CHAT_TEMPLATE = (
@@ -71,23 +73,30 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
     Returns:
         The messages as plain ``{"role", "content"}`` dicts.
     Raises:
-        ValueError: with a message naming the first offending entry.
+        RequestError: (``invalid_value``, param ``messages``) with a message naming the first
+            offending entry.
     """
     if not isinstance(messages, list | tuple) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
+        raise _bad_messages("messages must be a non-empty list of {'role': str, 'content': str}")
     cleaned = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+            raise _bad_messages(f"messages[{i}] must be an object with 'role' and 'content'")
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str):
-            raise ValueError(f"messages[{i}].role must be a string")
+            raise _bad_messages(f"messages[{i}].role must be a string")
         if role not in CHAT_ROLES:
-            raise ValueError(f"messages[{i}].role {role!r} is not one of {', '.join(CHAT_ROLES)}")
+            raise _bad_messages(
+                f"messages[{i}].role {short_repr(role)} is not one of {', '.join(CHAT_ROLES)}"
+            )
         if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string")
+            raise _bad_messages(f"messages[{i}].content must be a string")
         cleaned.append({"role": role, "content": content})
     return cleaned
+
+
+def _bad_messages(message: str) -> RequestError:
+    return RequestError(ErrorCode.INVALID_VALUE, "messages", message)
 
 
 def template_uses(template: str, variable: str) -> bool:
@@ -109,18 +118,25 @@ def render_chat(
         enable_thinking: passed to the template only when given; None leaves the template's
             default (Qwen3: thinking on).
     Raises:
-        ValueError: invalid messages (see ``validate_messages``), no chat template, or
-            ``enable_thinking`` given for a template that has no such option.
+        RequestError: invalid messages (see ``validate_messages``), no chat template
+            (``unsupported_parameter``), or ``enable_thinking`` given for a template that has
+            no such option (``unsupported_parameter``).
     """
     cleaned = validate_messages(messages)
     template = tokenizer.chat_template
     if not template:
-        raise ValueError("the tokenizer has no chat template; send text_input instead")
+        raise RequestError(
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            "messages",
+            "the tokenizer has no chat template; send text_input instead",
+        )
     options = {}
     if enable_thinking is not None:
         if not template_uses(str(template), "enable_thinking"):
-            raise ValueError(
-                "enable_thinking is not supported: the model's chat template has no such option"
+            raise RequestError(
+                ErrorCode.UNSUPPORTED_PARAMETER,
+                "enable_thinking",
+                "enable_thinking is not supported: the model's chat template has no such option",
             )
         options["enable_thinking"] = enable_thinking
     return tokenizer.apply_chat_template(
@@ -147,14 +163,21 @@ def render_prompt(
     Returns:
         Prompt ids, ``list[int]`` (may be empty for ``text_input=""``).
     Raises:
-        ValueError: neither or both inputs given, ``text_input`` not a string, invalid messages,
-            ``enable_thinking`` for a template without it.
+        RequestError: neither (``missing_input``) or both inputs given, ``text_input`` not a
+            string, invalid messages (``invalid_value``), ``enable_thinking`` for a template
+            without it (``unsupported_parameter``).
     """
-    if (text_input is None) == (messages is None):
-        raise ValueError("give exactly one of text_input or messages")
+    if text_input is None and messages is None:
+        raise RequestError(
+            ErrorCode.MISSING_INPUT, "text_input", "give exactly one of text_input or messages"
+        )
+    if text_input is not None and messages is not None:
+        raise RequestError(
+            ErrorCode.INVALID_VALUE, "messages", "give exactly one of text_input or messages"
+        )
     if messages is None:
         if not isinstance(text_input, str):
-            raise ValueError("text_input must be a string")
+            raise RequestError(ErrorCode.INVALID_VALUE, "text_input", "text_input must be a string")
         return list(tokenizer.encode(text_input, add_special_tokens=False))
     text = render_chat(tokenizer, messages, enable_thinking=enable_thinking)
     return list(tokenizer.encode(text, add_special_tokens=False))
