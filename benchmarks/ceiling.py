@@ -7,7 +7,7 @@ backend delivers when the model does nothing else.
 A tritonserver on `benchmarks/ceiling_repository` serves `ceiling_stream`, a decoupled Python
 model whose one sender thread streams one-token responses with the generator's tensors, alone
 and inside `ceiling_llm`, an ensemble shaped like `llm` (a Python step before it, and one after
-it with the detokenizer's dynamic batching). At each concurrency level, closed-loop clients
+it batched as the detokenizer is: one request per response). At each concurrency level, closed-loop clients
 stream requests of `--ceiling-tokens` responses over gRPC with the sidecar's own client
 (`openai_frontend.triton_client.TritonClient`, one stream per request), spread over several
 client processes so that the client is not what limits; the first requests have staggered

@@ -23,13 +23,16 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import functools
 import json
 import math
 import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +71,11 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (gpu_time_ms(lambda: dst.copy_(src), runs=5) / 1e3)
 
 
-def graph_time(fn, weights: list[torch.Tensor], reps: int = 10) -> float:
+def _skinny_with(x: torch.Tensor, cfg: LinearConfig, w: torch.Tensor) -> torch.Tensor:
+    return skinny_linear(x, w, None, cfg)
+
+
+def graph_time(fn: Callable[[Any], object], weights: Sequence[Any], reps: int = 10) -> float:
     """Seconds per `fn(w)`, from a CUDA graph that calls it once per weight copy."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -150,7 +157,10 @@ def measure_point(
     differed from `F.linear`, or that failed to compile or launch, which are not timed)."""
     expected = F.linear(x, weights[0])
     scale = expected.float().abs().max().item()
-    out = {"cublas_us": graph_time(lambda w: F.linear(x, w), weights) * 1e6, "families": {}}
+    out: dict[str, Any] = {
+        "cublas_us": graph_time(lambda w: F.linear(x, w), weights) * 1e6,
+        "families": {},
+    }
     for family, configs in families.items():
         best: tuple[float, LinearConfig] | None = None
         wrong = []
@@ -163,7 +173,8 @@ def measure_point(
             if not torch.allclose(got.float(), expected.float(), rtol=2e-2, atol=2e-2 * scale):
                 wrong.append(config_text(cfg))
                 continue
-            t = graph_time(lambda w, c=cfg: skinny_linear(x, w, None, c), weights) * 1e6
+            run = functools.partial(_skinny_with, x, cfg)
+            t = graph_time(run, weights) * 1e6
             if best is None or t < best[0]:
                 best = (t, cfg)
         out["families"][family] = {
@@ -207,7 +218,7 @@ def run(
         `{"device", "date", "copy_bandwidth", "margin", "points", "layers", "choices"}` (the
         JSON, also written to `json_path` after each shape when given).
     """
-    result = {
+    result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else device,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "copy_bandwidth": copy_bw,

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from . import chat_page
 from .errors import OpenAIError, install_error_handlers
 from .routes import chat, completions, models
 from .routes.common import ServerState
@@ -138,7 +139,7 @@ def create_app(
     install_error_handlers(app)
 
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
-    for router in (chat.router, completions.router, models.router):
+    for router in (chat.router, completions.router, models.router, chat_page.router):
         app.include_router(router)
     return app
 

@@ -17,7 +17,23 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tritonllm.contract.errors import ErrorCode, WireError
+
 log = logging.getLogger(__name__)
+
+# The backend's error codes (tritonllm.contract.errors) -> HTTP status, OpenAI type and code.
+OPENAI_STATUS: dict[ErrorCode, tuple[int, str, str | None]] = {
+    ErrorCode.INVALID_VALUE: (400, "invalid_request_error", "invalid_value"),
+    ErrorCode.INVALID_INPUT: (400, "invalid_request_error", "invalid_value"),
+    ErrorCode.MISSING_INPUT: (400, "invalid_request_error", "missing_required_parameter"),
+    ErrorCode.UNSUPPORTED_PARAMETER: (400, "invalid_request_error", "unsupported_parameter"),
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error", "context_length_exceeded"),
+    ErrorCode.INTERNAL_ERROR: (500, "server_error", None),
+    ErrorCode.ENGINE_UNAVAILABLE: (503, "server_error", "service_unavailable"),
+}
+# Backend parameter names that are another field in the OpenAI request (the prompt's own name,
+# "messages" or "prompt", is filled in per endpoint).
+_PROMPT_PARAMS = {"prompt", "text_input", "input_ids"}
 
 
 class OpenAIError(Exception):
@@ -77,6 +93,24 @@ def unsupported(param: str, what: str | None = None) -> OpenAIError:
         param=param,
         code="unsupported_parameter",
     )
+
+
+def from_backend(error: WireError, prompt_param: str) -> OpenAIError:
+    """The OpenAI error of a backend error, by its code alone (never its message's wording).
+
+    Args:
+        error: the decoded wire error.
+        prompt_param: the request field that holds the prompt (``messages`` or ``prompt``).
+    """
+    status, kind, code = OPENAI_STATUS[error.code]
+    param = None
+    if error.code.is_request_fault and error.param is not None:
+        param = error.param
+        if param in _PROMPT_PARAMS:
+            param = prompt_param
+        elif param == "logprobs" and prompt_param == "messages":
+            param = "top_logprobs"  # chat's name for the count
+    return OpenAIError(error.message, status, kind, param=param, code=code)
 
 
 def _short(value: object, limit: int = 80) -> str:

@@ -5,54 +5,45 @@ carries its choice ``index``); the request ends after every choice sent its fini
 
 ``Generation.start()`` waits for the first Triton response, so errors the backend finds in the
 request (prompt longer than the context, invalid sampling values) surface as ``OpenAIError``
-before any HTTP status is sent. ``close()`` always runs (routes call it in ``finally``): if the
-backend had not finished, it sends the generator an explicit abort by request id, because an
-ensemble does not pass the cancellation into a running step (ARCHITECTURE.md, "Platform facts"),
-and reads the stream on to its end (the abort brings the final response) rather than cancelling
-it: a cancelled stream leaves the request unreleased in Triton 2.51 (``TritonClient.finish``).
+before any HTTP status is sent; their OpenAI status comes from the backend's error code
+(``to_openai_error``). ``close()`` always runs (routes call it in ``finally``): if the backend
+had not finished, it sends the generator an explicit abort by request id and reads the stream
+on to its end (the abort brings the final response) rather than cancelling it
+(``TritonClient.finish`` says why).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 import sys
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import OpenAIError
+from tritonllm.contract.errors import decode_error
+
+from .errors import OpenAIError, from_backend
 from .protocol import PromptTokensDetails, Usage
 from .triton_client import InputValue, LLMChunk, ResponseStream, TritonClient, TritonError
 
-_CONTEXT_HINTS = ("context", "too long", "max_model_len", "maximum model length", "exceeds")
-_PARAM_IN_MESSAGE = re.compile(r"^([a-z_]+) must ")
-# Triton prefixes a step's error with where it came from ("in ensemble 'llm', generator: ...").
-_TRITON_PREFIX = re.compile(r"^(in ensemble '[^']*', )?(tokenizer|generator|detokenizer): ")
-_SERVER_HINTS = ("stub process", "internal", "unknown model", "not ready", "unavailable")
-
 
 def to_openai_error(exc: TritonError, prompt_param: str) -> OpenAIError:
-    """Map a Triton error to the status and code OpenAI would use.
+    """Map a Triton error to the status and code OpenAI would use, from data only.
 
-    Unreachable/unloaded backend → 503; the model's own rejection of a too-long prompt → 400
-    ``context_length_exceeded``; crashes → 500; any other model-raised error is taken as an
-    invalid request (400), which is how the backend reports bad parameter values.
+    Triton unreachable or the model not loaded (a gRPC status) -> 503; an error in the
+    backend's wire form (``tritonllm.contract.errors``) -> by its code (``errors.OPENAI_STATUS``);
+    any other error is Triton's own (a stub that died, a model not ready, a cancelled step) ->
+    500. No message text is searched: a client's own text can never change the class.
     """
-    message = _TRITON_PREFIX.sub("", exc.message)
-    lower = message.lower()
     if exc.unavailable:
         return OpenAIError(
-            f"backend unavailable: {message}", 503, "server_error", code="service_unavailable"
+            f"backend unavailable: {exc.message}", 503, "server_error", code="service_unavailable"
         )
-    if any(h in lower for h in _CONTEXT_HINTS) and ("token" in lower or "length" in lower):
-        return OpenAIError(message, param=prompt_param, code="context_length_exceeded")
-    if any(h in lower for h in _SERVER_HINTS):
-        return OpenAIError(message, 500, "server_error")
-    # The engine names the parameter first: "top_p must be in (0, 1], got 0".
-    named = _PARAM_IN_MESSAGE.search(message)
-    return OpenAIError(message, param=named.group(1) if named else None, code="invalid_value")
+    wire = decode_error(exc.message)
+    if wire is None:
+        return OpenAIError(f"backend error: {exc.message}", 500, "server_error")
+    return from_backend(wire, prompt_param)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,17 +30,18 @@ from pydantic import (
     field_validator,
 )
 
-# Limits of the ensemble's INT32 / INT64 inputs: larger values are invalid requests, not crashes.
-INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
+from tritonllm.contract import limits
+
+# Every limit is the contract's (tritonllm.contract.limits), the one the engine checks too; the
+# bounds of the ensemble's INT32 / INT64 inputs make larger values invalid requests, not crashes.
+INT32_MAX = limits.INT32_MAX
 # JSON `true` is no token id: bool (an int subclass) and strings are refused, as is 7.0.
-TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+TokenId = Annotated[StrictInt, Field(**limits.TOKEN_ID.field_bounds())]
 # A JSON number (integers read as floats), finite: NaN and Infinity (which Python's JSON parser
 # accepts) are a 400 saying so, not a range error.
 Number = Annotated[float, Strict(), AllowInfNan(False)]
-# The engine's limits (tritonllm.sampling_params): choices per request, top logprobs per token.
-MAX_N = 16
-MAX_TOP_LOGPROBS = 20
+MAX_N = limits.MAX_N
+MAX_TOP_LOGPROBS = limits.MAX_LOGPROBS
 
 
 def _now() -> int:
@@ -61,26 +62,28 @@ class SamplingFields(_Lenient):
     """Fields shared by chat and text completions requests."""
 
     model: str | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
-    temperature: Number | None = Field(default=None, ge=0, le=2)
-    top_p: Number | None = Field(default=None, gt=0, le=1)
-    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
-    seed: StrictInt | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
+    max_tokens: StrictInt | None = Field(default=None, **limits.MAX_TOKENS.field_bounds())
+    temperature: Number | None = Field(default=None, **limits.TEMPERATURE.field_bounds())
+    top_p: Number | None = Field(default=None, **limits.TOP_P.field_bounds())
+    n: StrictInt = Field(default=1, **limits.N.field_bounds())
+    seed: StrictInt | None = Field(default=None, **limits.SEED.field_bounds())
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Number | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: Number | None = Field(default=None, **limits.PENALTY.field_bounds())
+    frequency_penalty: Number | None = Field(default=None, **limits.PENALTY.field_bounds())
     user: str | None = None
     # Token id (as a string) → bias added to its logit; not supported (an empty map is a no-op).
     logit_bias: dict[str, Number] | None = None
     # vLLM-style extensions (sent by OpenAI clients through ``extra_body``).
-    top_k: StrictInt | None = Field(default=None, ge=-1, le=INT32_MAX)
-    min_p: Number | None = Field(default=None, ge=0, le=1)
+    top_k: StrictInt | None = Field(default=None, **limits.TOP_K.field_bounds())
+    min_p: Number | None = Field(default=None, **limits.MIN_P.field_bounds())
     ignore_eos: StrictBool | None = None
     stop_token_ids: list[TokenId] | None = None
-    repetition_penalty: Number | None = Field(default=None, gt=0)
-    min_tokens: StrictInt | None = Field(default=None, ge=0, le=INT32_MAX)
+    repetition_penalty: Number | None = Field(
+        default=None, **limits.REPETITION_PENALTY.field_bounds()
+    )
+    min_tokens: StrictInt | None = Field(default=None, **limits.MIN_TOKENS.field_bounds())
 
     @property
     def include_usage(self) -> bool:
@@ -139,9 +142,11 @@ class ChatCompletionRequest(SamplingFields):
     ``max_tokens``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: StrictInt | None = Field(
+        default=None, **limits.MAX_TOKENS.field_bounds()
+    )
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: StrictInt | None = Field(default=None, **limits.LOGPROBS.field_bounds())
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -156,7 +161,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     # OpenAI's legacy endpoint allows at most 5.
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=limits.MAX_COMPLETION_LOGPROBS)
     echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = Field(default=None, ge=1)

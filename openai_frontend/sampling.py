@@ -12,6 +12,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from tritonllm.contract import limits
+
 from .errors import OpenAIError, unsupported
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from .triton_client import InputSpec, InputValue
@@ -50,7 +52,8 @@ def sampling_inputs(
     """The sampling inputs of ``req`` for an ensemble with inputs ``specs``.
 
     Args:
-        max_tokens: the resolved token limit (chat: ``max_completion_tokens`` or ``max_tokens``).
+        max_tokens: the resolved token limit (chat: ``max_completion_tokens`` or ``max_tokens``;
+            None: until EOS, a stop or the context limit).
         backend_stream: whether the ensemble should answer token by token (else one response).
     Raises:
         OpenAIError: 400 for a field the backend cannot honour (e.g. ``n > 1`` on a backend
@@ -114,9 +117,9 @@ def chat_inputs(
         {"role": "system" if m.role == "developer" else m.role, "content": _message_text(i, m)}
         for i, m in enumerate(req.messages)
     ]
-    # Chat without a limit runs until EOS, a stop or the context limit (OpenAI semantics);
-    # the backend reads max_tokens 0 that way. (Legacy completions default to 16, as OpenAI.)
-    max_tokens = req.max_completion_tokens or req.max_tokens or 0
+    # Chat without a limit runs until EOS, a stop or the context limit (OpenAI semantics): the
+    # backend reads an absent max_tokens that way.
+    max_tokens = req.max_completion_tokens or req.max_tokens
     inputs: dict[str, InputValue] = {"messages": json.dumps(messages, ensure_ascii=False)}
     inputs.update(sampling_inputs(req, specs, max_tokens, backend_stream))
     if req.logprobs:
@@ -153,6 +156,8 @@ def completion_inputs(
     if req.best_of not in (None, 1, req.n):
         raise unsupported("best_of", "best_of other than n")
     inputs: dict[str, InputValue] = {"text_input": prompt}
-    inputs.update(sampling_inputs(req, specs, req.max_tokens, backend_stream))
+    # OpenAI's legacy completions default to 16 tokens (absent would mean no limit).
+    max_tokens = req.max_tokens or limits.DEFAULT_COMPLETION_MAX_TOKENS
+    inputs.update(sampling_inputs(req, specs, max_tokens, backend_stream))
     _put(inputs, specs, "logprobs", req.logprobs, None)
     return inputs

@@ -6,14 +6,10 @@ building numpy arrays). The raw stub is used rather than
 ``tritonclient.grpc.aio.InferenceServerClient.stream_infer`` because every stream here sets the
 reserved request parameter ``triton_enable_empty_final_response``: the empty final response marks
 the end of a decoupled request (the generator answers an abort with exactly that), and that
-client offers no way to set reserved parameters.
-
-Tensor shapes and datatypes come from the model's metadata, so the client sends ``[1]`` or
-``[1, 1]`` scalars as the served config declares them.
-
-Every stream is read to its end; one whose client went away is ended by an abort to the
-generator, never by cancelling it (``TritonClient.finish``: Triton 2.51 leaves a cancelled
-request unreleased).
+client offers no way to set reserved parameters. Tensor shapes and datatypes come from the
+model's metadata (``[1]`` or ``[1, 1]`` scalars, as the served config declares them). Every
+stream is read to its end; one whose client went away is ended by an abort to the generator
+rather than by cancelling it (``TritonClient.finish`` says why).
 """
 
 from __future__ import annotations
@@ -333,28 +329,32 @@ class TritonClient:
         # One request, then half-close: Triton keeps the stream open until the final response.
         return ResponseStream(self._stub.ModelStreamInfer(iter([request])))
 
-    async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
-        """Ask the generator to abort ``request_id`` now and free its KV pages.
-
-        Ensembles do not pass cancellation into a running decoupled step (ARCHITECTURE.md,
-        "Platform facts"), so this control request (only ``abort_request_id``) goes straight to
-        the generator. Returns True when the generator acknowledged with its final response
-        (and the stream ended) within ``timeout`` s.
-        """
+    async def _control(self, request_id: str, inputs: Mapping[str, InputValue], timeout: float):
+        """Send the generator one control request; True when its final response (and the end
+        of the stream) came within ``timeout`` s without an error."""
         try:
-            request = await self._request(
-                self.generator_model, f"abort-{request_id}", {"abort_request_id": request_id}
-            )
+            request = await self._request(self.generator_model, request_id, inputs)
         except TritonError as exc:
-            log.warning("abort %s not sent: %s", request_id, exc.message)
+            log.warning("control request %s not sent: %s", request_id, exc.message)
             return False
         stream = ResponseStream(self._stub.ModelStreamInfer(iter([request])))
-        acknowledged = await stream.drain(timeout)
+        answered = await stream.drain(timeout)
         if not stream.done:
             stream.cancel()
-        if not acknowledged:
-            log.warning("abort %s not acknowledged within %.1f s", request_id, timeout)
-        return acknowledged
+        if not answered:
+            log.warning("control request %s not answered within %.1f s", request_id, timeout)
+        return answered
+
+    async def probe(self, timeout: float = 2.0) -> bool:
+        """Whether the generator's engine runs: its ``health_probe`` control request, which
+        only reports that and aborts nothing (Triton keeps a model ready after its stub died,
+        so this asks the model itself)."""
+        return await self._control("health-probe", {"health_probe": True}, timeout)
+
+    async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
+        """Ask the generator to abort ``request_id`` now and free its KV pages (its control
+        request ``abort_request_id``); True when it acknowledged within ``timeout`` s."""
+        return await self._control(f"abort-{request_id}", {"abort_request_id": request_id}, timeout)
 
     async def finish(
         self, stream: ResponseStream, abort_request_id: str | None = None, timeout: float = 5.0
@@ -363,15 +363,17 @@ class TritonClient:
         request id) in the generator when given; only a stream that has not ended after
         ``timeout`` s is cancelled.
 
-        Cancelling a stream leaves work behind in Triton 2.51, in two ways:
+        A cancelled ``llm`` stream does stop its generation (the detokenizer sees the
+        cancellation at the generator's next response and aborts it, ARCHITECTURE.md
+        "Platform facts"), but the explicit abort is kept:
 
-        - a cancelled ensemble request is never released when its decoupled generator step
-          still sends responses: the cancellation fails the next detokenizer step (CANCELLED),
-          and once a step failed the ensemble ignores the other steps' later responses, the
-          generator's final one included, so its count of steps in flight never reaches 0 (an
-          in-flight ``llm`` inference forever; shutdown waits for it until killed);
+        - a non-streamed backend request (``stream`` false) sends nothing before its end, so
+          nothing in Triton can see its cancellation until it has run to completion;
+        - the abort ends the generation within milliseconds, a cancellation only at the next
+          response (and its check, at most every 0.5 s per request);
         - a stream cancelled after its final response, while other requests run, can leave
-          that request unreleased by the gRPC endpoint: its model then never unloads.
+          that request unreleased by the gRPC endpoint (Triton 2.51): its model then never
+          unloads.
 
         The abort brings the generator's final response (finish_reason ``"abort"``) within
         milliseconds, and the stream then ends by itself.

@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: the tiny offline checkpoint and a real tritonserver serving it."""
+"""Shared pytest fixtures: the tiny offline checkpoint and a real tritonserver serving it, and
+the trained default model (``smollm2_fixtures.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from frontend_fixtures import sidecar  # noqa: F401  (the OpenAI sidecar fixture)
+from smollm2_fixtures import smollm2_dir, smollm2_service, smollm2_tokenizer  # noqa: F401
 
 
 def _has_cuda() -> bool:
@@ -58,6 +60,24 @@ def hf_logprobs(tiny_model_dir):
         return torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_model_dir):
+    """``hf_greedy(prompt_ids, n)``: n greedy ids from Hugging Face transformers (no EOS stop)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def generate(prompt_ids: list[int], n: int) -> list[int]:
+        ids = list(prompt_ids)
+        for _ in range(n):  # no KV cache: the tiny model recomputes the prefix in microseconds
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+        return ids[len(prompt_ids) :]
+
+    return generate
 
 
 # Engine settings for the served test model: small pages so prompts span several of them, and a

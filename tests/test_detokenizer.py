@@ -103,9 +103,9 @@ def test_batch_delta_matches_delta(tokenizer, detok):
     assert detok.batch_delta(items) == [detok.delta(*item) for item in items]
 
 
-def test_rejects_non_byte_level_tokenizer():
+def test_rejects_tokenizer_without_a_supported_decoder():
     backend = Tokenizer(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
-    with pytest.raises(ValueError, match="byte-level"):
+    with pytest.raises(ValueError, match="decoder 'none' is not supported"):
         Detokenizer(PreTrainedTokenizerFast(tokenizer_object=backend))
 
 

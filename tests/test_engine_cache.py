@@ -207,7 +207,7 @@ def test_add_request_rejects_what_can_never_run():
     with pytest.raises(ValueError, match="needs 10 KV pages.*has 8") as too_big:
         engine.add_request("b", [1] * 30, SamplingParams(max_tokens=11))
     # The sidecar reports a request the KV pool can never hold as OpenAI's too-long error.
-    error = to_openai_error(TritonError(f"generator: {too_big.value}"), "prompt")
+    error = to_openai_error(TritonError(f"in ensemble 'llm', {too_big.value.wire()}"), "prompt")
     assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "prompt")
     with pytest.raises(ValueError, match="at least one token"):
         engine.add_request("c", [], SamplingParams())
@@ -228,8 +228,10 @@ def test_n_expands_into_child_requests():
     assert len(outs) == 3 and all(len(o) == 8 for o in outs)
     engine.add_request("p", prompt, SamplingParams(max_tokens=8, n=2))
     assert engine.abort("p")
-    ids = {o.request_id for o in engine.step()}
-    assert ids == {"p#0", "p#1"} and not engine.has_unfinished()
+    outs = engine.step()
+    assert {(o.request_id, o.index) for o in outs} == {("p", 0), ("p", 1)}
+    assert [o.request_finished for o in outs] == [False, True]  # the last choice ends it
+    assert not engine.has_unfinished()
 
 
 def test_max_tokens_none_runs_to_the_context_limit():
@@ -248,12 +250,15 @@ def test_max_tokens_none_runs_to_the_context_limit():
         engine.check_request(list(range(40)), params)
 
 
-def test_generator_input_max_tokens_zero_means_no_limit():
+def test_generator_input_max_tokens_absent_means_no_limit():
     import numpy as np
 
-    from tritonllm.serving.inputs import sampling_params
+    from tritonllm.serving.inputs import generate_request
 
-    assert sampling_params({"max_tokens": np.array([0], dtype=np.int32)}).max_tokens is None
-    assert sampling_params({}).max_tokens == 16
-    with pytest.raises(ValueError, match="max_tokens"):
-        sampling_params({"max_tokens": np.array([-1], dtype=np.int32)})
+    def params(**inputs):
+        return generate_request({"input_ids": np.array([1], np.int32), **inputs}).params
+
+    assert params().max_tokens is None
+    for bad in (0, -1):  # one encoding: absent or a number >= 1
+        with pytest.raises(ValueError, match="max_tokens"):
+            params(max_tokens=np.array([bad], dtype=np.int32))

@@ -97,9 +97,12 @@ def hf_model(path: str):
 
 
 @torch.inference_mode()
-def hf_greedy(path: str, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy continuation (argmax, no EOS stop) and its `[max_new, vocab]`
-    float32 logits per generated token."""
+def hf_greedy(
+    path: str, prompt: list[int], max_new: int, stop_ids: frozenset[int] = frozenset()
+) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation (argmax; no EOS stop unless ``stop_ids``: then it ends
+    right after the first of them) and its `[num_new, vocab]` float32 logits per generated
+    token."""
     model = hf_model(path)
     out = model(torch.tensor([prompt]), use_cache=True)
     tokens, logits = [], []
@@ -108,6 +111,8 @@ def hf_greedy(path: str, prompt: list[int], max_new: int) -> tuple[list[int], to
         logits.append(row)
         tok = int(row.argmax())
         tokens.append(tok)
+        if tok in stop_ids or len(tokens) == max_new:
+            break
         # transformers 5 renamed past_key_values to cache (4.x has only the former).
         if "cache" in out:
             out = model(torch.tensor([[tok]]), cache=out.cache, use_cache=True)

@@ -163,7 +163,6 @@ def test_parent_side_validation_equals_the_engine_check():
         ([1] * 20, SamplingParams(max_tokens=14)),  # 9 pages: over the pool
         ([1] * 20, SamplingParams(max_tokens=None)),
         ([1] * 40, SamplingParams(max_tokens=None)),  # no room left in the pool
-        ([1, 2], SamplingParams(temperature=-1)),
         ([1, 2], SamplingParams(n=3, max_tokens=4)),
         ([1, 2], SamplingParams(max_tokens=4, stop_token_ids=(3, 4096))),  # past the vocab
     ]
@@ -178,7 +177,8 @@ def test_parent_side_validation_equals_the_engine_check():
     results = [outcome(limits.check, i, p) for i, p in cases]
     assert results == [outcome(engine.check_request, i, p) for i, p in cases]
     assert results[0] is None and results[4] is None and results[6] is None
-    assert sum(r is not None for r in results) == 7
+    # (Invalid sampling values never get this far: a SamplingParams is valid once built.)
+    assert sum(r is not None for r in results) == 6
     assert (
         results[-1]
         == f"stop_token_ids must be in [0, {engine.model_config.vocab_size}), got [4096]"
@@ -219,21 +219,26 @@ def test_a_callback_may_abort_its_own_request(process):
     assert sink.outputs["self-abort"][-1].finish_reason == "abort"
 
 
-def test_n_children_reach_the_parent_callback_as_in_thread_mode(process):
+def test_n_choices_reach_the_request_callback_as_in_thread_mode(process):
     params = SamplingParams(max_tokens=6, n=3, seed=7, ignore_eos=True)
     sink = Collector()
     process.submit("multi", [3, 4, 5], params, sink)
-    children = [f"multi#{i}" for i in range(3)]
-    sink.wait(children)
+    sink.wait(["multi"])
     reference = Collector()
     thread = EngineThread(LLMEngine(_config()))
     try:
         thread.submit("multi", [3, 4, 5], params, reference)
-        reference.wait(children)
+        reference.wait(["multi"])
     finally:
         thread.shutdown()
-    assert [sink.ids(c) for c in children] == [reference.ids(c) for c in children]
-    assert len({tuple(sink.ids(c)) for c in children}) > 1  # seed + i: different choices
+
+    def choices(collector):
+        outs = collector.outputs.pop("multi")
+        return [[t for o in outs if o.index == i for t in o.new_token_ids] for i in range(3)]
+
+    got = choices(sink)
+    assert got == choices(reference)
+    assert len({tuple(ids) for ids in got}) > 1  # seed + i: different choices
     process.submit("multi", [3, 4, 5], GREEDY, sink)  # the id is free again
     sink.wait(["multi"])
 
@@ -241,7 +246,7 @@ def test_n_children_reach_the_parent_callback_as_in_thread_mode(process):
 def test_step_message_round_trip():
     outs = [
         RequestOutput("a", [5], False, None, 3, 1, 0),
-        RequestOutput("b#1", [], True, "error", 2, 0, 0, error="boom"),
+        RequestOutput("b", [], True, "error", 2, 0, 0, error="boom", index=1),
         RequestOutput("c", [9, 8], True, "stop", 4, 2, 4, [-0.5, -1.0], [{9: -0.5}, {8: -1.0}]),
     ]
     outs[2].trim_chars = 3
@@ -430,9 +435,10 @@ def test_triton_generator_in_process_mode_streams_hf_greedy_and_aborts(process_s
 
 
 def test_triton_generator_reports_a_dead_engine_as_a_server_error(process_server):
-    """After the engine process is killed: a request and the abort control request (the
-    sidecar's health probe) fail with an "internal error" (the sidecar's 500/503, not a 400),
-    and the gauges no longer count the dead engine's requests. Runs last: it kills the engine."""
+    """After the engine process is killed: the request in flight fails with code
+    internal_error, a new request and the health probe (the sidecar's /health) with
+    engine_unavailable (the sidecar's 500 and 503, not a 400), and the gauges no longer count
+    the dead engine's requests. Runs last: it kills the engine."""
     from test_triton_models import GREEDY, InferenceServerException, Stream, metric, wait_metric
 
     (engine,) = _spawned_engines(process_server.process.pid)
@@ -441,14 +447,17 @@ def test_triton_generator_reports_a_dead_engine_as_a_server_error(process_server
         stream.send("llm", {"text_input": "Hello", "max_tokens": 2000, **GREEDY})
         stream.next()  # streaming
         os.kill(engine, signal.SIGKILL)
-        with pytest.raises(InferenceServerException, match="internal error: the engine process"):
+        in_flight = '"code":"internal_error".*"message":"the engine process died'
+        with pytest.raises(InferenceServerException, match=in_flight):
             while True:
                 stream.next()
         stream.send("llm", {"text_input": "Hello again", "max_tokens": 2, **GREEDY})
-        with pytest.raises(InferenceServerException, match="internal error: the engine process"):
+        dead = '"code":"engine_unavailable".*"message":"the engine process died'
+        with pytest.raises(InferenceServerException, match=dead):
             stream.next()
-        stream.send("generator", {"abort_request_id": "health-probe"})
-        with pytest.raises(InferenceServerException, match="internal error: the engine is not"):
+        stream.send("generator", {"health_probe": True})
+        probe = '"code":"engine_unavailable".*"message":"the engine is not running"'
+        with pytest.raises(InferenceServerException, match=probe):
             stream.next()
     finally:
         stream.close()

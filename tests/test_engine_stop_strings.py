@@ -101,4 +101,4 @@ def test_no_match_releases_everything(engine, tokenizer, greedy):
 )
 def test_invalid_stop_strings_are_refused(stop):
     with pytest.raises(ValueError, match="stop"):
-        SamplingParams(stop=stop).validate()
+        SamplingParams(stop=stop)

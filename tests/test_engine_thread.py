@@ -17,7 +17,8 @@ TIMEOUT = 60.0
 
 
 class Collector:
-    """Thread-safe sink of RequestOutputs; `wait(ids)` blocks until each id has finished."""
+    """Thread-safe sink of RequestOutputs; `wait(ids)` blocks until each id has finished (its
+    output with `request_finished`: every choice ended)."""
 
     def __init__(self) -> None:
         self.outputs: dict[str, list] = {}
@@ -30,7 +31,7 @@ class Collector:
 
     def finished(self, rid: str) -> bool:
         outs = self.outputs.get(rid)
-        return bool(outs) and outs[-1].finished
+        return bool(outs) and outs[-1].request_finished
 
     def wait(self, ids) -> None:
         with self._cv:
@@ -136,10 +137,16 @@ def test_engine_error_fails_requests_in_flight_but_not_the_thread(thread, monkey
     assert thread.stats().free_pages + thread.stats().evictable_pages == thread.stats().total_pages
 
 
-def test_n_children_reach_the_parent_callback(thread):
+def test_n_choices_reach_the_request_callback_by_index(thread):
     sink = Collector()
     thread.submit("multi", [3, 4, 5], SamplingParams(max_tokens=5, n=3, seed=1), sink)
-    sink.wait(["multi#0", "multi#1", "multi#2"])
+    sink.wait(["multi"])
+    outs = sink.outputs.pop("multi")
+    finals = [o.index for o in outs if o.finished]
+    assert sorted(finals) == [0, 1, 2]  # each choice finished once, under the request's id
+    assert [o.request_finished for o in outs].count(True) == 1 and outs[-1].request_finished
+    for index in range(3):
+        assert sum(len(o.new_token_ids) for o in outs if o.index == index) == 5
     thread.submit("multi", [3, 4, 5], GREEDY, sink)  # the id is free again
     sink.wait(["multi"])
 
@@ -167,13 +174,15 @@ def test_outputs_made_before_a_failed_step_are_not_lost():
     assert stats.used_pages == stats.evictable_pages
 
 
-def test_child_ids_cannot_collide_with_a_live_request():
+def test_request_ids_are_opaque_and_unique_while_live():
+    """The choice index is a field, never part of an id: "x#0" and "x" are two requests."""
     engine = LLMEngine(
         EngineConfig(model=str(checkpoint("qwen3", True)), page_size=4, num_pages=64)
     )
     engine.add_request("x#0", [1, 2, 3], SamplingParams(max_tokens=5))
+    engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=5, n=2))
     with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=5, n=2))
+        engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=5))
 
 
 def test_a_step_that_hangs_makes_the_thread_not_alive_until_it_returns():

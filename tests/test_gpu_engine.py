@@ -87,13 +87,14 @@ def _release(engine: LLMEngine | None) -> None:
 
 def run_all(engine: LLMEngine, requests: dict[str, tuple[list[int], SP]]) -> dict[str, list]:
     """Run requests together; return {id: [(ids, finished, reason, num_output_tokens,
-    logprobs, top_logprobs), ...]} per output."""
+    logprobs, top_logprobs), ...]} per output (choice i > 0 of an n > 1 request as "id[i]")."""
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     outs: dict[str, list] = {}
     while engine.has_unfinished():
         for o in engine.step():
-            outs.setdefault(o.request_id, []).append(
+            label = o.request_id if o.index == 0 else f"{o.request_id}[{o.index}]"
+            outs.setdefault(label, []).append(
                 (
                     tuple(o.new_token_ids),
                     o.finished,

@@ -183,7 +183,7 @@ def test_server_shuts_down_with_nothing_in_flight_after_disconnects(tiny_model_d
     log = log_path.read_text(errors="replace")
     assert not re.search(r"has \d+ in-flight inferences", log), log[-3000:]
     assert "Found 0 model versions that have in-flight inferences" in log, log[-3000:]
-    for name in ("llm", "tokenizer", "generator", "detokenizer"):
+    for name in ("llm", "tokenizer", "generator", "detokenizer", "ensemble"):
         assert f"successfully unloaded '{name}'" in log, log[-3000:]
     assert server.process.returncode != -signal.SIGKILL, f"killed after {stopped_s:.1f} s"
     assert completed == [800]

@@ -228,7 +228,7 @@ def test_non_finite_sampling_values_are_refused(value):
     from tritonllm.sampling_params import SamplingParams
 
     with pytest.raises(ValueError, match="repetition_penalty"):
-        SamplingParams(repetition_penalty=value).validate()
+        SamplingParams(repetition_penalty=value)
 
 
 def test_backend_errors_read_like_openai_validation_errors(client, sidecar):

@@ -20,6 +20,7 @@ from openai_frontend.generation import to_openai_error
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.sampling import chat_inputs, completion_inputs
 from openai_frontend.triton_client import InputSpec, TritonError, encode_tensor, parse_chunk
+from tritonllm.contract.errors import ErrorCode, encode_error
 from tritonllm.triton_server import free_port
 
 
@@ -160,22 +161,29 @@ def test_unsupported_fields_are_400_unless_noop():
             completion_inputs(CompletionRequest(**{"prompt": "x", **extra}), specs, True)
 
 
-def test_triton_errors_map_to_openai_statuses():
-    too_long = TritonError("generator: prompt has 5000 tokens, exceeds the context length 4096")
-    assert to_openai_error(too_long, "messages").code == "context_length_exceeded"
-    assert to_openai_error(too_long, "messages").status == 400
-    assert (
-        to_openai_error(TritonError("generator: top_p must be in (0, 1]"), "prompt").status == 400
-    )
+def test_triton_errors_map_to_openai_statuses_by_code():
+    def backend(code, message, param=None):
+        return TritonError(f"in ensemble 'llm', {encode_error(code, message, param)}")
+
+    too_long = backend(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "prompt (5000 tokens) ...", "prompt")
+    error = to_openai_error(too_long, "messages")
+    assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "messages")
+    top_p = to_openai_error(backend(ErrorCode.INVALID_VALUE, "top_p must be ...", "top_p"), "x")
+    assert (top_p.status, top_p.code, top_p.param) == (400, "invalid_value", "top_p")
     assert to_openai_error(TritonError("connection refused", unavailable=True), "x").status == 503
-    # The generator marks the server's own failures (a dead engine): not the client's fault.
-    dead = TritonError(
-        "in ensemble 'llm', generator: internal error: the engine process died (killed by SIGKILL)"
-    )
-    assert (to_openai_error(dead, "x").status, to_openai_error(dead, "x").type) == (
-        500,
-        "server_error",
-    )
+    # The backend's own failures (a dead engine) are not the client's fault.
+    dead = to_openai_error(backend(ErrorCode.INTERNAL_ERROR, "the engine process died"), "x")
+    assert (dead.status, dead.type, dead.param) == (500, "server_error", None)
+    gone = to_openai_error(backend(ErrorCode.ENGINE_UNAVAILABLE, "not running"), "x")
+    assert (gone.status, gone.code) == (503, "service_unavailable")
+    # An error without the wire form is Triton's own (a stub that died): a server error, even
+    # when its words look like a client's mistake.
+    triton = to_openai_error(TritonError("Stub process is not healthy: invalid value"), "x")
+    assert (triton.status, triton.type) == (500, "server_error")
+    # Chat names the logprob count top_logprobs.
+    logprobs = backend(ErrorCode.INVALID_VALUE, "logprobs must be ...", "logprobs")
+    assert to_openai_error(logprobs, "messages").param == "top_logprobs"
+    assert to_openai_error(logprobs, "prompt").param == "logprobs"
 
 
 @pytest.fixture(scope="module")
@@ -249,12 +257,13 @@ def test_unreachable_triton_is_503_and_unhealthy(offline_app):
 
 
 def test_chat_without_max_tokens_asks_for_the_whole_context():
-    """OpenAI chat: an omitted limit means "until EOS or the context ends" (backend: 0);
-    legacy completions keep OpenAI's default of 16 (the backend default, so nothing is sent)."""
+    """OpenAI chat: an omitted limit means "until EOS or the context ends" (the backend's
+    absent max_tokens, its one encoding of no limit); legacy completions keep OpenAI's default
+    of 16, sent explicitly."""
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
-    assert chat_inputs(chat, FULL_SPECS, backend_stream=True)["max_tokens"] == 0
+    assert "max_tokens" not in chat_inputs(chat, FULL_SPECS, backend_stream=True)
     completion = CompletionRequest(prompt="hi")
-    assert "max_tokens" not in completion_inputs(completion, FULL_SPECS, backend_stream=True)
+    assert completion_inputs(completion, FULL_SPECS, backend_stream=True)["max_tokens"] == 16
 
 
 # --- strict request types: OpenAI answers a wrong-typed JSON value with a 400, never coerces it --

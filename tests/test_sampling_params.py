@@ -1,4 +1,5 @@
-"""SamplingParams.validate: every out-of-range value is a ValueError naming the parameter."""
+"""SamplingParams validates on construction: every out-of-range value is a RequestError (a
+ValueError) with code invalid_value naming the parameter; the ranges are the contract's."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 
 import pytest
 
+from tritonllm.contract.errors import ErrorCode
 from tritonllm.sampling_params import SamplingParams
 
 INVALID = [
@@ -13,6 +15,7 @@ INVALID = [
     ("max_tokens", -3),
     ("max_tokens", 1.5),
     ("temperature", -0.1),
+    ("temperature", 2.01),  # OpenAI's range, the same in the sidecar
     ("temperature", math.nan),
     ("temperature", "hot"),
     ("top_p", 0.0),
@@ -26,7 +29,6 @@ INVALID = [
     ("seed", 1.5),
     ("seed", "7"),
     ("min_tokens", -1),
-    ("min_tokens", 17),  # > max_tokens (16)
     ("presence_penalty", 2.01),
     ("presence_penalty", -2.5),
     ("frequency_penalty", 3.0),
@@ -43,21 +45,27 @@ INVALID = [
 
 @pytest.mark.parametrize(("name", "value"), INVALID)
 def test_invalid_value_raises_value_error_naming_parameter(name, value):
-    with pytest.raises(ValueError, match=name):
-        SamplingParams(**{name: value}).validate()
+    with pytest.raises(ValueError, match=name) as info:
+        SamplingParams(**{name: value})
+    assert (info.value.code, info.value.param) == (ErrorCode.INVALID_VALUE, name)
+
+
+def test_min_tokens_above_max_tokens_is_refused():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=16, min_tokens=17)
 
 
 @pytest.mark.parametrize("name", ["temperature", "repetition_penalty"])
 def test_infinity_is_refused_as_not_finite(name):
     """A huge JSON number becomes inf in a Triton FP32 input: the message says why it fails."""
     with pytest.raises(ValueError, match=f"{name} must be a finite number .*got inf"):
-        SamplingParams(**{name: math.inf}).validate()
+        SamplingParams(**{name: math.inf})
 
 
 VALID = [
     {},
     {"temperature": 0.0},
-    {"temperature": 2.5},
+    {"temperature": 2.0},
     {"top_p": 1.0},
     {"top_p": 1e-3},
     {"top_k": -1},
@@ -72,6 +80,7 @@ VALID = [
     {"n": 16},
     {"seed": 0},
     {"min_tokens": 16},
+    {"min_tokens": 16, "max_tokens": 16},
     {"stop_token_ids": [1, 2]},
 ]
 
@@ -79,12 +88,15 @@ VALID = [
 @pytest.mark.parametrize("kwargs", VALID)
 def test_valid_values_pass(kwargs):
     params = SamplingParams(**kwargs)
-    assert params.validate() is params
+    assert all(
+        getattr(params, k) == (tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items()
+    )
 
 
 def test_defaults_and_greedy_flag():
     p = SamplingParams()
-    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.n) == (16, 1.0, 1.0, -1, 1)
+    # max_tokens None: until EOS, a stop or the context limit (its one "no limit" encoding).
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.n) == (None, 1.0, 1.0, -1, 1)
     assert not p.is_greedy and SamplingParams(temperature=0).is_greedy
     # Lists are accepted and stored as tuples, so params stay hashable (frozen).
     assert hash(SamplingParams(stop_token_ids=[3, 4])) == hash(

@@ -16,7 +16,6 @@ import uuid
 import numpy as np
 import pytest
 import requests
-import torch
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -39,7 +38,7 @@ DTYPES = {
     "min_tokens": np.int32,
     "input_ids": np.int32,
 }
-BOOLS = {"stream", "ignore_eos", "enable_thinking"}
+BOOLS = {"stream", "ignore_eos", "enable_thinking", "health_probe", "exclude_input_in_output"}
 
 
 def _infer_inputs(inputs: dict) -> list:
@@ -138,23 +137,6 @@ def wait_metric(server, name: str, want, timeout: float) -> float:
         assert time.monotonic() - start < timeout, f"{name} = {value} after {timeout} s"
         time.sleep(0.02)
     return value
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(tiny_model_dir):
-    """``hf_greedy(prompt_ids, n)``: n greedy ids from Hugging Face transformers (no EOS stop)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-    @torch.no_grad()
-    def generate(prompt_ids: list[int], n: int) -> list[int]:
-        ids = list(prompt_ids)
-        for _ in range(n):  # no KV cache: the tiny model recomputes the prefix in microseconds
-            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-        return ids[len(prompt_ids) :]
-
-    return generate
 
 
 @pytest.fixture

@@ -301,23 +301,24 @@ def test_cancelled_n_stream_aborts_every_choice(triton_server, tokenizer):
 
 
 def test_detokenizer_direct_call_with_and_without_logprobs(triton_server, tokenizer):
-    """Direct callers may leave the optional inputs out: index 0, no logprobs JSON."""
+    """Direct callers may leave the optional inputs out: index 0, no logprobs JSON. (The
+    detokenizer takes one response per request, without a batch dimension: see its config.)"""
     ids = tokenizer.encode("Hello world", add_special_tokens=False)
     base = {
-        "output_ids": np.array([ids], np.int32),
-        "prefix_ids": np.zeros((1, 0), np.int32),
-        "finish_reason": np.array([[b"length"]], np.object_),
-        "num_input_tokens": np.array([[3]], np.int32),
-        "num_output_tokens": np.array([[len(ids)]], np.int32),
-        "cached_tokens": np.array([[0]], np.int32),
-        "trim_chars": np.array([[0]], np.int32),
+        "output_ids": np.array(ids, np.int32),
+        "prefix_ids": np.zeros(0, np.int32),
+        "finish_reason": np.array([b"length"], np.object_),
+        "num_input_tokens": np.array([3], np.int32),
+        "num_output_tokens": np.array([len(ids)], np.int32),
+        "cached_tokens": np.array([0], np.int32),
+        "trim_chars": np.array([0], np.int32),
     }
     with_logprobs = {
         **base,
-        "index": np.array([[2]], np.int32),
-        "output_logprobs": np.array([[-0.5, -1.5]], np.float32),
-        "top_logprob_ids": np.array([[ids[0], 151645, ids[1], 0]], np.int32),
-        "top_logprobs": np.array([[-0.5, -3.0, -1.5, -2.0]], np.float32),
+        "index": np.array([2], np.int32),
+        "output_logprobs": np.array([-0.5, -1.5], np.float32),
+        "top_logprob_ids": np.array([ids[0], 151645, ids[1], 0], np.int32),
+        "top_logprobs": np.array([-0.5, -3.0, -1.5, -2.0], np.float32),
     }
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     results = []
@@ -330,11 +331,11 @@ def test_detokenizer_direct_call_with_and_without_logprobs(triton_server, tokeni
         results.append(client.infer("detokenizer", tensors))
     client.close()
     plain, rich = results
-    assert plain.as_numpy("text_output")[0, 0].decode() == "Hello world"
-    assert int(plain.as_numpy("index")[0, 0]) == 0
-    assert plain.as_numpy("logprobs_json")[0, 0] == b""
-    assert int(rich.as_numpy("index")[0, 0]) == 2
-    entries = json.loads(rich.as_numpy("logprobs_json")[0, 0].decode())
+    assert plain.as_numpy("text_output")[0].decode() == "Hello world"
+    assert int(plain.as_numpy("index")[0]) == 0
+    assert plain.as_numpy("logprobs_json")[0] == b""
+    assert int(rich.as_numpy("index")[0]) == 2
+    entries = json.loads(rich.as_numpy("logprobs_json")[0].decode())
     assert [e["token"] for e in entries] == ["Hello", " world"]
     assert [e["bytes"] for e in entries] == [list(b"Hello"), list(b" world")]
     assert [[t["token"] for t in e["top_logprobs"]] for e in entries] == [
@@ -344,42 +345,40 @@ def test_detokenizer_direct_call_with_and_without_logprobs(triton_server, tokeni
     assert entries[1]["top_logprobs"][1]["logprob"] == -2.0
 
 
-def test_coalesce_and_stream_state_carry_logprobs_per_child():
+def test_coalesce_and_stream_state_carry_logprobs_per_choice():
     from tritonllm.engine.request import RequestOutput
     from tritonllm.serving.coalesce import coalesce
     from tritonllm.serving.logprobs import flatten_top_logprobs
-    from tritonllm.serving.request_table import RequestTable
     from tritonllm.serving.stream_state import StreamState
 
-    def out(rid, ids, reason=None, lps=None):
+    def out(rid, ids, reason=None, lps=None, index=0):
         top = (
             None
             if lps is None
             else [{t: lp, t + 1: lp - 1} for t, lp in zip(ids, lps, strict=True)]
         )
-        return RequestOutput(rid, ids, reason is not None, reason, 3, 1, 0, lps, top)
+        return RequestOutput(rid, ids, reason is not None, reason, 3, 1, 0, lps, top, index=index)
 
     merged = coalesce(
         [
-            out("r#0", [1], lps=[-0.1]),
-            out("r#1", [5], lps=[-0.5]),
-            out("r#0", [2], lps=[-0.2]),
-            out("r#0", [], "abort"),
+            out("r", [1], lps=[-0.1]),
+            out("r", [5], lps=[-0.5], index=1),
+            out("r", [2], lps=[-0.2]),
+            out("r", [], "abort"),
         ]
     )
-    assert [(m.request_id, m.new_token_ids, m.logprobs) for m in merged] == [
-        ("r#0", [1, 2], [-0.1, -0.2]),
-        ("r#1", [5], [-0.5]),
+    # Choices of one request are merged by index, never with each other (in the order of
+    # their last outputs).
+    assert [(m.index, m.new_token_ids, m.logprobs) for m in merged] == [
+        (1, [5], [-0.5]),
+        (0, [1, 2], [-0.1, -0.2]),
     ]
-    ids, values = flatten_top_logprobs(merged[0].top_logprobs, 2)
+    ids, values = flatten_top_logprobs(merged[1].top_logprobs, 2)
     assert ids.tolist() == [1, 2, 2, 3] and values.tolist() == pytest.approx(
         [-0.1, -1.1, -0.2, -1.2]
     )
-    state = StreamState(stream=False, index=4)
-    assert state.on_output(out("r", [7], lps=[-1.0])) is None
-    chunk = state.on_output(out("r", [8], "length", lps=[-2.0]))
+    state = StreamState(stream=False, index=4, num_choices=5, num_top=2)
+    assert state.on_output(out("r", [7], lps=[-1.0], index=4)) is None
+    chunk = state.on_output(out("r", [8], "length", lps=[-2.0], index=4))
     assert (chunk.index, chunk.output_ids, chunk.logprobs) == (4, [7, 8], [-1.0, -2.0])
-    table = RequestTable()
-    key = table.add("a#1", "entry")
-    assert "#" not in key and table.lookup(f"{key}#2") == (key, 2, "entry")
-    assert table.lookup(key) == (key, 0, "entry") and table.lookup("zz#1")[2] is None
+    assert chunk.with_index and chunk.num_top == 2

@@ -51,7 +51,7 @@ def test_stubs_and_engine_exit_when_tritonserver_is_killed(
         members = _group_members(pid)
         others = {p: cmd for p, cmd in members.items() if p != pid}
         stubs = [cmd for cmd in others.values() if "triton_python_backend_stub" in cmd]
-        for model in ("tokenizer", "generator", "detokenizer"):
+        for model in ("tokenizer", "generator", "detokenizer", "ensemble"):
             assert any(f"/{model}/" in cmd for cmd in stubs), (model, members)
         os.kill(pid, signal.SIGKILL)
         # Reaped, as its parent (init, a supervisor) would: a stub takes a zombie parent for a

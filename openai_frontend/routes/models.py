@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -32,11 +30,12 @@ async def health(request: Request) -> JSONResponse:
     """200 when Triton and the ``llm`` model are ready and the generator answers, else 503.
 
     Triton keeps reporting a model ready after its Python stub process died (2.51), so the
-    generator is also sent a no-op control request (an abort of an id nobody uses).
+    generator is also sent its ``health_probe`` control request, which only reports whether
+    its engine runs (it aborts nothing).
     """
     client = get_state(request).client
     if not await client.is_ready():
         return JSONResponse({"status": "triton not ready"}, status_code=503)
-    if not await client.abort(f"health-{uuid.uuid4().hex}", timeout=2.0):
+    if not await client.probe(timeout=2.0):
         return JSONResponse({"status": "generator not answering"}, status_code=503)
     return JSONResponse({"status": "ok"}, status_code=200)

@@ -56,11 +56,13 @@ class EngineClient(Protocol):
         params: SamplingParams,
         callback: OutputCallback,
     ) -> None:
-        """Queue a request; `callback(RequestOutput)` gets each of its outputs.
+        """Queue a request; `callback(RequestOutput)` gets each of its outputs (every choice's,
+        by `index`), the last with `request_finished`.
 
         Raises:
-            ValueError: invalid request (the checks of `LLMEngine.check_request`), validated
-                synchronously (nothing queued), or a request id that is still in flight.
+            RequestError: (a ValueError) invalid request (the checks of
+                `LLMEngine.check_request`), validated synchronously (nothing queued).
+            ValueError: a request id that is still in flight.
             RuntimeError: after `shutdown()`, or once the engine is gone.
         """
         ...

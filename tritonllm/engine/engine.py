@@ -7,12 +7,12 @@ tokens, stop checks, release finished requests).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
 
 from tritonllm.config import EngineConfig
+from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
 from tritonllm.engine.cache_manager import CacheManager
 from tritonllm.engine.model_runner import ModelRunner
 from tritonllm.engine.overlap import LaunchedStep, num_unknown_tail
@@ -68,9 +68,11 @@ class EngineStats:
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache (see ARCHITECTURE.md, "Engine API").
 
-    `n > 1` in SamplingParams expands a request into n requests `"{id}#{i}"` (seed + i when
-    seeded); they share the prompt's KV pages through the radix cache once the first has
-    prefilled, and `abort(id)` aborts all of them.
+    `n > 1` in SamplingParams expands a request into n choices, each reported under the
+    request's id with its `RequestOutput.index` (seed + i when seeded); they share the prompt's
+    KV pages through the radix cache once the first has prefilled, `abort(id)` aborts all of
+    them, and the output that ends the last one has `request_finished` set (the engine is the
+    one place that counts a request's live choices).
 
     `runner`: the model runner to drive (default `ModelRunner(config)`); rank 0 of a
     tensor-parallel engine passes its own (`engine.engine_child`).
@@ -95,8 +97,8 @@ class LLMEngine:
         )
         self.max_model_len = config.effective_max_model_len
         self.limits = RequestLimits.of(self)  # what check_request validates against
-        self._requests: dict[str, Request] = {}
-        self._children: dict[str, list[str]] = {}
+        self._requests: dict[tuple[str, int], Request] = {}  # by Request.key
+        self._choices: dict[str, set[int]] = {}  # request id -> indices of its live choices
         self._pending: list[RequestOutput] = []
         self._arrival = itertools.count()
         self._gen_ids = itertools.count()
@@ -110,51 +112,43 @@ class LLMEngine:
         self._detok: Detokenizer | None = None
 
     # ---- requests ------------------------------------------------------------------------
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Validate a request without touching engine state (safe from any thread).
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Validate a request without touching engine state (safe from any thread); return its
+        resolved output limit in tokens (see `RequestLimits.check`).
 
         Raises:
-            ValueError: invalid params, an empty prompt, prompt or stop token ids outside the
-                vocabulary, prompt + max_tokens over max_model_len, or more KV pages than the
-                pool has.
+            RequestError: an empty prompt, prompt or stop token ids outside the vocabulary,
+                prompt + max_tokens over max_model_len, or more KV pages than the pool has.
         """
-        self.limits.check(prompt_ids, params)
+        return self.limits.check(prompt_ids, params)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; it joins the running batch at a later step.
+        """Queue a request (its `params.n` choices); it joins the running batch at a later step.
 
         Raises:
-            ValueError: see `check_request`; or `request_id` (or, for n > 1, one of its child
-                ids `"{request_id}#{i}"`) is already in use.
+            RequestError: see `check_request`; or `request_id` is already in use.
         """
-        params.validate()
         # max_tokens=None becomes the room left in the context (and the KV pool) for this prompt.
-        params = dataclasses.replace(params, max_tokens=self.limits.max_tokens(prompt_ids, params))
-        ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        live = self._requests
-        if request_id in live or request_id in self._children or any(i in live for i in ids):
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if params.n == 1:
-            self._enqueue(request_id, list(prompt_ids), params)
-            return
-        self._children[request_id] = ids
-        for i, child_id in enumerate(ids):
-            seed = None if params.seed is None else params.seed + i
-            self._enqueue(child_id, list(prompt_ids), dataclasses.replace(params, n=1, seed=seed))
-
-    def _enqueue(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        max_tokens = self.limits.check(prompt_ids, params)
+        if request_id in self._choices:
+            raise RequestError(
+                ErrorCode.INVALID_VALUE,
+                "request_id",
+                f"request id {short_repr(request_id)} is already in use",
+            )
+        self._choices[request_id] = set(range(params.n))
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.model_config.eos_token_ids)
-        req = Request(
-            request_id, prompt_ids, params, arrival=next(self._arrival), stop_ids=frozenset(stop)
-        )
-        if params.seed is not None:
-            req.generator = self.runner.sampler.make_generator(params.seed)
-        if params.stop:
-            req.stop_checker = StopStringChecker(self._detokenizer(), params.stop)
-        self._requests[request_id] = req
-        self.scheduler.add(req)
+        for index in range(params.n):  # the choices share the prompt's pages once cached
+            req = Request(request_id, list(prompt_ids), params, next(self._arrival), index)
+            req.max_tokens, req.stop_ids = max_tokens, frozenset(stop)
+            if params.seed is not None:
+                req.generator = self.runner.sampler.make_generator(params.seed + index)
+            if params.stop:
+                req.stop_checker = StopStringChecker(self._detokenizer(), params.stop)
+            self._requests[req.key] = req
+            self.scheduler.add(req)
 
     def _detokenizer(self) -> Detokenizer:
         # Loaded on first use: only requests with stop strings need text in the engine.
@@ -170,21 +164,16 @@ class LLMEngine:
         The next `step()` reports it with finish_reason "abort". Returns False if unknown or
         already finished.
         """
-        ids = self._children.pop(request_id, [request_id])
-        found = False
-        for rid in ids:
-            req = self._requests.get(rid)
-            if req is not None:
-                self._finish(req, "abort", release=True)
-                found = True
-        return found
+        indices = sorted(self._choices.get(request_id, ()))
+        for index in indices:
+            self._finish(self._requests[(request_id, index)], "abort", release=True)
+        return bool(indices)
 
     def abort_all(self, error: str) -> list[RequestOutput]:
         """Fail every request (after an engine error); returns their final outputs."""
         self._in_flight = None
         for req in list(self._requests.values()):
             self._finish(req, "error", release=True, error=error)
-        self._children.clear()
         outs, self._pending = self._pending, []
         return outs
 
@@ -192,7 +181,7 @@ class LLMEngine:
         if release:
             self.scheduler.abort(req)
         req.finish_reason = reason
-        del self._requests[req.request_id]
+        del self._requests[req.key]
         num_output = req.num_output_tokens - num_unknown_tail(req.token_ids)
         self._pending.append(self._output(req, [], num_output, error=error))
 
@@ -245,7 +234,7 @@ class LLMEngine:
         live, is_prefill = self._requests, not step.batch.is_decode
         tokens, logprobs, top_logprobs = samples.token_ids, samples.logprobs, samples.top_logprobs
         for j, (req, pos) in enumerate(zip(step.sample_reqs, step.token_pos, strict=True)):
-            if live.get(req.request_id) is not req:
+            if live.get(req.key) is not req:
                 continue  # finished (overlap: its extra token is discarded) or aborted
             req.token_ids[pos] = tokens[j]
             if is_prefill:
@@ -263,8 +252,7 @@ class LLMEngine:
         reason = None
         if token in req.stop_ids and num_out >= p.min_tokens:
             reason = "stop"
-        # add_request replaced a max_tokens of None by the room left in the context.
-        elif num_out >= p.max_tokens or pos + 1 >= self.max_model_len:  # type: ignore[operator]
+        elif num_out >= req.max_tokens or pos + 1 >= self.max_model_len:
             reason = "length"
         lps = None if lp is None else [lp]
         tops = None if top is None else [top]
@@ -279,7 +267,7 @@ class LLMEngine:
             del req.token_ids[pos + 1 :]  # overlap: a token computed after the finish
             req.finish_reason = reason
             self.scheduler.abort(req)  # running (pages released) or preempted (dequeued)
-            del self._requests[req.request_id]
+            del self._requests[req.key]
         return self._output(req, released, num_out, lps, tops, trim)
 
     def _check_stop_strings(
@@ -328,8 +316,7 @@ class LLMEngine:
         """`req`'s output releasing `tokens`; `num_output`: its known output ids (sampled and
         filled in), of which those the stop-string checker holds or withholds do not count."""
         finished = req.finish_reason is not None
-        if finished:
-            self._forget_child(req.request_id)
+        request_finished = finished and self._choice_finished(req)
         if req.stop_checker is not None:
             num_output -= req.num_withheld + req.stop_checker.num_held
         # Positional, in RequestOutput's field order: once per request per step, and keyword
@@ -346,13 +333,18 @@ class LLMEngine:
             top,
             error,
             trim,
+            req.index,
+            request_finished,
         )
 
-    def _forget_child(self, request_id: str) -> None:
-        parent, sep, _ = request_id.rpartition("#")
-        if sep and parent in self._children:
-            if all(c not in self._requests for c in self._children[parent]):
-                del self._children[parent]
+    def _choice_finished(self, req: Request) -> bool:
+        """Count `req`'s choice as finished; True when it was its request's last."""
+        live = self._choices[req.request_id]
+        live.discard(req.index)
+        if live:
+            return False
+        del self._choices[req.request_id]
+        return True
 
     # ---- introspection and offline use ---------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -385,20 +377,21 @@ class LLMEngine:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        order: list[str] = []
+        order: list[tuple[str, int]] = []
         for prompt, p in zip(prompts, plist, strict=True):
             rid = f"generate-{next(self._gen_ids)}"
             self.add_request(rid, prompt, p)
-            order.extend([rid] if p.n == 1 else [f"{rid}#{i}" for i in range(p.n)])
-        results: dict[str, list[int]] = {rid: [] for rid in order}
+            order.extend((rid, i) for i in range(p.n))
+        results: dict[tuple[str, int], list[int]] = {key: [] for key in order}
         remaining = set(order)
         while remaining:
             for out in self.step():
-                if out.request_id in results:
-                    results[out.request_id].extend(out.new_token_ids)
+                key = (out.request_id, out.index)
+                if key in results:
+                    results[key].extend(out.new_token_ids)
                     if out.finished:
-                        remaining.discard(out.request_id)
-        return [results[rid] for rid in order]
+                        remaining.discard(key)
+        return [results[key] for key in order]
 
 
 __all__ = ["EngineStats", "LLMEngine", "RequestStatus"]

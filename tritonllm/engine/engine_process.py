@@ -83,8 +83,8 @@ class EngineProcess(EngineClient):
     The constructor returns once the child has built its engine (model load, KV pool, CUDA
     graph capture). Outputs are delivered by calling each request's callback from one thread of
     this process (the receiver thread), exactly as `EngineThread` does from its thread: a
-    request's outputs in order, the last with `finished=True`; n > 1 children `"{id}#{i}"` go to
-    the callback of `id`. Callbacks must not block; they may call `submit` and `abort`.
+    request's outputs in order (every choice's, by `index`), the last with `request_finished`.
+    Callbacks must not block; they may call `submit` and `abort`.
 
     `stats()` and `loop_times()` are the child's snapshots as of its last step; in
     `LoopTimes`, `busy_s`/`cpu_s` are the child's engine loop and `callback_s` is the time it
@@ -166,11 +166,12 @@ class EngineProcess(EngineClient):
         callback: OutputCallback,
     ) -> None:
         """Send a request to the engine; `callback(RequestOutput)` is called from the receiver
-        thread for each output, the last one with `finished=True`.
+        thread for each output, the last one with `request_finished=True`.
 
         Raises:
-            ValueError: invalid request (`RequestLimits.check`, the checks of
-                `LLMEngine.check_request`) or a request id that is still in flight.
+            RequestError: invalid request (`RequestLimits.check`, the checks of
+                `LLMEngine.check_request`).
+            ValueError: a request id that is still in flight.
             RuntimeError: after `shutdown()` or once the engine process died.
         """
         self._limits.check(prompt_ids, params)
@@ -179,7 +180,7 @@ class EngineProcess(EngineClient):
                 raise RuntimeError(self._not_running())
             if not len(self._routes):  # the engine was idle: its silence so far was no stall
                 self._last_progress = time.monotonic()
-            self._routes.add(request_id, callback, params.n, len(prompt_ids))
+            self._routes.add(request_id, callback, len(prompt_ids))
         try:
             self._post((SUBMIT, request_id, list(prompt_ids), params))
         except OSError as exc:

@@ -26,31 +26,27 @@ Submission = tuple[str, list[int], SamplingParams]  # (request id, prompt ids, p
 
 
 class _Route:
-    __slots__ = ("callback", "live", "num_prompt_tokens")
+    __slots__ = ("callback", "num_prompt_tokens")
 
-    def __init__(self, callback: OutputCallback, live: int, num_prompt_tokens: int) -> None:
+    def __init__(self, callback: OutputCallback, num_prompt_tokens: int) -> None:
         self.callback = callback
-        self.live = live  # outputs still to finish: n children
         self.num_prompt_tokens = num_prompt_tokens
 
 
 class CallbackTable:
     """Routes each `RequestOutput` to the callback of its request (thread-safe).
 
-    A request registered as `request_id` with `n` choices gets its own outputs and, for n > 1,
-    those of its children `"{request_id}#{i}"`. Its entry is dropped after the last child's
-    final output, or at once after a final output that carries `request_id` itself (n == 1, or
-    a request that failed before the engine split it into children). Callbacks run outside the
-    table's lock; an exception in one is logged and does not reach the caller.
+    A request registered as `request_id` gets every output of that id (all its choices). Its
+    entry is dropped after the output with `request_finished` (the engine counts the choices).
+    Callbacks run outside the table's lock; an exception in one is logged and does not reach
+    the caller.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._routes: dict[str, _Route] = {}
 
-    def add(
-        self, request_id: str, callback: OutputCallback, n: int = 1, num_prompt_tokens: int = 0
-    ) -> None:
+    def add(self, request_id: str, callback: OutputCallback, num_prompt_tokens: int = 0) -> None:
         """Register a request (`num_prompt_tokens` goes into `fail_all`'s outputs).
 
         Raises:
@@ -59,7 +55,7 @@ class CallbackTable:
         with self._lock:
             if request_id in self._routes:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._routes[request_id] = _Route(callback, n, num_prompt_tokens)
+            self._routes[request_id] = _Route(callback, num_prompt_tokens)
 
     def discard(self, request_id: str) -> bool:
         """Forget a request without calling its callback (it never reached the engine).
@@ -72,23 +68,17 @@ class CallbackTable:
 
     def deliver(self, out: RequestOutput) -> None:
         """Call the callback of `out`'s request with it; outputs of unknown ids are dropped."""
-        key = out.request_id
         with self._lock:
-            route = self._routes.get(key)
-            if route is None:
-                key = key.rpartition("#")[0]
-                route = self._routes.get(key)
+            route = self._routes.get(out.request_id)
             if route is None:
                 return
-            if out.finished:
-                route.live = 0 if key == out.request_id else route.live - 1
-                if route.live == 0:
-                    del self._routes[key]
+            if out.request_finished:
+                del self._routes[out.request_id]
         _call(route.callback, out)
 
     def fail_all(self, message: str) -> None:
         """End every registered request with one final "error" output carrying `message`
-        (under its registered id, so it ends all n children) and forget them all."""
+        (`request_finished`: it ends all n choices) and forget them all."""
         with self._lock:
             routes, self._routes = self._routes, {}
         for request_id, route in routes.items():
@@ -146,18 +136,18 @@ class EngineThread(EngineClient):
         callback: OutputCallback,
     ) -> None:
         """Queue a request; `callback(RequestOutput)` is called from the engine thread for each
-        output, the last one with `finished=True`.
+        output (every choice's), the last one with `request_finished=True`.
 
         Raises:
-            ValueError: invalid request (see `LLMEngine.check_request`) or a request id that
-                is still in flight.
+            RequestError: invalid request (see `LLMEngine.check_request`).
+            ValueError: a request id that is still in flight.
             RuntimeError: after `shutdown()`.
         """
         self.engine.check_request(prompt_ids, params)
         with self._cv:
             if self._stop:
                 raise RuntimeError("engine thread is shut down")
-            self._routes.add(request_id, callback, params.n)
+            self._routes.add(request_id, callback)
             self._submissions.append((request_id, list(prompt_ids), params))
             self._cv.notify()
 
@@ -229,7 +219,7 @@ def admit_and_step(
     `engine.step()`; return the outputs to deliver.
 
     A request that `add_request` refuses (validated before it was queued, so unexpected) gets
-    one "error" output under its own id, which ends all its n choices (see `CallbackTable`).
+    one "error" output with `request_finished`, which ends all its n choices.
     An exception inside the step fails every request in flight with finish_reason "error";
     the engine stays usable.
     """
@@ -251,7 +241,8 @@ def admit_and_step(
 
 
 def error_output(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
-    """A request's final output after an engine failure: no ids, finish_reason "error"."""
+    """A request's final output after an engine failure: no ids, finish_reason "error",
+    `request_finished` (it ends every choice)."""
     return RequestOutput(
         request_id=request_id,
         new_token_ids=[],
@@ -261,4 +252,5 @@ def error_output(request_id: str, num_prompt_tokens: int, message: str) -> Reque
         num_output_tokens=0,
         cached_tokens=0,
         error=message,
+        request_finished=True,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +23,12 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence being generated.
 
-    `token_ids` is prompt + generated tokens. `num_computed` tokens of it have K/V in the
-    cache (in `pages`); the first `num_tree_pages` pages belong to the prefix cache and are
+    `index` is the choice (0..n-1) of a request with `params.n > 1`; the engine keys a request
+    by `key` = (request_id, index). `max_tokens` is the resolved output limit in tokens (the
+    engine passes `params.max_tokens` or the room left in the context; left 0, it is
+    `params.max_tokens`, or no limit). `token_ids` is prompt + generated tokens. `num_computed`
+    tokens of it have K/V in the cache (in `pages`); the first `num_tree_pages` pages belong to
+    the prefix cache and are
     locked through `tree_node` while the request holds them. `page_row` is the request's row
     in the cache manager's `HostPageTable` (-1 while it holds no pages).
 
@@ -37,6 +42,8 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: int  # admission order key: larger is newer (the preemption victim)
+    index: int = 0
+    max_tokens: int = 0  # 0: not resolved (see the class docstring)
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     pages: list[int] = field(default_factory=list)
@@ -63,6 +70,8 @@ class Request:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
         p = self.params
+        if not self.max_tokens:
+            self.max_tokens = sys.maxsize if p.max_tokens is None else p.max_tokens
         self.num_prompt_tokens = len(self.prompt_ids)
         self.uses_penalties = bool(
             p.repetition_penalty != 1.0
@@ -73,6 +82,11 @@ class Request:
         self.plain_sampling = not (
             p.top_k_enabled or p.top_p < 1.0 or p.min_p > 0 or p.logprobs is not None
         )
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The engine's key of this request: (request id, choice index)."""
+        return (self.request_id, self.index)
 
     @property
     def num_output_tokens(self) -> int:
@@ -100,7 +114,7 @@ class RequestOutput:
     """What one engine step reports for one request.
 
     Attributes:
-        request_id: the id given to `add_request` (`"{id}#{i}"` for the i-th of n > 1).
+        request_id: the id given to `add_request` (every choice of an n > 1 request has it).
         new_token_ids: tokens released this step (empty for an abort or error). With stop
             strings, tokens that may begin a stop string are held back and released later, so
             this can be empty while running or hold several tokens.
@@ -119,6 +133,10 @@ class RequestOutput:
         trim_chars: characters to drop from the end of the text of `new_token_ids` (decoded
             after all earlier ones) so the output ends just before a matched stop string; 0
             unless a stop string ended the request (see `engine/stop_strings.py`).
+        index: the choice (0..n-1) this output belongs to; 0 when n == 1.
+        request_finished: the request's last output: every choice has finished (with
+            `finished`, the same as it for n == 1). An output that fails a whole request
+            (`finish_reason` "error" from a failed engine) has it set and ends every choice.
     """
 
     request_id: str
@@ -132,3 +150,5 @@ class RequestOutput:
     top_logprobs: list[dict[int, float]] | None = None
     error: str | None = None
     trim_chars: int = 0
+    index: int = 0
+    request_finished: bool = False

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from tritonllm.contract.errors import ErrorCode, RequestError
 from tritonllm.sampling_params import SamplingParams
 
 
@@ -41,54 +42,69 @@ class RequestLimits:
             num_usable_pages=engine.cache.num_usable_pages,
         )
 
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Validate a request (the checks of `LLMEngine.check_request`).
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Validate a request against these limits (`params` are valid already: a
+        `SamplingParams` is validated when built); return its output limit in tokens:
+        `params.max_tokens`, or for None as many as fit in max_model_len and in the whole KV
+        pool.
 
         Raises:
-            ValueError: invalid params, an empty prompt, prompt or stop token ids outside the
-                vocabulary, prompt + max_tokens over max_model_len, or more KV pages than the
-                pool has.
+            RequestError: an empty prompt, prompt or stop token ids outside the vocabulary
+                (``invalid_value``), prompt + max_tokens over max_model_len or more KV pages
+                than the pool has (``context_length_exceeded``).
         """
-        params.validate()
         vocab = self.vocab_size
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:  # a stop id the model cannot produce is a client mistake, not a no-op
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad[:5]}")
-        self.max_tokens(prompt_ids, params)
+            raise RequestError(
+                ErrorCode.INVALID_VALUE,
+                "stop_token_ids",
+                f"stop_token_ids must be in [0, {vocab}), got {bad[:5]}",
+            )
+        return self.max_tokens(prompt_ids, params)
 
     def max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """The request's output limit in tokens: `params.max_tokens`, or for None as many as
-        fit in max_model_len and in the whole KV pool. Raises ValueError as `check` (the
-        params themselves are not validated here)."""
+        """The request's output limit in tokens (see `check`, which also checks the stop
+        token ids). Raises RequestError as `check`."""
         n = len(prompt_ids)
         if n == 0:
-            raise ValueError("prompt must contain at least one token")
+            raise RequestError(
+                ErrorCode.INVALID_VALUE, "prompt", "prompt must contain at least one token"
+            )
         vocab = self.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+            raise RequestError(
+                ErrorCode.INVALID_VALUE,
+                "prompt",
+                f"prompt token ids must be in [0, {vocab}), got {bad[:5]}",
+            )
         # The last sampled token is never fed back, so its K/V never needs a slot: a sequence
         # of `total` tokens needs ceil((total - 1) / page_size) pages.
         pool_tokens = self.num_usable_pages * self.page_size + 1
         if params.max_tokens is None:
             room = min(self.max_model_len, pool_tokens) - n
             if room < 1:
-                raise ValueError(
+                raise _too_long(
                     f"prompt ({n} tokens) leaves no room for output: max_model_len is "
                     f"{self.max_model_len}, the KV cache holds {pool_tokens - 1} tokens"
                 )
             return room
         total = n + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(
+            raise _too_long(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
         pages = math.ceil((total - 1) / self.page_size)
         if pages > self.num_usable_pages:
-            raise ValueError(
+            raise _too_long(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} tokens exceeds "
                 f"the KV cache's capacity: it needs {pages} KV pages of {self.page_size} tokens; "
                 f"the cache has {self.num_usable_pages}"
             )
         return params.max_tokens
+
+
+def _too_long(message: str) -> RequestError:
+    return RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "prompt", message)

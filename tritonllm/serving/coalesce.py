@@ -4,7 +4,7 @@ Triton's response path tops out near 7k responses/s through the ensemble (ARCHIT
 "Platform facts"), well below what the engine can generate on a GPU. The
 sender therefore merges every output of one request that is waiting in its queue into a single
 response: one token per response when the server is idle, several under load. Outputs are keyed
-by the engine's request id, so the n children ``"{id}#{i}"`` of one request are never merged.
+by (request id, choice index), so the n choices of one request are never merged.
 """
 
 from __future__ import annotations
@@ -41,16 +41,21 @@ def coalesce(outputs: Iterable[RequestOutput]) -> list[RequestOutput]:
     Args:
         outputs: ``RequestOutput`` objects in the order the engine produced them.
     Returns:
-        One ``RequestOutput`` per request id, in order of first appearance: its
+        One ``RequestOutput`` per (request id, index), in the order of the last output merged
+        into each (so the output that ends a request, ``request_finished``, stays behind every
+        other output of that request's choices): its
         ``new_token_ids`` (and ``logprobs`` / ``top_logprobs``) are the concatenation of the
         merged outputs'; ``finished``, ``finish_reason`` and the token counts are those of the
         last one. Outputs that arrive after a request's finished output are dropped (stale).
     """
-    merged: dict[str, RequestOutput] = {}
+    merged: dict[tuple[str, int], RequestOutput] = {}
     for output in outputs:
-        previous = merged.get(output.request_id)
+        key = (output.request_id, output.index)
+        previous = merged.pop(key, None)
         if previous is None:
-            merged[output.request_id] = output
+            merged[key] = output
         elif not previous.finished:
-            merged[output.request_id] = _merged(previous, output)
+            merged[key] = _merged(previous, output)
+        else:
+            merged[key] = previous  # stale: an output after the finished one is dropped
     return list(merged.values())

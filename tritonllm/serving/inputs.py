@@ -1,94 +1,174 @@
-"""Request inputs of the generator (numpy arrays by input name) → plain Python values."""
+"""The generator's request inputs (numpy arrays by input name) -> one validated request.
+
+This is the generator's trust boundary: every client value is checked here, once, and the
+layers after it (the engine front, the engine) trust what it built. Sampling values come from
+three places, merged by field name (``tritonllm.contract.tensors.SAMPLING_INPUTS``):
+
+1. the sampling input tensors (``temperature`` FP32 [1], ``stop`` BYTES [-1], ...);
+2. ``sampling_parameters``, a JSON object (the Triton vLLM backend's convention;
+   ``serving.vllm_params`` converts its values, often strings such as ``"0.1"``);
+3. the request's Triton ``parameters`` (where vLLM-backend clients may also put them, and where
+   Triton's HTTP ``generate`` puts every JSON field that is no input).
+
+A field given in more than one place must have the same value everywhere; anything unknown is
+refused by name, never ignored.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from tritonllm.contract import tensors
+from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
 from tritonllm.sampling_params import SamplingParams
+from tritonllm.serving.vllm_params import sampling_values
 
-# Optional sampling inputs of the generator and the llm ensemble (ARCHITECTURE.md), with the
-# Python type of their SamplingParams field; `stop_token_ids` (ints) and `stop` (strings) are
-# lists, the others scalars.
-SAMPLING_INPUTS: dict[str, type] = {
-    "max_tokens": int,
-    "temperature": float,
-    "top_p": float,
-    "top_k": int,
-    "min_p": float,
-    "seed": int,
-    "stop_token_ids": list,
-    "stop": str,
-    "ignore_eos": bool,
-    "min_tokens": int,
-    "presence_penalty": float,
-    "frequency_penalty": float,
-    "repetition_penalty": float,
-    "logprobs": int,  # top alternatives per token, 0..20; absent: no logprobs
-    "n": int,  # choices, 1..16; > 1 needs stream=true
+# Sampling input -> (a list input?, the Python type of its elements), from the contract.
+_TYPES = {"INT32": int, "INT64": int, "FP32": float, "BOOL": bool, "BYTES": str}
+_KINDS: dict[str, tuple[bool, type]] = {
+    spec.name: (spec.dims == (-1,), _TYPES[spec.dtype]) for spec in tensors.SAMPLING_INPUTS
 }
-_PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A validated generation request.
+
+    Attributes:
+        prompt_ids: the prompt's token ids.
+        params: its sampling params (validated).
+        stream: True: a response per batch of new ids; False: exactly one response.
+        echo_text: text each choice's first response starts with (the prompt, when the client
+            sent ``exclude_input_in_output=false``), or None.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool = True
+    echo_text: str | None = None
 
 
 def scalar(array: np.ndarray | None, name: str, kind: type, default: Any = None) -> Any:
     """The single element of ``array`` as ``kind`` (``default`` when the input is absent).
 
     Raises:
-        ValueError: the input does not hold exactly one element, or a ``str`` input is not
-            UTF-8.
+        RequestError: (``invalid_input``) not exactly one element, or a ``str`` input that is
+            not UTF-8.
     """
     if array is None:
         return default
     flat = np.asarray(array).reshape(-1)
     if flat.size != 1:
-        raise ValueError(f"input {name!r} must hold one value, got {flat.size}")
+        raise RequestError(
+            ErrorCode.INVALID_INPUT, name, f"input {name!r} must hold one value, got {flat.size}"
+        )
     value = flat[0]
     if kind is str:
-        return _text(value, name)
+        return text(value, name)
     return kind(value)
 
 
-def _text(value: Any, name: str) -> str:
+def text(value: Any, name: str) -> str:
     """A string input's element as text.
 
     Raises:
-        ValueError: the bytes are not UTF-8 (the message names input ``name``).
+        RequestError: (``invalid_input``) the bytes are not UTF-8.
     """
     if not isinstance(value, bytes):
         return str(value)
     try:
         return value.decode("utf-8")
     except UnicodeDecodeError:
-        raise ValueError(f"input {name!r} is not valid UTF-8") from None
+        raise RequestError(
+            ErrorCode.INVALID_INPUT, name, f"input {name!r} is not valid UTF-8"
+        ) from None
 
 
-def sampling_params(inputs: Mapping[str, np.ndarray | None]) -> SamplingParams:
-    """``SamplingParams`` from the optional sampling inputs present in ``inputs``, validated.
+def tensor_sampling_values(inputs: Mapping[str, np.ndarray | None]) -> dict[str, Any]:
+    """The sampling fields given as input tensors, as plain Python values."""
+    values: dict[str, Any] = {}
+    for name, (is_list, kind) in _KINDS.items():
+        array = inputs.get(name)
+        if array is None:
+            continue
+        if is_list:
+            flat = np.asarray(array).reshape(-1)
+            values[name] = [text(t, name) if kind is str else kind(t) for t in flat]
+        else:
+            values[name] = scalar(array, name, kind)
+    return values
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):  # an FP32 tensor vs a JSON number
+        return np.float32(a) == np.float32(b)
+    return a == b
+
+
+def merge_sampling_values(sources: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """One dict of sampling fields from several sources (source name -> its fields).
 
     Raises:
-        ValueError: an input with the wrong number of elements or a value out of range (the
-            message names the parameter).
+        RequestError: (``invalid_value``) a field that two sources give different values.
     """
-    kwargs: dict[str, Any] = {}
-    for name, kind in SAMPLING_INPUTS.items():
-        array = inputs.get(name)
-        if array is None or name not in _PARAM_FIELDS:
-            continue
-        if kind is list:
-            kwargs[name] = [int(t) for t in np.asarray(array).reshape(-1)]
-        elif name == "stop":  # a list of strings
-            kwargs[name] = [_text(t, name) for t in np.asarray(array).reshape(-1)]
-        else:
-            kwargs[name] = scalar(array, name, kind)
-    max_tokens = kwargs.get("max_tokens")
-    if max_tokens is not None and max_tokens < 0:  # (SamplingParams would say ">= 1")
-        raise ValueError(
-            f"max_tokens must be >= 0 (0: until EOS, a stop condition or the context limit), "
-            f"got {max_tokens}"
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for source, values in sources.items():
+        for name, value in values.items():
+            if name in merged and not _same(merged[name], value):
+                raise RequestError(
+                    ErrorCode.INVALID_VALUE,
+                    name,
+                    f"{name} is given twice with different values ({origin[name]}: "
+                    f"{short_repr(merged[name])}, {source}: {short_repr(value)})",
+                )
+            merged[name], origin[name] = value, source
+    return merged
+
+
+def generate_request(
+    inputs: Mapping[str, np.ndarray | None], parameters: str | Mapping[str, Any] = ""
+) -> GenerateRequest:
+    """Validate one generation request.
+
+    Args:
+        inputs: the generator's input tensors by name (absent inputs None or left out).
+        parameters: the Triton request's parameters (``request.parameters()``, a JSON object
+            string, or a dict).
+    Raises:
+        RequestError: a missing ``input_ids``, a malformed input, an unknown or unsupported
+            parameter, a value out of range, or ``n > 1`` without streaming.
+    """
+    input_ids = inputs.get("input_ids")
+    if input_ids is None:
+        raise RequestError(
+            ErrorCode.MISSING_INPUT,
+            "input_ids",
+            "input_ids is required (or abort_request_id / health_probe for a control request)",
         )
-    if max_tokens == 0:
-        kwargs["max_tokens"] = None
-    return SamplingParams(**kwargs).validate()
+    sources = {"input": tensor_sampling_values(inputs)}
+    raw_json = inputs.get("sampling_parameters")
+    if raw_json is not None:
+        text_json = scalar(raw_json, "sampling_parameters", str)
+        sources["sampling_parameters"] = sampling_values(text_json, "sampling_parameters")
+    if parameters:
+        sources["parameters"] = sampling_values(parameters, "parameters")
+    params = SamplingParams(**merge_sampling_values(sources))
+    stream = scalar(inputs.get("stream"), "stream", bool, default=True)
+    if params.n > 1 and not stream:
+        raise RequestError(
+            ErrorCode.INVALID_VALUE,
+            "n",
+            "n > 1 requires stream=true (each choice is its own response)",
+        )
+    echo = inputs.get("echo_text")
+    return GenerateRequest(
+        prompt_ids=np.asarray(input_ids).reshape(-1).tolist(),
+        params=params,
+        stream=stream,
+        echo_text=None if echo is None else scalar(echo, "echo_text", str),
+    )

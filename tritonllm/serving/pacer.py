@@ -26,8 +26,9 @@ class ResponsePacer:
 
     def __init__(self, max_responses_per_s: float) -> None:
         self.max_responses_per_s = max_responses_per_s
-        self._held: dict[str, Any] = {}  # request id → coalesced RequestOutput not yet sent
-        self._next_send: dict[str, float] = {}  # request id → monotonic time of next response
+        # (request id, choice index) → coalesced RequestOutput not yet sent / its next send time
+        self._held: dict[tuple[str, int], Any] = {}
+        self._next_send: dict[tuple[str, int], float] = {}
 
     def admit(self, outputs: list[Any], now: float) -> list[Any]:
         """Merge ``outputs`` (``RequestOutput``, in engine order) with the held ones; return
@@ -36,11 +37,11 @@ class ResponsePacer:
         self._held.clear()
         if self.max_responses_per_s <= 0:
             return merged
-        live = len(self._next_send.keys() | {o.request_id for o in merged})
+        live = len(self._next_send.keys() | {(o.request_id, o.index) for o in merged})
         gap = live / self.max_responses_per_s
         ready = []
         for output in merged:
-            key = output.request_id
+            key = (output.request_id, output.index)
             if output.finished:
                 self._next_send.pop(key, None)
                 ready.append(output)

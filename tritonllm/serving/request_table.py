@@ -15,9 +15,7 @@ class RequestTable(Generic[T]):
 
     The engine key is the client's request id (Triton's ``request.request_id()``; an ensemble
     passes its own id to every step) unless that is empty or already live: then a unique key
-    ``"<id>~<n>"`` is made, so two clients reusing an id never share engine state. Keys never
-    contain ``"#"`` (it is replaced by ``"_"``): the engine names the children of an ``n > 1``
-    request ``"<key>#<i>"``, and those must not collide with another request's key.
+    ``"<id>~<n>"`` is made, so two clients reusing an id never share engine state.
 
     An abort can overtake its request (a client that disconnects at once: the abort goes to
     the generator directly while the request still passes the tokenizer), so an abort of an
@@ -34,11 +32,10 @@ class RequestTable(Generic[T]):
 
     def add(self, request_id: str, entry: T) -> str:
         """Register ``entry``; return its engine key."""
-        base = request_id.replace("#", "_")
         with self._lock:
-            key = base
+            key = request_id
             while not key or key in self._entries:
-                key = f"{base or 'request'}~{next(self._counter)}"
+                key = f"{request_id or 'request'}~{next(self._counter)}"
             self._entries[key] = entry
             self._client_ids[key] = request_id
             return key
@@ -62,18 +59,6 @@ class RequestTable(Generic[T]):
     def get(self, key: str) -> T | None:
         with self._lock:
             return self._entries.get(key)
-
-    def lookup(self, engine_request_id: str) -> tuple[str, int, T | None]:
-        """``(key, choice index, entry)`` of an engine output's request id: the key itself
-        (index 0), or a child ``"<key>#<i>"`` of an ``n > 1`` request; entry None if unknown."""
-        with self._lock:
-            entry = self._entries.get(engine_request_id)
-            if entry is not None:
-                return engine_request_id, 0, entry
-            key, sep, index = engine_request_id.rpartition("#")
-            if sep and index.isdigit():
-                return key, int(index), self._entries.get(key)
-            return engine_request_id, 0, None
 
     def pop(self, key: str) -> T | None:
         """Remove and return the entry of ``key`` (None if unknown)."""

@@ -30,10 +30,17 @@ class ResponseChunk:
             matched stop string; see ``RequestOutput.trim_chars``).
         error: the engine's message when the request failed (finish_reason ``"error"``); the
             generator answers it with a Triton error response.
-        index: the choice index of a request with ``n > 1`` (the i of child ``"{id}#{i}"``).
+        index: the choice (``RequestOutput.index``); sent as the ``index`` output only when
+            ``with_index`` (the request has n > 1 choices).
         logprobs: with logprobs requested, one logprob per id of ``output_ids``; else None.
         top_logprobs: with logprobs requested, per id ``{token id: logprob}`` of the top
             alternatives; else None.
+        num_top: top alternatives per id when logprobs were requested (the logprob outputs
+            are sent), else None.
+        echo_text: text this response's text starts with (the prompt, in a choice's first
+            response when the client asked for it), else None.
+        request_key: the generator's key of the request when it differs from the Triton
+            request id (sent as output ``request_key``), else None.
     """
 
     output_ids: list[int]
@@ -48,6 +55,10 @@ class ResponseChunk:
     index: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    with_index: bool = False
+    num_top: int | None = None
+    echo_text: str | None = None
+    request_key: str | None = None
 
 
 @dataclass
@@ -57,11 +68,19 @@ class StreamState:
     Args:
         stream: True: a chunk for every output with new ids and one for the finish;
             False: exactly one chunk, at the finish, carrying all output ids (and logprobs).
-        index: the choice index its chunks carry (one ``StreamState`` per child of ``n > 1``).
+        index: the choice its chunks carry (one ``StreamState`` per choice).
+        num_choices: the request's n (its chunks carry ``with_index`` when > 1).
+        num_top: top logprobs per token, None when logprobs were not requested.
+        echo_text: text the choice's first chunk starts with, or None.
+        request_key: what every chunk carries as ``request_key`` (None: nothing).
     """
 
     stream: bool = True
     index: int = 0
+    num_choices: int = 1
+    num_top: int | None = None
+    echo_text: str | None = None
+    request_key: str | None = None
     _recent: list[int] = field(default_factory=list)
     _pending: list[int] = field(default_factory=list)
     _pending_logprobs: list[float] | None = None
@@ -85,6 +104,7 @@ class StreamState:
                 return None
             prefix = self._recent
             self._recent = (self._recent + new_ids)[-PREFIX_LEN:]
+        echo, self.echo_text = self.echo_text, None
         return ResponseChunk(
             output_ids=new_ids,
             prefix_ids=list(prefix),
@@ -100,4 +120,8 @@ class StreamState:
             index=self.index,
             logprobs=None if logprobs is None else list(logprobs),
             top_logprobs=None if top is None else list(top),
+            with_index=self.num_choices > 1,
+            num_top=self.num_top,
+            echo_text=echo,
+            request_key=self.request_key,
         )

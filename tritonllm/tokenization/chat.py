@@ -9,8 +9,11 @@ is written here, without function-calling support, since the service takes no ``
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
+
+from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -70,38 +73,74 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
     Returns:
         The messages as plain ``{"role", "content"}`` dicts.
     Raises:
-        ValueError: with a message naming the first offending entry.
+        RequestError: (``invalid_value``, param ``messages``) with a message naming the first
+            offending entry.
     """
     if not isinstance(messages, list | tuple) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
+        raise _bad_messages("messages must be a non-empty list of {'role': str, 'content': str}")
     cleaned = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+            raise _bad_messages(f"messages[{i}] must be an object with 'role' and 'content'")
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str):
-            raise ValueError(f"messages[{i}].role must be a string")
+            raise _bad_messages(f"messages[{i}].role must be a string")
         if role not in CHAT_ROLES:
-            raise ValueError(f"messages[{i}].role {role!r} is not one of {', '.join(CHAT_ROLES)}")
+            raise _bad_messages(
+                f"messages[{i}].role {short_repr(role)} is not one of {', '.join(CHAT_ROLES)}"
+            )
         if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string")
+            raise _bad_messages(f"messages[{i}].content must be a string")
         cleaned.append({"role": role, "content": content})
     return cleaned
 
 
-def render_chat(
-    tokenizer: Any, messages: Sequence[dict[str, str]], enable_thinking: bool = True
-) -> str:
-    """The prompt text of ``messages`` with the generation prompt, by the tokenizer's template.
+def _bad_messages(message: str) -> RequestError:
+    return RequestError(ErrorCode.INVALID_VALUE, "messages", message)
 
+
+def template_uses(template: str, variable: str) -> bool:
+    """Whether the chat template ``template`` (Jinja source) refers to ``variable``.
+
+    A name match on the source: a template option such as Qwen3's ``enable_thinking`` is a
+    plain variable of the template, never spelled inside another identifier.
+    """
+    return re.search(rf"\b{re.escape(variable)}\b", template) is not None
+
+
+def render_chat(
+    tokenizer: Any, messages: Sequence[dict[str, str]], enable_thinking: bool | None = None
+) -> str:
+    """The prompt text of ``messages`` with the generation prompt, by the tokenizer's own chat
+    template (``tokenizer_config.json`` / ``chat_template.jinja`` of the model directory).
+
+    Args:
+        enable_thinking: passed to the template only when given; None leaves the template's
+            default (Qwen3: thinking on).
     Raises:
-        ValueError: invalid messages (see ``validate_messages``) or no chat template.
+        RequestError: invalid messages (see ``validate_messages``), no chat template
+            (``unsupported_parameter``), or ``enable_thinking`` given for a template that has
+            no such option (``unsupported_parameter``).
     """
     cleaned = validate_messages(messages)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template; send text_input instead")
+    template = tokenizer.chat_template
+    if not template:
+        raise RequestError(
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            "messages",
+            "the tokenizer has no chat template; send text_input instead",
+        )
+    options = {}
+    if enable_thinking is not None:
+        if not template_uses(str(template), "enable_thinking"):
+            raise RequestError(
+                ErrorCode.UNSUPPORTED_PARAMETER,
+                "enable_thinking",
+                "enable_thinking is not supported: the model's chat template has no such option",
+            )
+        options["enable_thinking"] = enable_thinking
     return tokenizer.apply_chat_template(
-        cleaned, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+        cleaned, tokenize=False, add_generation_prompt=True, **options
     )
 
 
@@ -109,27 +148,36 @@ def render_prompt(
     tokenizer: Any,
     text_input: str | None = None,
     messages: Sequence[dict[str, str]] | None = None,
-    enable_thinking: bool = True,
+    enable_thinking: bool | None = None,
 ) -> list[int]:
     """Prompt token ids from exactly one of ``text_input`` or ``messages``.
 
     ``text_input`` is encoded as is: no chat template, no special tokens added (special-token
     text such as ``<|im_start|>`` inside it is still recognised, as Hugging Face does).
     ``messages`` go through the chat template with the assistant generation prompt;
-    ``enable_thinking=False`` pre-fills an empty ``<think>`` block (Qwen3 convention).
+    ``enable_thinking=False`` pre-fills an empty ``<think>`` block (Qwen3 convention; refused
+    for a template without that option, see ``render_chat``).
 
     Args:
         tokenizer: a Hugging Face tokenizer (``PreTrainedTokenizerFast``-like).
     Returns:
         Prompt ids, ``list[int]`` (may be empty for ``text_input=""``).
     Raises:
-        ValueError: neither or both inputs given, ``text_input`` not a string, invalid messages.
+        RequestError: neither (``missing_input``) or both inputs given, ``text_input`` not a
+            string, invalid messages (``invalid_value``), ``enable_thinking`` for a template
+            without it (``unsupported_parameter``).
     """
-    if (text_input is None) == (messages is None):
-        raise ValueError("give exactly one of text_input or messages")
+    if text_input is None and messages is None:
+        raise RequestError(
+            ErrorCode.MISSING_INPUT, "text_input", "give exactly one of text_input or messages"
+        )
+    if text_input is not None and messages is not None:
+        raise RequestError(
+            ErrorCode.INVALID_VALUE, "messages", "give exactly one of text_input or messages"
+        )
     if messages is None:
         if not isinstance(text_input, str):
-            raise ValueError("text_input must be a string")
+            raise RequestError(ErrorCode.INVALID_VALUE, "text_input", "text_input must be a string")
         return list(tokenizer.encode(text_input, add_special_tokens=False))
     text = render_chat(tokenizer, messages, enable_thinking=enable_thinking)
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,14 +1,19 @@
-"""Triton adapter: ``output_ids`` + ``prefix_ids`` → ``text_output`` (stateless, batched).
-
-``index`` passes through (0 when absent). With logprobs (the optional ``output_logprobs``,
-``top_logprob_ids``, ``top_logprobs`` inputs, which pass through), ``logprobs_json`` is the OpenAI
-chat ``content`` list of this response's tokens (``tritonllm.serving.logprobs.logprob_entries``);
-``""`` otherwise.
+"""Triton adapter: ``output_ids`` + ``prefix_ids`` → ``text_output`` (stateless per response).
 
 The text delta is ``tritonllm.tokenization.detokenizer.Detokenizer.delta``, less ``trim_chars``
-trailing characters (a matched stop string, see ``tritonllm/engine/stop_strings.py``); ``finish_reason``
-and the token counts pass through unchanged. A batch from the dynamic batcher holds one
-request per generator response; each request's tensors carry a batch dimension of 1.
+trailing characters (a matched stop string, see ``tritonllm/engine/stop_strings.py``), after
+``echo_text`` when given (the prompt, for ``exclude_input_in_output=false``); ``finish_reason``
+and the token counts pass through unchanged. ``index`` passes through (0 when absent). With
+logprobs (the optional ``output_logprobs``, ``top_logprob_ids``, ``top_logprobs`` inputs, which
+pass through), ``logprobs_json`` is the OpenAI chat ``content`` list of this response's tokens
+(``tritonllm.serving.logprobs.logprob_entries``); ``""`` otherwise.
+
+Cancellation: a client that cancelled its ``llm`` stream makes Triton mark the detokenizer
+requests that follow as cancelled; the detokenizer then sends the generator an abort of that
+generation (``tritonllm.serving.cancel_watch``, ARCHITECTURE.md "Platform facts"). Requests
+are taken one by one (no dynamic batching): Triton's dynamic batcher fails a cancelled request
+before the model sees it, and the ensemble request then never completes.
+Inputs and outputs: ``tritonllm.contract.tensors.DETOKENIZER``.
 """
 
 import json
@@ -23,22 +28,36 @@ try:
 except ImportError:  # not pip-installed: use the checkout that holds this repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from tritonllm.contract.errors import ErrorCode, encode_error
 from tritonllm.engine.stop_strings import apply_trim
+from tritonllm.serving.bls import abort_generation
+from tritonllm.serving.cancel_watch import CancelWatch
 from tritonllm.serving.logprobs import logprob_entries
 from tritonllm.tokenization.detokenizer import Detokenizer
-from tritonllm.triton_config import model_parameters, resolve_model_path
+from tritonllm.triton_config import model_parameters, served_model_dir
 
 PASS_THROUGH = ("finish_reason", "num_input_tokens", "num_output_tokens", "cached_tokens")
 # Optional inputs (sent by the generator only when logprobs were requested): passed through.
 LOGPROB_INPUTS = ("output_logprobs", "top_logprob_ids", "top_logprobs")
 
 
+def _optional(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _first_text(array):
+    return array.reshape(-1)[0].decode("utf-8")
+
+
 class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
 
-        path = resolve_model_path(model_parameters(args["model_config"]))
+        path = served_model_dir(model_parameters(args["model_config"]))
         self.detokenizer = Detokenizer(AutoTokenizer.from_pretrained(path))
+        self.cancel_watch = CancelWatch()
+        self.logger = pb_utils.Logger
 
     def _response(self, request):
         def array(name):
@@ -46,19 +65,22 @@ class TritonPythonModel:
 
         passed = {name: array(name) for name in PASS_THROUGH}
         final = passed["finish_reason"].reshape(-1)[0] != b""
+        index = _optional(request, "index")
+        self._watch_cancellation(request, final and index is None)
         new_ids = array("output_ids").reshape(-1).tolist()
         prefix_ids = array("prefix_ids").reshape(-1).tolist()
         text = self.detokenizer.delta(prefix_ids, new_ids, final)
         text = apply_trim(text, int(array("trim_chars").reshape(-1)[0]))
-        batch_shape = passed["finish_reason"].shape  # [1, 1]: batch dim + dims [1]
-        index = pb_utils.get_input_tensor_by_name(request, "index")
-        passed["index"] = np.zeros(batch_shape, np.int32) if index is None else index.as_numpy()
+        echo = _optional(request, "echo_text")
+        if echo is not None:
+            text = _first_text(echo) + text
+        shape = passed["finish_reason"].shape
+        passed["index"] = np.zeros(shape, np.int32) if index is None else index
         logprobs_json = ""
-        # Logprob tensors come only with requests that asked for logprobs: pass them through.
         for name in LOGPROB_INPUTS:
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            if tensor is not None:
-                passed[name] = tensor.as_numpy()
+            value = _optional(request, name)
+            if value is not None:
+                passed[name] = value
         if "output_logprobs" in passed and passed["output_logprobs"].size:
             entries = logprob_entries(
                 self.detokenizer.logprob_token_bytes,
@@ -70,20 +92,28 @@ class TritonPythonModel:
             logprobs_json = json.dumps(entries, ensure_ascii=False)
         strings = {"text_output": text, "logprobs_json": logprobs_json}
         outputs = [
-            pb_utils.Tensor(
-                name, np.array([value.encode("utf-8")], np.object_).reshape(batch_shape)
-            )
+            pb_utils.Tensor(name, np.array([value.encode("utf-8")], np.object_).reshape(shape))
             for name, value in strings.items()
         ]
         outputs += [pb_utils.Tensor(name, value) for name, value in passed.items()]
         return pb_utils.InferenceResponse(output_tensors=outputs)
+
+    def _watch_cancellation(self, request, final):
+        """Abort the generation in the generator when its client cancelled (module doc)."""
+        key = _optional(request, "request_key")
+        request_id = request.request_id() if key is None else _first_text(key)
+        if not self.cancel_watch.should_abort(request_id, final, request.is_cancelled):
+            return
+        for error in abort_generation(pb_utils, request_id):
+            self.logger.log_warn(f"detokenizer: abort of {request_id!r} failed: {error}")
 
     def execute(self, requests):
         responses = []
         for request in requests:
             try:
                 responses.append(self._response(request))
-            except Exception as exc:  # one malformed request must not fail the batch
-                error = pb_utils.TritonError(f"detokenizer: {exc}")
+            except Exception as exc:  # one malformed request must not fail the others
+                message = encode_error(ErrorCode.INTERNAL_ERROR, f"detokenizer: {exc}")
+                error = pb_utils.TritonError(message)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
         return responses

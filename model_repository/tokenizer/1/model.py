@@ -1,7 +1,10 @@
 """Triton adapter: ``text_input`` | ``messages`` (JSON) [+ ``enable_thinking``] → ``input_ids``.
 
 The work is ``tritonllm.tokenization.chat.render_prompt``; bad input becomes a Triton error
-response for that request only.
+response (``tritonllm.contract.errors`` wire form) for that request only. With
+``exclude_input_in_output`` false the prompt text also goes out as ``echo_text`` (the
+generator puts it in front of each choice's text): ``text_input`` as given, or the rendered
+chat prompt of ``messages``. Inputs and outputs: ``tritonllm.contract.tensors.TOKENIZER``.
 """
 
 import json
@@ -16,53 +19,58 @@ try:
 except ImportError:  # not pip-installed: use the checkout that holds this repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tritonllm.tokenization.chat import render_prompt
-from tritonllm.triton_config import model_parameters, resolve_model_path
+from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
+from tritonllm.serving.inputs import scalar
+from tritonllm.tokenization.chat import render_chat, render_prompt
+from tritonllm.triton_config import model_parameters, served_model_dir
 
 
-def _text(request, name):
-    """The UTF-8 string of a BYTES [1] input, or None when absent."""
+def _input(request, name):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return None
-    flat = tensor.as_numpy().reshape(-1)
-    if flat.size != 1:
-        raise ValueError(f"input {name!r} must hold one string, got {flat.size}")
-    value = flat[0]
-    try:
-        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"input {name!r} is not valid UTF-8: {exc}") from None
+    return None if tensor is None else tensor.as_numpy()
 
 
-def _prompt_ids(tokenizer, request):
-    text_input, messages_json = _text(request, "text_input"), _text(request, "messages")
+def _tensors(tokenizer, request):
+    """The output tensors of one request. Raises: RequestError for a bad request."""
+    text_input = scalar(_input(request, "text_input"), "text_input", str)
+    messages_json = scalar(_input(request, "messages"), "messages", str)
     messages = None
     if messages_json is not None:
         try:
             messages = json.loads(messages_json)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"messages is not valid JSON: {exc}") from None
-    thinking = pb_utils.get_input_tensor_by_name(request, "enable_thinking")
-    enable_thinking = True if thinking is None else bool(thinking.as_numpy().reshape(-1)[0])
-    return render_prompt(tokenizer, text_input, messages, enable_thinking=enable_thinking)
+            raise RequestError(
+                ErrorCode.INVALID_INPUT, "messages", f"messages is not valid JSON: {exc}"
+            ) from None
+    # None (absent): the template's own default; only templates with the option accept it.
+    thinking = scalar(_input(request, "enable_thinking"), "enable_thinking", bool)
+    ids = render_prompt(tokenizer, text_input, messages, enable_thinking=thinking)
+    tensors = [pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int32))]
+    exclude = scalar(_input(request, "exclude_input_in_output"), "exclude_input_in_output", bool)
+    if exclude is False:
+        echo = text_input if messages is None else render_chat(tokenizer, messages, thinking)
+        tensors.append(pb_utils.Tensor("echo_text", np.array([echo.encode()], dtype=object)))
+    return tensors
 
 
 class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
 
-        path = resolve_model_path(model_parameters(args["model_config"]))
+        path = served_model_dir(model_parameters(args["model_config"]))
         self.tokenizer = AutoTokenizer.from_pretrained(path)
 
     def execute(self, requests):
         responses = []
         for request in requests:
             try:
-                ids = np.asarray(_prompt_ids(self.tokenizer, request), dtype=np.int32)
-                out = pb_utils.Tensor("input_ids", ids)
-                responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
+                tensors = _tensors(self.tokenizer, request)
+                responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
             except Exception as exc:  # any bad request fails alone; the stub keeps serving
-                error = pb_utils.TritonError(f"tokenizer: {exc}")
+                if isinstance(exc, RequestError):
+                    message = exc.wire()
+                else:
+                    message = encode_error(ErrorCode.INTERNAL_ERROR, f"tokenizer: {exc}")
+                error = pb_utils.TritonError(message)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
         return responses

@@ -1,5 +1,5 @@
-"""The platform ceiling's step after the stream, shaped like ``detokenizer``: per request of a
-dynamic batch, ``text_output`` (the new ids written out, instead of detokenized) and
+"""The platform ceiling's step after the stream, shaped like ``detokenizer``: per request,
+``text_output`` (the new ids written out, instead of detokenized) and
 ``logprobs_json`` ``""``; ``finish_reason`` and the counts pass through; ``index`` is 0."""
 
 import numpy as np
@@ -19,7 +19,7 @@ class TritonPythonModel:
         trim = int(array("trim_chars").reshape(-1)[0])
         text = " ".join(str(i) for i in new_ids)
         text = text[: len(text) - trim] if trim else text
-        batch_shape = passed["finish_reason"].shape  # [1, 1]: batch dim + dims [1]
+        batch_shape = passed["finish_reason"].shape  # [1] (no batch dimension)
         passed["index"] = np.zeros(batch_shape, np.int32)
         strings = {"text_output": text, "logprobs_json": ""}
         outputs = [

@@ -1,0 +1,354 @@
+"""The generator's Triton-agnostic core (``serving.generator_core``): request and choice
+bookkeeping, control requests, cancellation and error codes, with a recording engine front and
+response sink in place of Triton (the real sender thread runs)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tritonllm.contract.errors import ErrorCode, decode_error
+from tritonllm.engine.request import RequestOutput
+from tritonllm.serving.generator_core import GeneratorCore
+
+TIMEOUT = 10.0
+
+
+class RecordingEngine:
+    """An engine front that records what the core asks of it; tests feed its outputs."""
+
+    def __init__(self) -> None:
+        self.submitted: dict[str, tuple] = {}
+        self.aborted: list[str] = []
+        self.alive = True
+        self.fail_submit: Exception | None = None
+
+    def submit(self, key, prompt_ids, params, callback) -> None:
+        if self.fail_submit is not None:
+            raise self.fail_submit
+        self.submitted[key] = (prompt_ids, params, callback)
+
+    def abort(self, key) -> None:
+        self.aborted.append(key)
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def stats(self):
+        return None
+
+    def loop_times(self):
+        return None
+
+    def shutdown(self) -> None:
+        self.alive = False
+
+    def emit(self, key, *outputs) -> None:
+        callback = self.submitted[key][2]
+        for output in outputs:
+            callback(output)
+
+
+class Sink:
+    """A response sink recording (chunk, final) pairs and error messages."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+        self.errors: list[str] = []
+        self.cancelled = False
+        self.gone = False
+        self._cv = threading.Condition()
+
+    def send(self, chunk, final) -> None:
+        if self.gone:
+            raise RuntimeError("stream closed")
+        with self._cv:
+            self.sent.append((chunk, final))
+            self._cv.notify_all()
+
+    def send_error(self, message) -> None:
+        with self._cv:
+            self.errors.append(message)
+            self._cv.notify_all()
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+    @property
+    def done(self) -> bool:
+        return bool(self.errors) or any(final for _, final in self.sent)
+
+    def wait(self, condition=None) -> None:
+        with self._cv:
+            assert self._cv.wait_for(condition or (lambda: self.done), TIMEOUT)
+
+    def error(self):
+        (message,) = self.errors
+        return decode_error(message)
+
+
+@pytest.fixture
+def core():
+    engine = RecordingEngine()
+    ticks: list = []
+    core = GeneratorCore(
+        engine,
+        on_tick=lambda *args: ticks.append(args),
+        parent_alive=lambda: True,
+        log_warning=lambda text: None,
+        log_error=print,
+        metrics_interval_s=0.01,
+        cancel_check_s=0.0,
+    ).start()
+    yield core
+    core.finalize()
+
+
+def eventually(condition) -> None:
+    """Poll ``condition`` (set from the sender thread) until it holds."""
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.005)
+
+
+def ids(*values, dtype=np.int32):
+    return np.array(values, dtype=dtype)
+
+
+def out(key, new_ids, index=0, reason=None, last=None, **extra):
+    finished = reason is not None
+    return RequestOutput(
+        key,
+        list(new_ids),
+        finished,
+        reason,
+        num_prompt_tokens=3,
+        num_output_tokens=len(new_ids),
+        cached_tokens=0,
+        index=index,
+        request_finished=finished if last is None else last,
+        **extra,
+    )
+
+
+def test_choices_carry_their_index_and_the_final_flag_comes_with_request_finished(core):
+    sink = Sink()
+    core.execute("r", {"input_ids": ids(1, 2, 3), "n": ids(2)}, "", sink)
+    params = core.engine.submitted["r"][1]
+    assert params.n == 2
+    core.engine.emit(
+        "r",
+        out("r", [5], index=1),
+        out("r", [7], index=0),
+        out("r", [6], index=1, reason="length", last=False),  # one choice ends: not final
+        out("r", [8], index=0, reason="stop", last=True),
+    )
+    sink.wait()
+    per_choice = {0: [], 1: []}
+    for chunk, _ in sink.sent:  # (outputs that piled up may share a response)
+        per_choice[chunk.index] += chunk.output_ids
+    assert per_choice == {0: [7, 8], 1: [5, 6]}
+    finals = [(c.index, c.finish_reason, final) for c, final in sink.sent if c.finish_reason]
+    assert finals == [(1, "length", False), (0, "stop", True)]  # the final flag comes last
+    assert sink.sent[-1][1] and all(c.with_index for c, _ in sink.sent)
+    assert len(core.requests) == 0
+
+
+def test_a_cancelled_client_is_aborted_and_gets_its_final_flag_at_once(core):
+    sink = Sink()
+    core.execute("c", {"input_ids": ids(1)}, "", sink)
+    sink.cancelled = True
+    core.engine.emit("c", out("c", [4]))
+    sink.wait()
+    assert core.engine.aborted == ["c"] and sink.sent == [(None, True)]
+    core.engine.emit("c", out("c", [], reason="abort"))  # the engine's late final is dropped
+    eventually(lambda: len(core.requests) == 0)
+    assert sink.sent == [(None, True)]
+
+
+def test_a_stream_that_is_gone_aborts_the_generation(core):
+    sink = Sink()
+    core.execute("g", {"input_ids": ids(1)}, "", sink)
+    sink.gone = True
+    core.engine.emit("g", out("g", [4]))
+    eventually(lambda: core.engine.aborted)
+    assert core.engine.aborted == ["g"]
+
+
+def test_abort_control_request_aborts_every_live_key_of_that_id_and_answers(core):
+    first, second, control = Sink(), Sink(), Sink()
+    core.execute("same", {"input_ids": ids(1)}, "", first)
+    core.execute("same", {"input_ids": ids(2)}, "", second)  # a reused id gets its own key
+    keys = sorted(core.engine.submitted)
+    assert keys[0] != keys[1] and "same" in keys
+    core.execute("ctl", {"abort_request_id": np.array([b"same"], dtype=object)}, "", control)
+    assert sorted(core.engine.aborted) == keys and control.sent == [(None, True)]
+
+
+def test_an_abort_that_overtakes_its_request_ends_it_on_arrival(core):
+    control, sink = Sink(), Sink()
+    core.execute("ctl", {"abort_request_id": np.array([b"early"], dtype=object)}, "", control)
+    core.execute("early", {"input_ids": ids(1, 2)}, "", sink)
+    ((chunk, final),) = sink.sent
+    assert final and chunk.finish_reason == "abort" and chunk.num_input_tokens == 2
+    assert "early" not in core.engine.submitted
+
+
+def test_health_probe_reports_engine_liveness_and_aborts_nothing(core):
+    live = Sink()
+    core.execute("live", {"input_ids": ids(1)}, "", live)
+    probe = Sink()
+    core.execute("p", {"health_probe": np.array([True])}, "", probe)
+    assert probe.sent == [(None, True)] and core.engine.aborted == []
+    core.engine.alive = False
+    dead = Sink()
+    core.execute("p", {"health_probe": np.array([True])}, "", dead)
+    assert dead.error().code is ErrorCode.ENGINE_UNAVAILABLE
+    assert core.engine.aborted == [] and len(core.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("inputs", "code", "param"),
+    [
+        ({"temperature": np.array([3.0], np.float32)}, ErrorCode.INVALID_VALUE, "temperature"),
+        ({"n": ids(2), "stream": np.array([False])}, ErrorCode.INVALID_VALUE, "n"),
+        ({"max_tokens": ids(1, 2)}, ErrorCode.INVALID_INPUT, "max_tokens"),
+        ({"stop": np.array([b"\xff"], dtype=object)}, ErrorCode.INVALID_INPUT, "stop"),
+        (
+            {"sampling_parameters": np.array([b'{"lora_name": "x"}'], dtype=object)},
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            "sampling_parameters.lora_name",
+        ),
+    ],
+)
+def test_request_errors_keep_their_code_and_param(core, inputs, code, param):
+    sink = Sink()
+    core.execute("bad", {"input_ids": ids(1), **inputs}, "", sink)
+    error = sink.error()
+    assert (error.code, error.param) == (code, param)
+    assert not core.engine.submitted
+
+
+def test_a_request_without_input_ids_is_a_missing_input(core):
+    sink = Sink()
+    core.execute("x", {"max_tokens": ids(2)}, "", sink)
+    assert (sink.error().code, sink.error().param) == (ErrorCode.MISSING_INPUT, "input_ids")
+
+
+def test_engine_failures_are_server_errors(core):
+    core.engine.fail_submit = RuntimeError("the engine process died (killed by SIGKILL)")
+    alive, dead = Sink(), Sink()
+    core.execute("a", {"input_ids": ids(1)}, "", alive)
+    assert alive.error().code is ErrorCode.INTERNAL_ERROR
+    core.engine.alive = False
+    core.execute("b", {"input_ids": ids(1)}, "", dead)
+    assert dead.error().code is ErrorCode.ENGINE_UNAVAILABLE
+    assert "killed by SIGKILL" in dead.error().message
+    core.engine.alive, core.engine.fail_submit = True, None
+    failed = Sink()
+    core.execute("c", {"input_ids": ids(1), "n": ids(2)}, "", failed)
+    core.engine.emit("c", out("c", [], reason="error", last=True, error="engine error: boom"))
+    failed.wait()
+    assert failed.error().code is ErrorCode.INTERNAL_ERROR
+    assert failed.error().message == "engine error: boom"
+
+
+def test_echo_text_starts_each_choice_once(core):
+    sink = Sink()
+    echo = np.array([b"Once upon"], dtype=object)
+    core.execute("e", {"input_ids": ids(1), "n": ids(2), "echo_text": echo}, "", sink)
+    core.engine.emit(
+        "e",
+        out("e", [5], index=0),
+        out("e", [6], index=0),
+        out("e", [7], index=1, reason="length", last=False),
+        out("e", [8], index=0, reason="length", last=True),
+    )
+    sink.wait()
+    echoes = [(c.index, c.echo_text) for c, _ in sink.sent if c.echo_text is not None]
+    assert sorted(echoes) == [(0, "Once upon"), (1, "Once upon")]
+    first_of_0 = next(c for c, _ in sink.sent if c.index == 0)
+    assert first_of_0.echo_text == "Once upon"
+
+
+def test_request_key_goes_out_only_when_it_differs_from_the_request_id(core):
+    named, anonymous = Sink(), Sink()
+    core.execute("named", {"input_ids": ids(1)}, "", named)
+    core.execute("", {"input_ids": ids(1)}, "", anonymous)
+    (key,) = [k for k in core.engine.submitted if k != "named"]
+    core.engine.emit("named", out("named", [3], reason="length"))
+    core.engine.emit(key, out(key, [3], reason="length"))
+    named.wait()
+    anonymous.wait()
+    assert named.sent[0][0].request_key is None
+    assert anonymous.sent[0][0].request_key == key and key
+
+
+def test_vllm_parameters_merge_with_tensors_and_must_agree(core):
+    agree = Sink()
+    sampling = np.array([json.dumps({"temperature": "0.5", "max_tokens": "7"}).encode()], object)
+    inputs = {"input_ids": ids(1), "sampling_parameters": sampling}
+    core.execute("v", inputs, json.dumps({"temperature": 0.5, "top_k": "3"}), agree)
+    params = core.engine.submitted["v"][1]
+    assert (params.temperature, params.max_tokens, params.top_k) == (0.5, 7, 3)
+    clash = Sink()
+    inputs = {"input_ids": ids(1), "temperature": np.array([0.9], np.float32)}
+    core.execute("w", inputs, json.dumps({"temperature": "0.5"}), clash)
+    assert (clash.error().code, clash.error().param) == (ErrorCode.INVALID_VALUE, "temperature")
+
+
+def test_unloading_fails_live_requests_as_unavailable():
+    engine = RecordingEngine()
+    core = GeneratorCore(engine, lambda *a: None, lambda: True, print, print).start()
+    sink = Sink()
+    core.execute("u", {"input_ids": ids(1)}, "", sink)
+    core.finalize()
+    assert sink.error().code is ErrorCode.ENGINE_UNAVAILABLE and not engine.alive
+
+
+# --- the detokenizer's cancellation watch ---------------------------------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_cancel_watch_asks_at_most_every_interval_and_reports_once():
+    from tritonllm.serving.cancel_watch import CancelWatch
+
+    clock, asked = Clock(), []
+    watch = CancelWatch(interval_s=0.5, ttl_s=100.0, clock=clock)
+
+    def asks(answer):
+        return lambda: asked.append(clock.now) or answer
+
+    assert not watch.should_abort("a", False, asks(False))  # first response: asked
+    clock.now = 0.2
+    assert not watch.should_abort("a", False, asks(True))  # too soon: not asked
+    clock.now = 0.6
+    assert watch.should_abort("a", False, asks(True))  # cancelled: abort now
+    clock.now = 1.5
+    assert not watch.should_abort("a", False, asks(True))  # reported once
+    assert asked == [0.0, 0.6]
+    assert not watch.should_abort("a", True, asks(True))  # its final: forgotten
+    assert len(watch) == 0
+
+
+def test_cancel_watch_needs_no_abort_for_a_final_response_and_forgets_stale_ids():
+    from tritonllm.serving.cancel_watch import CancelWatch
+
+    clock = Clock()
+    watch = CancelWatch(interval_s=0.5, ttl_s=10.0, clock=clock)
+    assert not watch.should_abort("done", True, lambda: True)  # ended anyway: no abort
+    assert not watch.should_abort("lost", False, lambda: False)
+    assert len(watch) == 1
+    clock.now = 25.0  # "lost" never sent its final response here
+    assert not watch.should_abort("other", False, lambda: False)
+    assert len(watch) == 1  # only "other" is left

@@ -1,0 +1,99 @@
+"""Every request limit, written once: the engine validates against these, the sidecar's schemas
+are built from them, and the docs quote them.
+
+Sampling ranges follow OpenAI's API (temperature in [0, 2], penalties in [-2, 2], top_p in
+(0, 1]) and vLLM's extensions (top_k, min_p, repetition_penalty, min_tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TypedDict
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class Bounds(TypedDict, total=False):
+    """A range as pydantic ``Field`` keyword arguments."""
+
+    ge: float
+    gt: float
+    le: float
+    lt: float
+
+
+@dataclass(frozen=True)
+class Range:
+    """A closed or half-open interval of numbers; ``None`` bounds are unbounded (but values must
+    still be finite)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        """``"in [0, 2]"``, ``"> 0"``, ``">= 1"``, ... (what an error message says)."""
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            return f"in {left}{_num(self.low)}, {_num(self.high)}{right}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {_num(self.low)}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {_num(self.high)}"
+        return "a finite number"
+
+    def field_bounds(self) -> Bounds:
+        """The bounds as pydantic ``Field`` keyword arguments (``ge``/``gt``/``le``/``lt``)."""
+        bounds = Bounds()
+        if self.low is not None:
+            if self.low_open:
+                bounds["gt"] = self.low
+            else:
+                bounds["ge"] = self.low
+        if self.high is not None:
+            if self.high_open:
+                bounds["lt"] = self.high
+            else:
+                bounds["le"] = self.high
+        return bounds
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+# --- sampling -------------------------------------------------------------------------------
+TEMPERATURE = Range(0, 2)  # 0: greedy
+TOP_P = Range(0, 1, low_open=True)  # 1: disabled
+TOP_K = Range(-1, INT32_MAX)  # -1 or 0: disabled
+MIN_P = Range(0, 1)  # 0: disabled
+PENALTY = Range(-2, 2)  # presence_penalty, frequency_penalty
+REPETITION_PENALTY = Range(0, None, low_open=True)  # 1: disabled
+SEED = Range(INT64_MIN, INT64_MAX)
+
+# --- lengths and counts ---------------------------------------------------------------------
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default (the sidecar sends it)
+MAX_TOKENS = Range(1, INT32_MAX)  # absent: until EOS, a stop condition or the context limit
+MIN_TOKENS = Range(0, INT32_MAX)
+TOKEN_ID = Range(0, INT32_MAX)
+MAX_N = 16  # choices per request
+N = Range(1, MAX_N)
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI chat's top_logprobs)
+LOGPROBS = Range(0, MAX_LOGPROBS)
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions endpoint
+# Stop strings (OpenAI allows 4; vLLM has no limit). Each is matched against the decoded output
+# every step, so the count and length bound the per-token work.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256

@@ -1,0 +1,268 @@
+"""The generator's request bookkeeping, without Triton: what ``model_repository/generator``'s
+``model.py`` delegates to, testable with plain Python objects.
+
+One ``GeneratorCore`` per generator instance. ``execute`` takes one Triton request as plain
+values (its id, its input arrays, its parameters) and a ``ResponseSink`` (the adapter's
+response sender), validates it once (``serving.inputs.generate_request``), and submits it to
+the engine front (``EngineThread`` or ``EngineProcess``). The engine's outputs go through a
+``ResponseStreamer`` (sender thread: coalescing, pacing) to ``_deliver``, which turns each into
+a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept here:
+
+- control requests: ``abort_request_id`` aborts that client id (every choice; an abort that
+  arrives before its request is remembered, ``RequestTable``) and ``health_probe`` only reports
+  whether the engine runs; both answer one empty final response;
+- choices: a request's responses carry each output's ``index``; the final flag comes with the
+  engine's ``request_finished`` output (the engine counts live choices; nothing here does);
+- cancellation: a request whose client cancelled (``ResponseSink.is_cancelled``, asked at most
+  every ``cancel_check_s`` per request: an IPC round trip each), or whose stream is gone, is
+  aborted in the engine and gets its final flag at once;
+- errors: every error response is in the contract's wire form (``contract.errors``): a
+  ``RequestError`` keeps its code; anything else is ``engine_unavailable`` while the engine
+  does not run, else ``internal_error``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from tritonllm.contract import tensors
+from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
+from tritonllm.engine.client import EngineClient
+from tritonllm.engine.request import RequestOutput
+from tritonllm.serving.inputs import generate_request, scalar
+from tritonllm.serving.request_table import RequestTable
+from tritonllm.serving.response_streamer import ResponseStreamer
+from tritonllm.serving.stream_state import ResponseChunk, StreamState
+
+# How often a live request's client is asked whether it cancelled (seconds).
+CANCEL_CHECK_S = 0.2
+
+
+class ResponseSink(Protocol):
+    """The response path of one Triton request (the adapter's ``pb_utils`` response sender)."""
+
+    def send(self, chunk: ResponseChunk | None, final: bool) -> None:
+        """Send the outputs of ``chunk`` (None: an empty response, flags only).
+
+        Raises:
+            Exception: the stream is gone (the request is then aborted).
+        """
+
+    def send_error(self, message: str) -> None:
+        """Send one final error response whose message is ``message`` (wire form)."""
+
+    def is_cancelled(self) -> bool:
+        """Whether the client cancelled the request."""
+
+
+@dataclass
+class _Entry:
+    """A live request: its sink and one stream state per choice."""
+
+    sink: ResponseSink
+    states: list[StreamState]
+    checked_at: float
+    cancelled: bool = False  # aborted here: its remaining engine outputs are dropped
+
+
+class GeneratorCore:
+    """Requests in, responses out, for one generator instance.
+
+    Args:
+        engine: the engine front (an ``EngineClient``: ``EngineThread`` or ``EngineProcess``).
+        on_tick: called on the sender thread every tick with ``(EngineStats, new tokens since
+            the last tick, LoopTimes, SenderTimes)`` (the adapter's metrics).
+        parent_alive: False once tritonserver (the stub's parent) is gone: the sender thread
+            then makes no call into Triton (``ResponseSink`` or ``on_tick``) any more.
+        log_warning, log_error: the adapter's logger.
+        metrics_interval_s, max_responses_per_s: the sender thread's tick interval and
+            response budget (``ResponseStreamer``).
+        cancel_check_s: least seconds between two cancellation checks of one request.
+    """
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        on_tick: Callable[[Any, int, Any, Any], None],
+        parent_alive: Callable[[], bool],
+        log_warning: Callable[[str], None],
+        log_error: Callable[[str], None],
+        metrics_interval_s: float = 0.05,
+        max_responses_per_s: float = 0.0,
+        cancel_check_s: float = CANCEL_CHECK_S,
+    ) -> None:
+        self.engine = engine
+        self.requests: RequestTable[_Entry] = RequestTable()
+        self._on_tick, self._parent_alive = on_tick, parent_alive
+        self._warn = log_warning
+        self._cancel_check_s = cancel_check_s
+        self._new_tokens = 0  # generated since the last tick
+        self._last_cancel_scan = time.monotonic()
+        self.streamer = ResponseStreamer(
+            self._deliver,
+            self._tick,
+            interval_s=metrics_interval_s,
+            on_error=log_error,
+            max_responses_per_s=max_responses_per_s,
+        )
+
+    def start(self) -> GeneratorCore:
+        """Start the sender thread."""
+        self.streamer.start()
+        return self
+
+    # --- requests (Triton's execute thread) ------------------------------------------------
+    def execute(
+        self,
+        request_id: str,
+        inputs: Mapping[str, np.ndarray | None],
+        parameters: str | Mapping[str, Any],
+        sink: ResponseSink,
+    ) -> None:
+        """Handle one Triton request; a bad one is answered with its error and fails alone.
+
+        Args:
+            request_id: Triton's request id (an ensemble passes its own to every step).
+            inputs: the generator's inputs by name (absent ones None or left out).
+            parameters: the request's Triton parameters (``request.parameters()``).
+            sink: where its responses go.
+        """
+        try:
+            self._accept(request_id, inputs, parameters, sink)
+        except RequestError as exc:
+            sink.send_error(exc.wire())
+        except Exception as exc:  # the engine front is shut down or died
+            sink.send_error(encode_error(self._server_fault(), str(exc)))
+
+    def _server_fault(self) -> ErrorCode:
+        alive = self.engine.is_alive()
+        return ErrorCode.INTERNAL_ERROR if alive else ErrorCode.ENGINE_UNAVAILABLE
+
+    def _accept(self, request_id, inputs, parameters, sink) -> None:
+        abort_id = inputs.get(tensors.ABORT_REQUEST_ID.name)
+        if abort_id is not None:
+            for key in self.requests.abort(scalar(abort_id, "abort_request_id", str)):
+                self.engine.abort(key)
+            sink.send(None, final=True)
+            return
+        if inputs.get(tensors.HEALTH_PROBE.name) is not None:
+            if self.engine.is_alive():
+                sink.send(None, final=True)
+            else:
+                sink.send_error(
+                    encode_error(ErrorCode.ENGINE_UNAVAILABLE, "the engine is not running")
+                )
+            return
+        request = generate_request(inputs, parameters)
+        if self.requests.was_aborted(request_id):  # its abort overtook it
+            num_prompt = len(request.prompt_ids)
+            sink.send(ResponseChunk([], [], "abort", num_prompt, 0, 0, final=True), final=True)
+            return
+        params = request.params
+        entry = _Entry(sink, [], time.monotonic())
+        key = self.requests.add(request_id, entry)
+        own_key = None if key == request_id else key
+        entry.states = [
+            StreamState(request.stream, i, params.n, params.logprobs, request.echo_text, own_key)
+            for i in range(params.n)
+        ]
+        try:
+            self.engine.submit(key, request.prompt_ids, params, self.streamer.put)
+        except Exception:
+            self.requests.pop(key)
+            raise
+
+    # --- sender thread -----------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> int:
+        """Send the responses of a batch of coalesced outputs; returns how many were sent
+        (none once tritonserver is gone)."""
+        if not self._parent_alive():
+            return 0
+        now = time.monotonic()
+        sent = 0
+        for output in outputs:
+            self._new_tokens += len(output.new_token_ids)
+            key = output.request_id
+            entry = self.requests.get(key)
+            if entry is None:
+                continue
+            final = output.request_finished
+            if final:
+                self.requests.pop(key)
+            if entry.cancelled:
+                continue
+            chunk = entry.states[output.index].on_output(output)
+            if chunk is None:
+                continue
+            if chunk.error is not None:
+                # One error response ends the whole Triton request; the other choices go too.
+                entry.cancelled = True
+                if not final:
+                    self.engine.abort(key)
+                entry.sink.send_error(encode_error(ErrorCode.INTERNAL_ERROR, chunk.error))
+                sent += 1
+                continue
+            if not final and self._cancelled(entry, now):
+                self._cancel(key, entry)
+                continue
+            sent += self._send(key, entry, chunk, final)
+        return sent
+
+    def _send(self, key: str, entry: _Entry, chunk: ResponseChunk, final: bool) -> bool:
+        """Send one response; False when the stream is gone (the request is then cancelled)."""
+        try:
+            entry.sink.send(chunk, final)
+            return True
+        except Exception as exc:
+            self._warn(f"generator: dropping request {key!r}: {exc}")
+            if not final and not entry.cancelled:
+                self._cancel(key, entry)
+            return False
+
+    def _cancelled(self, entry: _Entry, now: float) -> bool:
+        """Whether the client cancelled; asked at most every ``cancel_check_s`` per request."""
+        if now - entry.checked_at < self._cancel_check_s:
+            return False
+        entry.checked_at = now
+        return entry.sink.is_cancelled()
+
+    def _cancel(self, key: str, entry: _Entry) -> None:
+        """Abort a cancelled request; its final flag goes now (its engine outputs are dropped)."""
+        entry.cancelled = True
+        self.engine.abort(key)
+        try:
+            entry.sink.send(None, final=True)
+        except Exception:  # the stream may already be gone
+            pass
+
+    def _tick(self) -> None:
+        if not self._parent_alive():
+            return
+        now = time.monotonic()
+        if now - self._last_cancel_scan >= self._cancel_check_s:
+            # Requests that send nothing for a while (waiting for admission) are checked here.
+            self._last_cancel_scan = now
+            for key, entry in self.requests.items():
+                if not entry.cancelled and self._cancelled(entry, now):
+                    self._cancel(key, entry)
+        new_tokens, self._new_tokens = self._new_tokens, 0
+        self._on_tick(
+            self.engine.stats(), new_tokens, self.engine.loop_times(), self.streamer.times()
+        )
+
+    def finalize(self) -> None:
+        """Stop the engine and the sender thread; fail the requests still live."""
+        self.engine.shutdown()
+        self.streamer.stop()
+        unloading = encode_error(ErrorCode.ENGINE_UNAVAILABLE, "the model is being unloaded")
+        for _, entry in self.requests.items():
+            if not entry.cancelled:
+                try:
+                    entry.sink.send_error(unloading)
+                except Exception:
+                    pass

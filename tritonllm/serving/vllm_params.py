@@ -1,0 +1,192 @@
+"""Sampling parameters given as JSON, the Triton vLLM backend's convention.
+
+vLLM-backend clients send a ``sampling_parameters`` input (one BYTES element holding a JSON
+object) and may put the same object in the request's Triton parameters; the values are often
+strings (``{"temperature": "0.1", "max_tokens": "100"}``, as the backend's own sample client
+sends them). The backend converts each value to its ``vllm.SamplingParams`` field's type; here
+each value is converted to the type of this engine's ``SamplingParams`` field of the same name,
+with booleans read as JSON booleans or ``"true"``/``"false"`` (vLLM's ``bool("false")`` is
+True). Keys this service cannot honour are refused by name; a few vLLM keys whose given value
+changes nothing here are accepted (``NO_OP_VALUES``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
+
+# Field -> its kind: "int", "float", "bool", "strings" (a string or a list of strings), "ints".
+FIELD_KINDS: dict[str, str] = {
+    "max_tokens": "int",
+    "temperature": "float",
+    "top_p": "float",
+    "top_k": "int",
+    "min_p": "float",
+    "seed": "int",
+    "stop": "strings",
+    "stop_token_ids": "ints",
+    "ignore_eos": "bool",
+    "min_tokens": "int",
+    "presence_penalty": "float",
+    "frequency_penalty": "float",
+    "repetition_penalty": "float",
+    "logprobs": "int",
+    "n": "int",
+}
+# vLLM keys accepted with these values only: with them vLLM does what this service always does.
+NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "detokenize": (True,),
+    "prompt_logprobs": (None,),
+    "best_of": (None, 1),
+}
+_TRUE, _FALSE = ("true", "1"), ("false", "0")
+
+
+def sampling_values(raw: str | Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The sampling fields of a JSON object, converted to their field types.
+
+    Args:
+        raw: the JSON text of an object, or the object (a dict).
+        source: where it came from (``"sampling_parameters"`` or ``"parameters"``), for the
+            parameter names errors carry (``sampling_parameters.top_p``).
+    Returns:
+        field name -> value (``None`` values are left out: the field's default applies).
+    Raises:
+        RequestError: not a JSON object (``invalid_input``); a key this service cannot honour
+            (``unsupported_parameter``); a value of the wrong type (``invalid_value``).
+    """
+    payload = _object(raw, source)
+    values: dict[str, Any] = {}
+    for key, value in payload.items():
+        param = f"{source}.{key}"
+        if key in NO_OP_VALUES:
+            if not any(_same(value, ok) for ok in NO_OP_VALUES[key]):
+                raise RequestError(
+                    ErrorCode.UNSUPPORTED_PARAMETER,
+                    param,
+                    f"{param}={short_repr(value)} is not supported by this server (only "
+                    f"{' or '.join(json.dumps(v) for v in NO_OP_VALUES[key])})",
+                )
+            continue
+        kind = FIELD_KINDS.get(key)
+        if kind is None:
+            raise RequestError(
+                ErrorCode.UNSUPPORTED_PARAMETER,
+                param,
+                f"{param} is not supported by this server",
+            )
+        if value is not None:
+            values[key] = _convert(value, kind, param)
+    return values
+
+
+def _object(raw: str | Mapping[str, Any], source: str) -> Mapping[str, Any]:
+    if isinstance(raw, Mapping):
+        return raw
+    try:
+        payload = json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError:
+        payload = None
+    if not isinstance(payload, dict):
+        raise RequestError(ErrorCode.INVALID_INPUT, source, f"{source} must be a JSON object")
+    return payload
+
+
+def _same(value: Any, expected: Any) -> bool:
+    if isinstance(expected, bool) or expected is None:
+        return value is expected or (isinstance(value, str) and _bool(value) is expected)
+    return not isinstance(value, bool) and value == expected
+
+
+def _bool(text: str) -> bool | None:
+    lowered = text.strip().lower()
+    return True if lowered in _TRUE else False if lowered in _FALSE else None
+
+
+def _convert(value: Any, kind: str, param: str) -> Any:
+    converted = _CONVERTERS[kind](value)
+    if converted is None:
+        raise RequestError(
+            ErrorCode.INVALID_VALUE,
+            param,
+            f"{param} must be {_EXPECTED[kind]}, got {short_repr(value)}",
+        )
+    return converted
+
+
+def _to_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def _to_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            return None
+        return number if math.isfinite(number) else None
+    return None
+
+
+def _to_bool(value: Any) -> bool | None:
+    if isinstance(value, bool):
+        return value
+    return _bool(value) if isinstance(value, str) else None
+
+
+def _to_strings(value: Any) -> list[str] | None:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    return None
+
+
+def _to_ints(value: Any) -> list[int] | None:
+    if not isinstance(value, list):
+        return None
+    ints = []
+    for item in value:
+        number = _to_int(item)
+        if number is None:
+            return None
+        ints.append(number)
+    return ints
+
+
+_CONVERTERS = {
+    "int": _to_int,
+    "float": _to_float,
+    "bool": _to_bool,
+    "strings": _to_strings,
+    "ints": _to_ints,
+}
+_EXPECTED = {
+    "int": "an integer (or a string holding one)",
+    "float": "a finite number (or a string holding one)",
+    "bool": 'a boolean (or "true" / "false")',
+    "strings": "a string or a list of strings",
+    "ints": "a list of integers",
+}
