@@ -20,7 +20,7 @@ from test_engine_thread import TIMEOUT, Collector
 from tp_helpers import assert_same_greedy, run_client
 
 from tritonllm.config import EngineConfig
-from tritonllm.distributed import MULTICAST_OFF_ENV
+from tritonllm.distributed import MULTICAST_OFF_ENV, ModelShard, Span
 from tritonllm.engine import EngineProcess, EngineThread, LLMEngine
 from tritonllm.sampling_params import SamplingParams
 
@@ -92,6 +92,56 @@ def test_every_rank_starts_with_nvlink_multicast_off(tiny_tp2):
     for pid in ranks:
         env = rank_environment(pid)
         assert {key: env.get(key) for key in MULTICAST_OFF_ENV} == MULTICAST_OFF_ENV, pid
+
+
+SMOLLM2_TOKENS = 24
+# Chat prompts for SmolLM2 (its own template, which adds its default system prompt where a chat
+# has none): short and long, one and several turns.
+SMOLLM2_CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a short poem about the sea at night."}],
+    [
+        {"role": "system", "content": "You are a pirate. Answer in pirate speak."},
+        {"role": "user", "content": "Where is the treasure buried?"},
+    ],
+    [
+        {"role": "user", "content": "My name is Ada. Remember it."},
+        {"role": "assistant", "content": "Nice to meet you, Ada! I will remember your name."},
+        {"role": "user", "content": "What is my name, and what does it remind you of?"},
+    ],
+    [{"role": "user", "content": "Summarize: " + "Steam power changed industry and cities. " * 12}],
+]
+
+
+def test_tp2_gives_the_greedy_ids_and_logprobs_of_tp1_on_smollm2(smollm2_dir, smollm2_tokenizer):
+    """The trained default model, 9 query / 3 KV heads split unevenly (rank 0: KV heads 0-1 with
+    query heads 0-5, rank 1: KV head 2 with 6-8): TP=2 equals TP=1 up to a float32 near-tie
+    (top-2 margin under 1e-4; at most one sequence reaches one), logprobs to 1e-4."""
+    from openai_helpers import chat_prompt_ids
+
+    prompts = [chat_prompt_ids(smollm2_tokenizer, chat) for chat in SMOLLM2_CHATS]
+    config = EngineConfig(model=str(smollm2_dir), page_size=16, num_pages=512)
+    rank0, rank1 = (ModelShard.of(config.model_config, r, 2).heads for r in (0, 1))
+    assert (rank0.q, rank0.kv, rank1.q, rank1.kv) == (
+        Span(0, 6),
+        Span(0, 2),
+        Span(6, 9),
+        Span(2, 3),
+    )
+    reference = EngineThread(LLMEngine(config))
+    try:
+        expected = run_client(reference, prompts, SMOLLM2_TOKENS)
+    finally:
+        reference.shutdown()
+    engine = EngineProcess(dataclasses.replace(config, tensor_parallel_size=2))
+    try:
+        got = run_client(engine, prompts, SMOLLM2_TOKENS)
+    finally:
+        engine.shutdown()
+    compared = assert_same_greedy(
+        expected, [r.ids for r in got], TIE_MARGIN, 1, [r.logprobs for r in got]
+    )
+    assert compared >= (len(prompts) - 1) * SMOLLM2_TOKENS
 
 
 def _pids_named(name: str) -> list[int]:
