@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_engine_helpers import checkpoint
 from test_engine_thread import TIMEOUT, Collector
-from tp_helpers import assert_same_greedy, run_client
+from tp_helpers import assert_same_greedy, reference_runs, run_client
 
 from tritonllm.config import EngineConfig
 from tritonllm.distributed import MULTICAST_OFF_ENV, ModelShard, Span
@@ -113,26 +113,28 @@ SMOLLM2_CHATS = [
 ]
 
 
+def smollm2_config(model_dir) -> EngineConfig:
+    """The SmolLM2 engine of the size-1 reference and of the served TP=2 engine
+    (`test_tp_triton`, through ``TRITONLLM_*``)."""
+    return EngineConfig(model=str(model_dir), device="cpu", page_size=16, num_pages=512)
+
+
+def smollm2_prompts(tokenizer) -> list[list[int]]:
+    from openai_helpers import chat_prompt_ids
+
+    return [chat_prompt_ids(tokenizer, chat) for chat in SMOLLM2_CHATS]
+
+
 def test_tp2_gives_the_greedy_ids_and_logprobs_of_tp1_on_smollm2(smollm2_dir, smollm2_tokenizer):
     """The trained default model, 9 query / 3 KV heads split unevenly (rank 0: KV heads 0-1 with
     query heads 0-5, rank 1: KV head 2 with 6-8): TP=2 equals TP=1 up to a float32 near-tie
     (top-2 margin under 1e-4; at most one sequence reaches one), logprobs to 1e-4."""
-    from openai_helpers import chat_prompt_ids
-
-    prompts = [chat_prompt_ids(smollm2_tokenizer, chat) for chat in SMOLLM2_CHATS]
-    config = EngineConfig(model=str(smollm2_dir), page_size=16, num_pages=512)
+    prompts = smollm2_prompts(smollm2_tokenizer)
+    config = smollm2_config(smollm2_dir)
     rank0, rank1 = (ModelShard.of(config.model_config, r, 2).heads for r in (0, 1))
-    assert (rank0.q, rank0.kv, rank1.q, rank1.kv) == (
-        Span(0, 6),
-        Span(0, 2),
-        Span(6, 9),
-        Span(2, 3),
-    )
-    reference = EngineThread(LLMEngine(config))
-    try:
-        expected = run_client(reference, prompts, SMOLLM2_TOKENS)
-    finally:
-        reference.shutdown()
+    assert (rank0.q, rank0.kv) == (Span(0, 6), Span(0, 2))
+    assert (rank1.q, rank1.kv) == (Span(6, 9), Span(2, 3))
+    expected = reference_runs(config, tuple(map(tuple, prompts)), SMOLLM2_TOKENS)
     engine = EngineProcess(dataclasses.replace(config, tensor_parallel_size=2))
     try:
         got = run_client(engine, prompts, SMOLLM2_TOKENS)

@@ -1,42 +1,52 @@
 """Tensor parallelism through a real tritonserver: the generator with
-TRITONLLM_TENSOR_PARALLEL_SIZE=2 on CPU (gloo), its engine in two rank processes.
+TRITONLLM_TENSOR_PARALLEL_SIZE=2 on CPU (gloo) serving the default model, SmolLM2-135M-Instruct
+(9 query / 3 KV heads, split unevenly), its engine in two rank processes.
 
 Oracles: the engine at tensor-parallel size 1 on the same checkpoint and settings (greedy ids,
-compared honestly at near-ties: `tp_helpers`), the kernel's process table for the ranks.
+compared honestly at near-ties: `tp_helpers`), the tokenizer's own decoding for the ensemble's
+text, the kernel's process table for the ranks.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
 import pytest
-from conftest import SERVER_ENV
 from test_engine_process import _wait_gone
-from test_tp_engine import rank_environment
-from tp_helpers import assert_same_greedy, run_client
+from test_tp_engine import (
+    SMOLLM2_CHATS,
+    SMOLLM2_TOKENS,
+    TIE_MARGIN,
+    rank_environment,
+    smollm2_config,
+    smollm2_prompts,
+)
+from tp_helpers import assert_same_greedy, reference_runs
 
-from tritonllm.config import EngineConfig
 from tritonllm.distributed import MULTICAST_OFF_ENV
-from tritonllm.engine import EngineThread, LLMEngine
 
 pytest.importorskip("tritonclient.grpc")
 
-TIE_MARGIN = 1e-4
-NEW_TOKENS = 16
-PROMPTS = ["The capital of France is", "Hello world", "1, 2, 3, 4,", "def fibonacci(n):"]
-
 
 @pytest.fixture(scope="module")
-def tp_server(tiny_model_dir, tmp_path_factory):
-    """tritonserver whose generator splits the tiny Qwen3 across two ranks."""
+def tp_server(smollm2_dir, tmp_path_factory):
+    """tritonserver whose generator splits SmolLM2 across two ranks (the engine settings of
+    `smollm2_config`)."""
     from tritonllm.triton_server import TritonServer
 
+    config = smollm2_config(smollm2_dir)
+    env = {
+        "TRITONLLM_DEVICE": "cpu",
+        "TRITONLLM_PAGE_SIZE": str(config.page_size),
+        "TRITONLLM_NUM_PAGES": str(config.num_pages),
+        "TRITONLLM_TENSOR_PARALLEL_SIZE": "2",
+    }
     log = tmp_path_factory.mktemp("logs") / "tritonserver-tp2.log"
-    env = {**SERVER_ENV, "TRITONLLM_TENSOR_PARALLEL_SIZE": "2"}
-    server = TritonServer(model_path=tiny_model_dir, env=env, log_path=log)
+    server = TritonServer(model_path=smollm2_dir, env=env, log_path=log)
     try:  # stopped also when it fails to start (its stubs may be running)
         yield server.start(timeout=float(os.environ.get("TRITONLLM_TEST_SERVER_TIMEOUT", "300")))
     finally:
@@ -58,10 +68,11 @@ def _ranks(pgid: int) -> dict[str, int]:
     return found
 
 
-def test_tp2_generator_streams_the_greedy_ids_of_tp1(tp_server, tokenizer):
-    """Greedy requests streamed concurrently from the generator (input_ids in, output_ids
-    out) equal the size-1 engine's on the same settings; both ranks run in their own
-    processes, started with NVLink multicast off."""
+def test_tp2_server_gives_the_greedy_ids_and_text_of_tp1(tp_server, smollm2_tokenizer):
+    """Chat prompts streamed concurrently from the generator (input_ids in, output_ids out)
+    equal the size-1 engine's greedy ids, and one chat through the `llm` ensemble (template,
+    TP=2 generator, detokenizer) gives their text; both ranks run in their own processes,
+    started with NVLink multicast off."""
     from test_triton_models import Stream
 
     ranks = _ranks(tp_server.process.pid)
@@ -69,32 +80,26 @@ def test_tp2_generator_streams_the_greedy_ids_of_tp1(tp_server, tokenizer):
     for pid in ranks.values():
         env = rank_environment(pid)
         assert {key: env.get(key) for key in MULTICAST_OFF_ENV} == MULTICAST_OFF_ENV
-    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
-    config = EngineConfig(
-        model=str(tp_server.model_path),
-        device="cpu",
-        page_size=int(SERVER_ENV["TRITONLLM_PAGE_SIZE"]),
-        num_pages=int(SERVER_ENV["TRITONLLM_NUM_PAGES"]),
-    )
-    reference = EngineThread(LLMEngine(config))
-    try:
-        expected = run_client(reference, prompts, NEW_TOKENS)
-    finally:
-        reference.shutdown()
+    prompts = smollm2_prompts(smollm2_tokenizer)
+    config = smollm2_config(tp_server.model_path)
+    expected = reference_runs(config, tuple(map(tuple, prompts)), SMOLLM2_TOKENS)
+    greedy = {"max_tokens": SMOLLM2_TOKENS, "temperature": 0.0, "ignore_eos": True}
     stream = Stream(tp_server.grpc_url)
     try:
-        sent = [
-            stream.send(
-                "generator",
-                {"input_ids": p, "max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True},
-            )
-            for p in prompts
-        ]
-        responses = stream.collect(len(sent))
+        sent = [stream.send("generator", {"input_ids": p, **greedy}) for p in prompts]
+        chat = stream.send("llm", {"messages": json.dumps(SMOLLM2_CHATS[0]), **greedy})
+        responses = stream.collect(len(sent) + 1)
     finally:
         stream.close()
     got = [[int(t) for r in responses[rid] for t in r["output_ids"]] for rid in sent]
-    assert assert_same_greedy(expected, got, TIE_MARGIN, 0) == len(prompts) * NEW_TOKENS
+    compared = assert_same_greedy(expected, got, TIE_MARGIN, 1)
+    assert compared >= (len(prompts) - 1) * SMOLLM2_TOKENS
+    # The ensemble's chat is the first prompt: its text is the reference's, up to a near-tie.
+    ref = expected[0]
+    cut = next((k for k, m in enumerate(ref.margins()) if m < TIE_MARGIN), len(ref.ids))
+    text = "".join(r["text_output"][0].decode() for r in responses[chat])
+    ref_text = smollm2_tokenizer.decode(ref.ids[:cut], skip_special_tokens=True)
+    assert text == ref_text if cut == len(ref.ids) else text.startswith(ref_text)
 
 
 def test_every_rank_exits_when_tritonserver_is_killed(tp_server):

@@ -10,10 +10,13 @@ continuations are right. Such positions must be rare (`max_ambiguous` sequences 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from test_engine_thread import Collector
 
+from tritonllm.config import EngineConfig
+from tritonllm.engine import EngineThread, LLMEngine
 from tritonllm.engine.client import EngineClient
 from tritonllm.sampling_params import SamplingParams
 
@@ -56,8 +59,21 @@ def run_client(client: EngineClient, prompts: list[list[int]], max_tokens: int) 
     return runs
 
 
+@functools.cache
+def reference_runs(
+    config: EngineConfig, prompts: tuple[tuple[int, ...], ...], max_tokens: int
+) -> tuple[GreedyRun, ...]:
+    """`run_client` on a size-1 engine of `config` in this process (`EngineThread`), computed
+    once per process for the same arguments (the engine and tritonserver tests share it)."""
+    engine = EngineThread(LLMEngine(config))
+    try:
+        return tuple(run_client(engine, [list(p) for p in prompts], max_tokens))
+    finally:
+        engine.shutdown()
+
+
 def assert_same_greedy(
-    reference: list[GreedyRun],
+    reference: list[GreedyRun] | tuple[GreedyRun, ...],
     runs: list[list[int]],
     margin: float,
     max_ambiguous: int,
