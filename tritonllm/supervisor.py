@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from .triton_server import TritonServer, start_process_group, stop_process_group
 
 FAILURE_POLICIES = ("restart", "exit")
+# Seconds a failed tritonserver gets between SIGTERM and SIGKILL before it is restarted.
+FAILED_STOP_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,7 @@ class Supervisor:
         self.cwd = cwd
         self.triton: TritonServer | None = None
         self.sidecar: subprocess.Popen | None = None
+        self.stopping = False  # set by stop(): run() returns, restart() starts nothing
         self.backoff = {
             name: Backoff(policy.backoff_initial_s, policy.backoff_max_s, policy.backoff_reset_s)
             for name in ("tritonserver", "sidecar")
@@ -201,11 +204,12 @@ class Supervisor:
         return None
 
     def run(self) -> int:
-        """Watch until a failure the policy does not restart (returns 1); with
-        ``on_failure="restart"`` it returns only through an exception (a signal)."""
+        """Watch until a failure the policy does not restart (returns 1), or until ``stop()``
+        (from another thread; returns 0). The launcher leaves it through the exception its
+        signal handlers raise."""
         policy = self.policy
         last_ok = next_check = time.monotonic()
-        while True:
+        while not self.stopping:
             time.sleep(0.2)
             now = time.monotonic()
             failure = self._dead_process()
@@ -229,6 +233,7 @@ class Supervisor:
                 return 1
             self.restart(name)
             last_ok = next_check = time.monotonic()
+        return 0
 
     def restart(self, name: str) -> None:
         """Stop ``name`` (``"tritonserver"`` or ``"sidecar"``), wait its backoff, start it again
@@ -236,11 +241,15 @@ class Supervisor:
         delay = self.backoff[name].next_delay()
         if name == "tritonserver":
             if self.triton is not None:
-                self.triton.stop()
+                # Short: a broken server's shutdown would wait out --exit-timeout-secs (30 s)
+                # for requests in flight that its dead stub never ends.
+                self.triton.stop(timeout=FAILED_STOP_TIMEOUT_S)
         else:
             _stop_sidecar(self.sidecar, graceful=False)
         log(f"restarting {name} in {delay:.1f} s (restart {self.backoff[name].restarts})")
         time.sleep(delay)
+        if self.stopping:
+            return
         try:
             if name == "tritonserver":
                 self.start_triton()
@@ -256,6 +265,7 @@ class Supervisor:
     def stop(self, graceful: bool) -> None:
         """Stop the sidecar (draining it first when ``graceful``), then tritonserver with its
         stubs; no process of either is left."""
+        self.stopping = True
         _stop_sidecar(self.sidecar, graceful, self.policy.drain_timeout_s)
         if self.triton is not None:
             self.triton.stop()
