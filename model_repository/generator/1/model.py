@@ -259,7 +259,8 @@ class TritonPythonModel:
 
     def _deliver(self, outputs):
         """Send the responses of a batch of coalesced outputs; returns how many were sent
-        (none once tritonserver is gone)."""
+        (none once tritonserver is gone). A request whose response cannot be built fails
+        alone, with an internal error; the others' outputs are still delivered."""
         if self._parent_gone():
             return 0
         now = time.monotonic()
@@ -269,25 +270,46 @@ class TritonPythonModel:
             self.new_tokens += len(output.new_token_ids)
             if entry is None:
                 continue
-            final = output.finished and self._finished(key, entry, output)
-            if entry.cancelled:
-                continue
-            chunk = entry.states[index].on_output(output)
-            if chunk is None:
-                continue
-            if chunk.error is not None:
-                # One error response ends the whole Triton request; the other choices go too.
-                entry.cancelled = True
-                if not final:
-                    self.engine.abort(key)
-                sent += self._send(key, entry, _response(chunk), final=True)
-                continue
-            if not final and self._cancelled(entry, now):
-                self._cancel(key, entry)
-                continue
-            response = _response(chunk, len(entry.states), entry.num_top)
-            sent += self._send(key, entry, response, final)
+            try:
+                sent += self._deliver_one(key, index, entry, output, now)
+            except Exception as exc:
+                sent += self._fail(key, entry, exc)
         return sent
+
+    def _deliver_one(self, key, index, entry, output, now):
+        """Send the response (if any is due) of one output; returns 1 if one was sent."""
+        final = output.finished and self._finished(key, entry, output)
+        if entry.cancelled:
+            return 0
+        chunk = entry.states[index].on_output(output)
+        if chunk is None:
+            return 0
+        if chunk.error is not None:
+            # One error response ends the whole Triton request; the other choices go too.
+            entry.cancelled = True
+            if not final:
+                self.engine.abort(key)
+            return self._send(key, entry, _response(chunk), final=True)
+        if not final and self._cancelled(entry, now):
+            self._cancel(key, entry)
+            return 0
+        response = _response(chunk, len(entry.states), entry.num_top)
+        return self._send(key, entry, response, final)
+
+    def _fail(self, key, entry, exc):
+        """End a request whose output could not be turned into a response: an internal error
+        to its client, an abort in the engine; returns 1 if the error was sent."""
+        self.logger.log_error(f"generator: request {key!r} failed: {exc!r}")
+        if entry.cancelled:
+            return 0
+        entry.cancelled = True
+        self.requests.pop(key)
+        self.engine.abort(key)
+        try:
+            _send_error(entry.sender, f"{INTERNAL}{exc}")
+            return 1
+        except Exception:  # the stream may already be gone
+            return 0
 
     def _send(self, key, entry, response, final):
         """Send one response; False when the stream is gone (the request is then cancelled)."""
