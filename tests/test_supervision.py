@@ -68,7 +68,7 @@ class Launcher:
 
 def _stream(client: openai.OpenAI, max_tokens: int):
     return client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=max_tokens, stream=True,
+        model=client.models.list().data[0].id, messages=MESSAGES, max_tokens=max_tokens, stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip
 
