@@ -166,6 +166,19 @@ def _triton_factory(cfg: LaunchConfig, model: str):
     return new_triton
 
 
+def build_supervisor(cfg: LaunchConfig, model: str, model_name: str) -> Supervisor:
+    """The ``Supervisor`` of ``cfg``'s tritonserver (serving ``model``) and sidecar (serving
+    it as ``model_name``): what ``serve`` runs. Its ``new_triton().command(install)`` and
+    ``sidecar_command`` are the two command lines (``docker/`` and ``deploy/`` run them
+    through this launcher; their tests read them here)."""
+    grpc_url = f"{connect_host(cfg.triton_host)}:{cfg.grpc_port}"
+    command = sidecar_command(grpc_url, cfg.port, cfg.host, model_name, cfg.policy.drain_timeout_s)
+    health = cfg.base_url.removesuffix("/v1") + "/health"
+    return Supervisor(
+        _triton_factory(cfg, model), command, health, cfg.policy, cfg.startup_timeout_s, REPO_ROOT
+    )
+
+
 def serve(cfg: LaunchConfig) -> int:
     """Start both processes, wait for health, print the base URL, supervise until a signal.
 
@@ -182,15 +195,7 @@ def serve(cfg: LaunchConfig) -> int:
     try:
         model = resolve_model(cfg.model)
         model_name = cfg.model_name or served_name(model)
-        new_triton = _triton_factory(cfg, model)
-        grpc_url = f"{connect_host(cfg.triton_host)}:{cfg.grpc_port}"
-        command = sidecar_command(
-            grpc_url, cfg.port, cfg.host, model_name, cfg.policy.drain_timeout_s
-        )
-        health = cfg.base_url.removesuffix("/v1") + "/health"
-        supervisor = Supervisor(
-            new_triton, command, health, cfg.policy, cfg.startup_timeout_s, cwd=REPO_ROOT
-        )
+        supervisor = build_supervisor(cfg, model, model_name)
         print(f"starting tritonserver (model {model}) ...", flush=True)
         supervisor.start()
         print(_banner(cfg, model_name), flush=True)
