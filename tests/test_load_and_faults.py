@@ -435,3 +435,34 @@ def test_a_sigkilled_sidecar_leaves_no_generation_running(triton_server, tmp_pat
         assert generated < streams * max_tokens / 2, generated  # stopped, not run to the end
     finally:  # the next tests share this server: let orphaned generations end first
         wait_for_gauges(metrics, engine_idle, 120)
+
+
+# --- /health under a flood of probes ----------------------------------------------------------
+
+
+def test_health_probes_cannot_load_the_engine(sidecar):
+    """200 /health requests in a burst, idle server: each answers from one shared end-to-end
+    probe per second at most (Triton's count of llm requests says how many ran)."""
+
+    def llm_requests() -> float:
+        text = httpx.get(sidecar.metrics_url, timeout=10).text
+        found = re.search(r'^nv_inference_request_success\{model="llm",[^}]*\} (\S+)$', text, re.M)
+        return float(found.group(1))
+
+    before = llm_requests()
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            return [
+                r.status_code
+                for r in await asyncio.gather(
+                    *(http.get(f"{sidecar.root_url}/health") for _ in range(200))
+                )
+            ]
+
+    started = time.monotonic()
+    statuses = asyncio.run(burst())
+    elapsed = time.monotonic() - started
+    assert statuses == [200] * 200
+    probes = llm_requests() - before
+    assert 1 <= probes <= elapsed / 1.0 + 2, (probes, elapsed)
