@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import FrameType
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -39,12 +39,10 @@ class DrainState:
         timeout_s: most seconds the generations in flight get to finish after SIGTERM (0: do
             not drain; SIGTERM then aborts them at once).
         started_at: ``time.monotonic()`` when the drain began (None: not draining).
-        rejected: requests refused while draining.
     """
 
     timeout_s: float = 30.0
     started_at: float | None = None
-    rejected: int = field(default=0)
 
     @property
     def draining(self) -> bool:
@@ -72,7 +70,6 @@ class DrainGate:
         if scope["type"] != "http" or not self.state.draining or scope["path"] in _OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        self.state.rejected += 1
         response = OpenAIError(
             "the server is shutting down; retry on another replica",
             503,
@@ -98,7 +95,8 @@ def server_class():
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             _, drain = self._states()
-            if sig == signal.SIGTERM and drain.timeout_s > 0 and not drain.draining:
+            draining = drain.draining or self.should_exit
+            if sig == signal.SIGTERM and drain.timeout_s > 0 and not draining:
                 drain.begin()  # on_tick ends the server once drained
                 return
             super().handle_exit(sig, frame)

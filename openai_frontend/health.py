@@ -90,7 +90,6 @@ class HealthMonitor:
         self.client, self.live = client, live
         self.interval_s, self.probe_timeout_s = interval_s, probe_timeout_s
         self.failure_hold_s = failure_hold_s
-        self.probes = 0  # probe generations sent (the rest were answered from evidence or cache)
         self._last: HealthStatus | None = None
         self._failed: HealthStatus | None = None  # the held failure, if any
         self._running: asyncio.Task | None = None
@@ -139,7 +138,6 @@ class HealthMonitor:
         """Send the probe generation: None when it finished, else ``(reason,
         backend_failed)``. A probe that timed out is aborted; it fails the check, but it is
         not ``backend_failed`` (slow is not dead)."""
-        self.probes += 1
         request_id = f"{PROBE_ID_PREFIX}{uuid.uuid4().hex}"
         try:
             stream = await self.client.stream(request_id, PROBE_INPUTS)
@@ -178,7 +176,6 @@ class BackendWatch:
 
     def __init__(self, monitor: HealthMonitor, interval_s: float = 1.0, silence_s: float = 1.0):
         self.monitor, self.interval_s, self.silence_s = monitor, interval_s, silence_s
-        self.failed = 0  # generations this watch ended
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -218,7 +215,6 @@ class BackendWatch:
                 count += 1
         if count:
             log.warning("failed %d generation(s) in flight: %s", count, reason)
-        self.failed += count
         return count
 
 
