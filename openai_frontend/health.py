@@ -16,10 +16,10 @@ broken, and Triton never repairs a dead stub. Such a failure is held for ``failu
 seconds (a model with two instances fails every other request when one of them died, and
 /health must not flap), and is cleared early once tritonserver is seen down or restarting.
 
-``BackendWatch`` runs while generations are in flight: when the backend is known to have
-failed, it ends every generation that got no response for ``silence_s`` seconds with a 503 at
-once, instead of leaving it to the stream idle timeout (300 s by default): Triton sends
-nothing more to the requests of a stub it lost.
+``BackendWatch`` runs while generations are in flight: once none of them has had a response for
+``silence_s`` seconds (3), it checks health, and when the backend is known to have failed it
+ends them all with a 503 at once, instead of leaving them to the stream idle timeout (300 s by
+default): Triton sends nothing more to the requests of a stub it lost.
 
 ``GET /health/live`` is the liveness answer: 200 while the sidecar's event loop runs, whatever
 the backend's state (a liveness probe must not restart the sidecar for a dead backend).
@@ -165,16 +165,19 @@ class HealthMonitor:
 
 
 class BackendWatch:
-    """While generations are in flight, checks health every ``interval_s`` seconds and, when
-    the backend is known to have failed, fails each generation that got no response for
-    ``silence_s`` seconds with a 503 ``service_unavailable``.
+    """While generations are in flight and every one of them has had no response for
+    ``silence_s`` seconds, checks health (every ``interval_s`` seconds at most); when the
+    backend is known to have failed, fails them with a 503 ``service_unavailable``.
+
+    A backend that streams to any of them is not probed at all (the probe is a request through
+    ``llm``, and Triton's statistics count it).
 
     Args:
-        monitor: the health monitor (its cache and evidence keep the watch nearly free).
+        monitor: the health monitor.
         interval_s, silence_s: seconds.
     """
 
-    def __init__(self, monitor: HealthMonitor, interval_s: float = 1.0, silence_s: float = 1.0):
+    def __init__(self, monitor: HealthMonitor, interval_s: float = 1.0, silence_s: float = 3.0):
         self.monitor, self.interval_s, self.silence_s = monitor, interval_s, silence_s
         self._task: asyncio.Task | None = None
 
@@ -189,10 +192,19 @@ class BackendWatch:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    def _silent(self, now: float) -> list[Generation]:
+        """The live generations, if every one has been silent for ``silence_s``; else []."""
+        live = list(self.monitor.live)
+        for gen in live:
+            last = gen.last_response_at if gen.last_response_at is not None else gen.started_at
+            if now - last < self.silence_s:
+                return []
+        return live
+
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            if not self.monitor.live:
+            if not self._silent(time.monotonic()):
                 continue
             try:
                 status = await self.monitor.check()
@@ -203,16 +215,11 @@ class BackendWatch:
                 self.fail_silent(status.reason)
 
     def fail_silent(self, reason: str) -> int:
-        """Fail the live generations silent for ``silence_s`` seconds; returns how many."""
-        now = time.monotonic()
+        """Fail the live generations if all are silent (see ``_silent``); returns how many."""
         error = OpenAIError(
             f"the backend failed: {reason}", 503, "server_error", code="service_unavailable"
         )
-        count = 0
-        for gen in list(self.monitor.live):
-            last = gen.last_response_at if gen.last_response_at is not None else gen.started_at
-            if now - last >= self.silence_s and gen.fail(error):
-                count += 1
+        count = sum(gen.fail(error) for gen in self._silent(time.monotonic()))
         if count:
             log.warning("failed %d generation(s) in flight: %s", count, reason)
         return count
