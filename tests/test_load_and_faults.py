@@ -397,15 +397,12 @@ def _counter(metrics_url: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 14 item 4 (seam14): a Triton client's stream cancellation does not reach the "
-    "generator through the ensemble yet, so a dead sidecar's closed gRPC streams do not stop "
-    "their generations; remove this mark when that lands",
-)
 def test_a_sigkilled_sidecar_leaves_no_generation_running(triton_server, tmp_path):
     """The sidecar dies with streams in flight (its gRPC streams close with it): every
-    generation stops within seconds instead of running on to max_tokens."""
+    generation stops within seconds instead of running on to max_tokens.
+
+    Expected to fail (xfail) until issue 14 item 4 makes a Triton client's stream cancellation
+    reach the generator through the ensemble; then it passes, and the xfail branch goes."""
     from frontend_fixtures import start_sidecar
 
     process, base_url = start_sidecar(triton_server.grpc_url, "tiny", tmp_path / "sidecar.log")
@@ -428,13 +425,17 @@ def test_a_sigkilled_sidecar_leaves_no_generation_running(triton_server, tmp_pat
     finally:
         if process.poll() is None:
             os.killpg(process.pid, 9)
-    try:
-        gauges = wait_for_gauges(metrics, lambda g: g["tritonllm_requests_running"] == 0, 5)
-        generated = _counter(metrics, "tritonllm_generated_tokens_total") - tokens_before
-        assert gauges["tritonllm_requests_running"] == 0, gauges
-        assert generated < streams * max_tokens / 2, generated  # stopped, not run to the end
-    finally:  # the next tests share this server: let orphaned generations end first
-        wait_for_gauges(metrics, engine_idle, 120)
+    gauges = wait_for_gauges(metrics, lambda g: g["tritonllm_requests_running"] == 0, 5)
+    generated = _counter(metrics, "tritonllm_generated_tokens_total") - tokens_before
+    left = gauges["tritonllm_requests_running"]
+    # The next tests share this server: let orphaned generations end first.
+    wait_for_gauges(metrics, engine_idle, 120)
+    if left:
+        pytest.xfail(
+            f"issue 14 item 4: {left:g} of {streams} generations still running 5 s after the "
+            "sidecar's SIGKILL (a Triton client's cancellation does not reach the generator)"
+        )
+    assert generated < streams * max_tokens / 2, generated  # stopped, not run to the end
 
 
 # --- /health under a flood of probes ----------------------------------------------------------

@@ -1,11 +1,14 @@
 """Two replicas of the service (tritonserver + sidecar, the tiny model: A run by the launcher,
 B the session's) behind a real nginx running the shipped ``deploy/nginx/tritonllm.conf``, on
-loopback, under 64 streaming clients:
+loopback, under 64 streaming clients, after A's supervision is tried:
 
+0. A's launcher holds no torch; A's generator stub is SIGKILLed with streams in flight: they
+   fail at once with a 503, and A's launcher restarts its tritonserver;
 1. requests alternate between the replicas freely, one client's included (the sidecar holds no
    state that ties a client to a replica);
-2. replica A gets SIGTERM mid-way: its streams in flight finish whole, new requests go to B,
-   not one request fails (a long request sent to A directly keeps A draining);
+2. replica A gets SIGTERM mid-way: its /health and new requests sent to it get 503, its streams
+   in flight finish whole, new requests go to B, not one request through nginx fails (a long
+   request sent to A directly keeps A draining);
 3. then every process of A is SIGKILLed (a grace period that ran out): the long request dies
    with it, every request started afterwards succeeds on B, and no process of A is left.
 
@@ -28,9 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from test_launch import _kill_marked, _marked_env, _marked_processes, _wait_none_marked
-from test_supervision import Launcher
+from test_openai_backend_death import _stub_pid
+from test_supervision import Launcher, _small_process, _start_streams
 
 from tritonllm.triton_server import free_port, stop_process_group, wait_http_ok
 
@@ -134,6 +139,7 @@ def _wait(predicate, timeout_s: float, what: str) -> None:
 
 def _replica_args(model: Path, name: str, port: int) -> list[str]:
     args = [f"--model={model}", f"--model-name={name}", f"--port={port}", "--drain-timeout=120"]
+    args += ["--unhealthy-timeout=3", "--health-interval=0.5"]  # quick supervision
     return args + [f"--{kind}-port={free_port()}" for kind in ("grpc", "http", "metrics")]
 
 
@@ -179,6 +185,34 @@ def test_replicas_behind_nginx_drain_and_die_without_failing_requests(
             start_new_session=True,
         )
         replica_a.wait_for("Ctrl-C", 300)
+
+        # 0. Supervision, before any load: A's launcher holds neither torch nor transformers.
+        # A SIGKILLed generator stub: Triton never answers its requests in flight again; A's
+        # sidecar fails them at once with a 503 (its idle timeout is 300 s), its /health turns
+        # 503, and A's launcher restarts tritonserver.
+        no_torch, rss_mib = _small_process(replica_a.process.pid)
+        assert no_torch and rss_mib < 150, rss_mib
+        direct = openai.OpenAI(
+            base_url=f"http://{addr_a}/v1", api_key="unused", max_retries=0, timeout=120
+        )
+        streams = _start_streams(direct, 3, max_tokens=1900)
+        os.kill(_stub_pid(replica_a.triton_pid(), "generator"), signal.SIGKILL)
+        ends = [streams.get(timeout=60) for _ in range(3)]
+        for kind, error, _ in ends:
+            assert kind == "error" and error.code == "service_unavailable", ends
+        failed_in = max(seconds for _, _, seconds in ends)
+        assert failed_in < 20, ends
+        health = httpx.get(f"http://{addr_a}/health", timeout=30)
+        assert health.status_code == 503, health.text
+        replica_a.wait_for("tritonserver unhealthy for", 30)
+        restart_from = time.monotonic()
+        replica_a.wait_for("tritonserver restarted; healthy", 300)
+        restarted_in = time.monotonic() - restart_from
+        print(
+            f"\nsupervision: launcher RSS {rss_mib} MiB; streams failed {failed_in:.1f} s after "
+            f"their stub's SIGKILL; tritonserver restarted, healthy in {restarted_in:.1f} s"
+        )
+
         wait_http_ok(f"http://127.0.0.1:{lb_port}/health", 30, lb, "nginx")
         up_at = time.monotonic()
         for thread in threads:
@@ -207,6 +241,14 @@ def test_replicas_behind_nginx_drain_and_die_without_failing_requests(
             10,
             "A's /health is not 503 while draining",
         )
+        refused = httpx.post(
+            f"http://{addr_a}/v1/completions",
+            json={"model": sidecar.model_name, "prompt": "Hi", "max_tokens": 2},
+            timeout=30,
+        )
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "service_unavailable"
+        assert refused.headers["retry-after"] and refused.headers["connection"] == "close"
 
         def a_went_quiet() -> bool:  # A's streams in flight at the SIGTERM have all ended
             ends = [r.ended for r in list(results) if r.upstream == addr_a]

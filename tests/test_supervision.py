@@ -1,33 +1,24 @@
-"""Supervision and drain under ``python -m tritonllm.launch``, tried as an operator would.
+"""The launcher's process stays small, and helpers to drive a launcher as an operator would.
 
-One launcher (short health timings) goes through the failures of issue 17 in turn:
-
-1. the launcher process is small: no torch or transformers in it;
-2. the generator's stub is SIGKILLed with streams in flight: they fail at once (not after the
-   300 s idle timeout), ``/health`` turns 503, and the launcher restarts tritonserver;
-3. SIGTERM with streams in flight: new requests and ``/health`` get 503, the streams finish
-   whole, the launcher exits 0 and no process is left.
+The launcher's supervision and drain with real processes are tried in
+``tests/test_scale_out.py`` (a killed generator stub, a restart, SIGTERM under load, SIGKILL),
+its failure policy with stand-in processes in ``tests/test_supervisor_policy.py``, and its
+clean stops in ``tests/test_launch.py``.
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
-from test_launch import _kill_marked, _marked_env, _read_until, _wait_none_marked
-from test_openai_backend_death import _stub_pid
-
-from tritonllm.triton_server import free_port
+from test_launch import _read_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc")
@@ -107,67 +98,6 @@ def _small_process(pid: int) -> tuple[bool, int]:
     status = Path(f"/proc/{pid}/status").read_text()
     rss_kib = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
     return "libtorch" not in maps and "torch/lib" not in maps, rss_kib // 1024
-
-
-def test_launcher_restarts_a_broken_service_and_drains_on_sigterm(tiny_model_dir):
-    env, entry = _marked_env()
-    port = free_port()
-    args = [f"--model={tiny_model_dir}", "--model-name=tiny", f"--port={port}"]
-    args += [f"--{kind}-port={free_port()}" for kind in ("grpc", "http", "metrics")]
-    args += ["--unhealthy-timeout=3", "--health-interval=0.5", "--drain-timeout=60"]
-    launcher = Launcher(args, env)
-    base = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-    try:
-        launcher.wait_for("Ctrl-C", 300)
-
-        # 1. The launcher holds neither torch nor transformers (their libraries, their memory).
-        no_torch, rss_mib = _small_process(launcher.process.pid)
-        assert no_torch and rss_mib < 150, rss_mib
-
-        # 2. A SIGKILLed generator stub: Triton never answers its requests in flight again. The
-        # sidecar's watch fails them at once with a 503 (the idle timeout is 300 s here).
-        results = _start_streams(client, 3, max_tokens=1900)
-        os.kill(_stub_pid(launcher.triton_pid(), "generator"), signal.SIGKILL)
-        ends = [results.get(timeout=60) for _ in range(3)]
-        for kind, error, seconds in ends:
-            assert kind == "error" and error.code == "service_unavailable", ends
-            assert seconds < 15, ends
-        health = httpx.get(f"{base}/health", timeout=30)
-        assert health.status_code == 503, health.text
-        launcher.wait_for("tritonserver unhealthy for", 30)
-        launcher.wait_for("tritonserver restarted; healthy", 300)
-        reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
-        assert reply.usage.completion_tokens == 4
-
-        # 3. SIGTERM drains: the streams in flight finish whole; new requests get 503.
-        results = _start_streams(client, 3, max_tokens=300)
-        launcher.process.send_signal(signal.SIGTERM)
-        launcher.wait_for("draining", 30)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # the sidecar gets the SIGTERM a moment later
-            if httpx.get(f"{base}/health", timeout=10).status_code == 503:
-                break
-            time.sleep(0.05)
-        refused = httpx.post(
-            f"{base}/v1/chat/completions",
-            json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4},
-            timeout=30,
-        )
-        assert refused.status_code == 503, refused.text
-        assert refused.json()["error"]["code"] == "service_unavailable"
-        ends = [results.get(timeout=120) for _ in range(3)]
-        assert ends == [("ok", "length", 300)] * 3, ends
-        assert launcher.process.wait(60) == 0
-        assert _wait_none_marked(entry, 30) == {}
-    finally:
-        if launcher.process.poll() is None:
-            launcher.process.terminate()
-            try:
-                launcher.process.wait(90)
-            except subprocess.TimeoutExpired:
-                launcher.process.kill()
-        _kill_marked(entry)
 
 
 def test_launcher_builds_the_default_model_without_importing_torch(tmp_path, monkeypatch):
