@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" "numpy<2"
-	$(PY) -m pip install -q -e ".[server,build,dev]"
+	$(PY) -m pip install -q -e ".[server,build,dev,bench]"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -37,9 +37,12 @@ test-gpu: setup
 tiny-model: setup
 	$(PY) -m tritonllm.build_model --shape tiny --out models/tiny-qwen3
 
+# ruff (lint + format) over everything, then mypy over the package, the sidecar and the kernels
+# (its files and settings are in pyproject.toml, [tool.mypy]).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 format: setup
 	$(VENV)/bin/ruff format .

@@ -63,6 +63,13 @@ Methodology:
   - 1) per request; chunk ITL is the gap between content chunks (a chunk may carry several
   tokens). The offline engine runs the same prompts with the same concurrency cap in the same
   run, as the ceiling the serving path is compared with.
+- **Platform ceiling** (`benchmarks/ceiling.py`, `benchmarks.online --ceiling`). A decoupled
+  Python model that streams one-token responses from one sender thread, with the generator's
+  tensors, alone and inside an ensemble shaped like `llm` (a Python step before it and a
+  detokenizer-like step after it, with the detokenizer's dynamic batching); closed-loop gRPC
+  streams from the sidecar's client in several processes; responses received in a fixed window
+  per concurrency level. The online table gives the generator's responses/s
+  (`tritonllm_responses_total`) as a fraction of the ensemble's ceiling at the same concurrency.
 """
 
 
@@ -265,7 +272,13 @@ def argument_parser(
     p = argparse.ArgumentParser(
         description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--model", help="HF model directory (default: build models/qwen3-0.6b)")
+    p.add_argument("--model", help="HF model directory (default: build models/<--shape>)")
+    p.add_argument(
+        "--shape",
+        default="qwen3-0.6b",
+        help="without --model: the random-weight checkpoint to build (tritonllm.build_model "
+        "shapes, e.g. qwen3-8b)",
+    )
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--device", default=device)
     p.add_argument(

@@ -48,17 +48,54 @@ def decoding_engine(
     graph, overlap = MODES[mode]
     extra = {"cuda_graph": str(graph), "overlap_schedule": str(overlap), **engine_args}
     engine = LLMEngine(engine_config(model, device, backend, max(batch_size, 1), engine_args=extra))
+    fill_decoding(engine, batch_size, prompt_len, max_tokens, temperature, device)
+    return engine
+
+
+def fill_decoding(
+    engine: LLMEngine,
+    batch_size: int,
+    prompt_len: int,
+    max_tokens: int,
+    temperature: float,
+    device: str,
+    tag: str = "r",
+) -> None:
+    """Add `batch_size` random `prompt_len`-token requests (ids `{tag}{i}`) to an idle
+    `engine`, step until all of them decode, then 4 warm-up decode steps (device synchronised).
+    """
     rng = random.Random(0)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
     for i in range(batch_size):
-        engine.add_request(f"r{i}", [rng.randint(0, 10000) for _ in range(prompt_len)], params)
+        engine.add_request(f"{tag}{i}", [rng.randint(0, 10000) for _ in range(prompt_len)], params)
     sched = engine.scheduler
     while sched.waiting or any(not r.is_decoding for r in sched.running):
         engine.step()
     for _ in range(4):
         engine.step()
     common.synchronize(device)
-    return engine
+
+
+def time_steps(engine: LLMEngine, steps: int, device: str) -> float:
+    """Mean wall seconds of the next `steps` `engine.step()` calls (device synchronised)."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    common.synchronize(device)
+    return (time.perf_counter() - t0) / steps
+
+
+def batch1_decode_step(
+    engine: LLMEngine, device: str, prompt_len: int = 512, steps: int = 48
+) -> float:
+    """Mean seconds of one decode step of an idle `engine` with one `prompt_len`-token request
+    decoding (the floor of online ITL at concurrency 1); the request is aborted afterwards."""
+    fill_decoding(engine, 1, prompt_len, steps + 16, 0.0, device, tag="decode-step-")
+    seconds = time_steps(engine, steps, device)
+    engine.abort("decode-step-0")
+    while engine.has_unfinished():
+        engine.step()
+    return seconds
 
 
 def time_decode_step(
@@ -80,11 +117,7 @@ def time_decode_step(
         model, device, backend, batch_size, mode, prompt_len, steps + 16, 0.0, engine_args
     )
     config, sched = engine.config, engine.scheduler
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    common.synchronize(device)
-    seconds = (time.perf_counter() - t0) / steps
+    seconds = time_steps(engine, steps, device)
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     live_tokens = sum(r.num_computed for r in sched.running)
     elem = torch.tensor([], dtype=config.torch_dtype).element_size()
@@ -103,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=48)
     args = p.parse_args(argv)
-    model = str(common.ensure_model(args.model))
+    model = str(common.ensure_model(args.model, args.shape))
     bandwidth = measure_copy_bandwidth(args.device)
     # One untimed engine first: process-wide one-time costs (kernel JIT, allocator growth,
     # library handles) would otherwise land in the first configuration's numbers.

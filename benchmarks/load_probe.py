@@ -120,6 +120,13 @@ class LoadProbe:
         return Snapshot(time.monotonic(), cpu, scrape(self.metrics_url))
 
     @staticmethod
+    def rates(before: Snapshot, after: Snapshot) -> dict[str, float]:
+        """Per second of the interval: the increase of every metric `after` holds (a
+        counter's rate, e.g. `tritonllm_responses_total` -> responses/s); {} without metrics."""
+        dt = max(after.at - before.at, 1e-9)
+        return {k: (v - before.metrics.get(k, 0.0)) / dt for k, v in after.metrics.items()}
+
+    @staticmethod
     def report(before: Snapshot, after: Snapshot) -> dict[str, str]:
         """`{column: value}` over the interval: `cpu` (cores per process, busiest first) and,
         with metrics, `engine` and `sender` (busy / CPU / GPU-wait fractions, rates)."""
@@ -129,11 +136,11 @@ class LoadProbe:
             f"{k} {v:.2f}" for k, v in sorted(cores.items(), key=lambda kv: -kv[1]) if v >= 0.01
         )
         out = {"cpu": cpu}
-        m0, m1 = before.metrics, after.metrics
-        if m1:
+        if after.metrics:
+            r = LoadProbe.rates(before, after)
 
             def rate(name: str) -> float:
-                return (m1.get(f"tritonllm_{name}", 0.0) - m0.get(f"tritonllm_{name}", 0.0)) / dt
+                return r.get(f"tritonllm_{name}", 0.0)
 
             steps = rate("engine_steps_total")
             prefills = rate("engine_prefill_steps_total")

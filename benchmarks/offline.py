@@ -152,11 +152,16 @@ def run_levels(
     workloads: dict[int, Workload],
     temperature: float = 0.0,
     engine_args: dict[str, str] | None = None,
-) -> dict[int, ThroughputRun]:
-    """The offline engine on each concurrency level's workload (one engine, closed loop).
+    decode_step: bool = False,
+) -> tuple[dict[int, ThroughputRun], float | None]:
+    """The offline engine on each concurrency level's workload (one engine, closed loop), then,
+    with `decode_step`, the same engine's batch-1 decode step (`decode_step.batch1_decode_step`).
 
     Used by `benchmarks.online` in a subprocess so the engine's GPU memory is freed before the
     server starts.
+
+    Returns:
+        the runs per level, and the batch-1 decode step in seconds (None without `decode_step`).
     """
     engine = make_engine(
         engine_config(model, device, attention_backend, max(workloads), engine_args=engine_args)
@@ -166,7 +171,13 @@ def run_levels(
     for c, w in workloads.items():
         runs[c] = run_engine(engine, w, device, temperature, concurrency=c, tag=f"c{c}")
         log(f"offline engine, concurrency {c}: {runs[c].output_tokens_per_s:,.0f} tok/s")
-    return runs
+    if not decode_step:
+        return runs, None
+    from benchmarks.decode_step import batch1_decode_step
+
+    step = batch1_decode_step(engine, device)
+    log(f"offline engine, batch-1 decode step: {step * 1e3:.3f} ms")
+    return runs, step
 
 
 def hf_generate(model: Path | str, workload: Workload, device: str) -> ThroughputRun:
@@ -247,7 +258,7 @@ def workload_bound(
 
 def run(args: argparse.Namespace) -> OfflineResult:
     """Build/find the checkpoint, run engine, bound and HF peer as `args` say."""
-    model = common.ensure_model(args.model)
+    model = common.ensure_model(args.model, args.shape)
     log(f"model {model}; measuring copy bandwidth, then the engine")
     workload = common.random_workload(
         args.num_requests, args.min_len, args.max_input_len, args.max_output_len
@@ -354,14 +365,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--hf-subset", type=int, default=16, help="requests for the HF peer (0: skip)")
+    p.add_argument(
+        "--plots-dir",
+        help="draw the plot against the bound and write the run's JSON summary into this "
+        "folder; the appended section links the plot relative to --benchmarks-md",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> OfflineResult:
-    """Run the benchmark, print its table, append it to BENCHMARKS.md (unless `--no-append`)."""
+    """Run the benchmark, print its table, append it to BENCHMARKS.md (unless `--no-append`),
+    draw its plot (with `--plots-dir`)."""
     args = parse_args(argv)
     res = run(args)
     table, notes = report(res, args)
+    if args.plots_dir:
+        from benchmarks import plots
+
+        model = Path(args.model or args.shape).name
+        name = plots.run_name("offline", model)
+        summary = plots.offline_summary(res, args.attention_backend, model)
+        plots.write_json(summary, args.plots_dir, name)
+        image = plots.offline_plot(summary, args.plots_dir, name)
+        table += "\n\n" + plots.markdown_images([image], args.benchmarks_md)
     common.publish("Offline engine throughput", table, notes, args)
     return res
 

@@ -7,7 +7,10 @@ For each concurrency level, `c` closed-loop clients stream chat completions (a c
 next request when the last one finished) with random prompts and fixed output lengths
 (`ignore_eos`, `max_tokens`). Reported: TTFT, TPOT, chunk ITL, output tokens/s, and the offline
 engine's tokens/s on the very same prompt ids with the same concurrency cap, measured first in
-a subprocess (so its GPU memory is freed before the server starts), in the same run.
+a subprocess (so its GPU memory is freed before the server starts), in the same run. With
+`--ceiling`, the platform ceiling (`benchmarks.ceiling`) too, and the generator's responses/s
+against it; `--plots-dir` draws the plots (`benchmarks.plots`). What is reported:
+`benchmarks.online_report`.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common
-from benchmarks.common import Workload, fmt, log, percentile
+from benchmarks import ceiling, common, online_report
+from benchmarks.common import Workload, log
 from benchmarks.load_probe import LoadProbe
-from benchmarks.streaming_client import LevelResult, run_level, served_model_name
+from benchmarks.online_report import OnlineRun
+from benchmarks.streaming_client import run_level, served_model_name
 from tritonllm.launch import sidecar_command
 from tritonllm.triton_server import (
     TritonServer,
@@ -76,16 +80,17 @@ def _offline_worker(queue: Any, kwargs: dict[str, Any]) -> None:
     try:
         from benchmarks.offline import run_levels
 
-        runs = run_levels(**kwargs)
-        queue.put({c: r.output_tokens_per_s for c, r in runs.items()})
+        runs, step = run_levels(**kwargs, decode_step=True)
+        queue.put(({c: r.output_tokens_per_s for c, r in runs.items()}, step))
     except BaseException as exc:  # noqa: BLE001 (reported to the parent)
         queue.put(f"{type(exc).__name__}: {exc}")
 
 
 def offline_tokens_per_s(
     args: argparse.Namespace, model: Path, workloads: dict[int, Workload]
-) -> dict[int, float]:
-    """The offline engine's output tokens/s per level, run in a spawned subprocess.
+) -> tuple[dict[int, float], float]:
+    """The offline engine's output tokens/s per level, then its batch-1 decode step (seconds),
+    run in a spawned subprocess.
 
     Raises:
         RuntimeError: the subprocess failed (its error message).
@@ -147,38 +152,44 @@ async def run_levels_online(
     temperature: float,
     endpoint: str,
     probe: LoadProbe | None = None,
-) -> tuple[dict[int, LevelResult], dict[int, dict[str, str]]]:
+) -> OnlineRun:
     """Warm up with one short request, then run each level in order.
 
     Returns:
-        the results per level, and per level the `probe`'s report over it ({} without one).
+        the results per level and, with a `probe`, its report over each level and the
+        generator's responses/s (when the probe reads the generator's metrics).
     """
     model = served_model_name(base_url)
     warm = await run_level(base_url, model, ["warm up " * 8], [8], 1, temperature, endpoint)
     if warm.records[0].error:
         raise RuntimeError(f"warm-up request failed: {warm.records[0].error}")
-    results, loads = {}, {}
+    run = OnlineRun({})
+    results, loads = run.results, run.loads
     for c, (texts, workload) in level_inputs.items():
         before = probe.snapshot() if probe else None
         results[c] = res = await run_level(
             base_url, model, texts, workload.output_lens, c, temperature, endpoint
         )
         if probe and before:
-            loads[c] = probe.report(before, probe.snapshot())
+            after = probe.snapshot()
+            loads[c] = probe.report(before, after)
+            rates = probe.rates(before, after)
+            if "tritonllm_responses_total" in rates:
+                run.responses_per_s[c] = rates["tritonllm_responses_total"]
         failed = len(res.records) - len(res.ok)
         log(f"online, concurrency {c}: {res.output_tokens_per_s:,.0f} tok/s, {failed} failed")
         for key, value in loads.get(c, {}).items():
             log(f"  {key}: {value}")
-    return results, loads
+    return run
 
 
 def serve_and_run(
     args: argparse.Namespace, model: Path, level_inputs: dict[int, tuple[list[str], Workload]]
-) -> tuple[dict[int, LevelResult], dict[int, dict[str, str]]]:
+) -> OnlineRun:
     """Start what `args` does not point at (tritonserver, sidecar), run the levels, stop them.
 
-    Returns `run_levels_online`'s results and load reports (CPU per process of what this
-    function started, and the generator's time counters when it started tritonserver).
+    Returns `run_levels_online`'s run (CPU per process of what this function started, and the
+    generator's time counters when it started tritonserver or `--metrics-url` is given).
     """
 
     def go(base_url: str, probe: LoadProbe | None = None):
@@ -214,87 +225,27 @@ def serve_and_run(
         server.stop()
 
 
-def ms_pair(values: list[float]) -> str:
-    """`p50 / p99` of `values` (seconds) in milliseconds; `-` when empty."""
-    p50, p99 = percentile(values, 50), percentile(values, 99)
-    if p50 is None:
-        return "-"
-    return f"{p50 * 1e3:,.1f} / {p99 * 1e3:,.1f}"
-
-
-def load_report(loads: dict[int, dict[str, str]]) -> str:
-    """Markdown table of the per-level load reports (`LoadProbe.report`); '' without any."""
-    if not loads:
-        return ""
-    keys = sorted(
-        {k for load in loads.values() for k in load}, key=["cpu", "engine", "sender"].index
-    )
-    names = {
-        "cpu": "CPU cores per process",
-        "engine": "generator engine loop",
-        "sender": "generator sender thread",
-    }
-    rows = [[str(c)] + [load.get(k, "-") for k in keys] for c, load in loads.items()]
-    return common.markdown_table(["concurrency"] + [names[k] for k in keys], rows)
-
-
-def report(results: dict[int, LevelResult], offline: dict[int, float] | None) -> str:
-    """The markdown table: one row per concurrency level."""
-    headers = [
-        "concurrency",
-        "requests (failed)",
-        "mean prompt tok",
-        "output tokens",
-        "TTFT p50 / p99 (ms)",
-        "TPOT p50 / p99 (ms)",
-        "chunk ITL p50 / p99 (ms)",
-        "tok/chunk",
-        "output tok/s",
-        "offline engine tok/s",
-        "online / offline",
-    ]
-    rows = []
-    for c, res in results.items():
-        ok = res.ok
-        prompt = sum(r.prompt_tokens for r in ok) / len(ok) if ok else None
-        engine = (offline or {}).get(c)
-        ratio = f"{res.output_tokens_per_s / engine:.1%}" if engine else "-"
-        rows.append(
-            [
-                str(c),
-                f"{len(res.records)} ({len(res.records) - len(ok)})",
-                fmt(prompt, 0),
-                fmt(res.output_tokens),
-                ms_pair([r.ttft for r in ok if r.ttft is not None]),
-                ms_pair([r.tpot for r in ok if r.tpot is not None]),
-                ms_pair([g for r in ok for g in r.chunk_gaps]),
-                fmt(res.tokens_per_chunk, 2),
-                fmt(res.output_tokens_per_s, 0),
-                fmt(engine, 0),
-                ratio,
-            ]
-        )
-    return common.markdown_table(headers, rows)
-
-
-def run(
-    args: argparse.Namespace,
-) -> tuple[dict[int, LevelResult], dict[int, float] | None, dict[int, dict[str, str]]]:
-    """Offline engine per level (subprocess) first, then the served stack per level."""
+def run(args: argparse.Namespace) -> OnlineRun:
+    """Offline engine per level (subprocess) first, then the platform ceiling (with
+    `--ceiling`), then the served stack per level: one after the other, never side by side."""
     from transformers import AutoTokenizer
 
-    model = common.ensure_model(args.model)
+    model = common.ensure_model(args.model, args.shape)
     tokenizer = AutoTokenizer.from_pretrained(model)
     level_inputs = level_workloads(args, tokenizer)
     offline: dict[int, float] | None = None
+    step = None
     if args.offline_tokens_per_s:
         values = [float(v) for v in args.offline_tokens_per_s.split(",")]
         values = values * len(args.concurrency) if len(values) == 1 else values
         offline = dict(zip(args.concurrency, values, strict=True))
     elif not args.no_offline:
-        offline = offline_tokens_per_s(args, model, {c: w for c, (_, w) in level_inputs.items()})
-    results, loads = serve_and_run(args, model, level_inputs)
-    return results, offline, loads
+        workloads = {c: w for c, (_, w) in level_inputs.items()}
+        offline, step = offline_tokens_per_s(args, model, workloads)
+    platform = ceiling.from_args(args) if args.ceiling else None
+    result = serve_and_run(args, model, level_inputs)
+    result.offline, result.decode_step_s, result.ceiling = offline, step, platform
+    return result
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -333,38 +284,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--openai-url", help="use a running sidecar (http://HOST:PORT)")
     p.add_argument("--server-log", help="tritonserver log file (default: a temp file)")
+    p.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="also measure the platform ceiling (benchmarks.ceiling) at the same levels, before "
+        "the served levels; the table then reports the generator's responses/s against it",
+    )
+    ceiling.add_arguments(p)
+    p.add_argument(
+        "--plots-dir",
+        help="draw the PNG plots and write the run's JSON summary into this folder; the "
+        "appended section links them relative to --benchmarks-md",
+    )
     return p.parse_args(argv)
 
 
-def main(
-    argv: list[str] | None = None,
-) -> tuple[dict[int, LevelResult], dict[int, float] | None, dict[int, dict[str, str]]]:
-    """Run the benchmark, print its table, append it to BENCHMARKS.md (unless `--no-append`).
-
-    Returns:
-        the online results per concurrency level, the offline engine's output tokens/s per
-        level (None when skipped), and the load report per level (`LoadProbe.report`).
-    """
+def main(argv: list[str] | None = None) -> OnlineRun:
+    """Run the benchmark, print its tables, append them to BENCHMARKS.md (unless `--no-append`),
+    draw the plots (with `--plots-dir`). Returns the run."""
     args = parse_args(argv)
-    results, offline, loads = run(args)
+    result = run(args)
     notes = [
         f"{args.endpoint} completions, streamed, closed loop; prompts: random ids in "
         f"[{args.min_len}, {args.max_input_len}] decoded to text (+ chat template); outputs "
         f"[{args.min_output_len}, {args.max_output_len}] tokens with ignore_eos; temperature "
         f"{args.temperature}; device {args.device}, attention {args.attention_backend}",
         "offline engine: the same prompt ids, same concurrency cap (closed loop), same run",
+        "generator responses/s: tritonllm_responses_total over the level's wall time; of "
+        "ceiling: against the ensemble ceiling at the same concurrency, same run",
     ]
-    table = report(results, offline)
-    if loads:
+    itl = online_report.itl_note(result)
+    if itl:
+        notes.append(itl)
+    table = online_report.report(result)
+    if result.loads:
         table += "\n\nWhere the time goes per level (averages over the level's wall time):\n\n"
-        table += load_report(loads)
+        table += online_report.load_report(result.loads)
         notes.append(
             "CPU cores: user+system CPU seconds per process (/proc) over the level's wall time; "
             "engine/sender: the generator's tritonllm_* time counters over the same interval "
             "(busy = had work, cpu = thread CPU time, gpu wait = waiting for a launched step)"
         )
+    if result.ceiling:
+        table += "\n\nPlatform ceiling (benchmarks.ceiling, same run):\n\n"
+        table += ceiling.report(result.ceiling)
+        notes += ceiling.notes(args)
+    if args.plots_dir:
+        from benchmarks import plots
+
+        name = plots.run_name("online", args.model or args.shape)
+        summary = online_report.summary(result)
+        plots.write_json(summary, args.plots_dir, name)
+        images = plots.online_plots(summary, args.plots_dir, name)
+        table += "\n\n" + plots.markdown_images(images, args.benchmarks_md)
     common.publish("Online serving", table, notes, args)
-    return results, offline, loads
+    return result
 
 
 if __name__ == "__main__":

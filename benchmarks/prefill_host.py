@@ -73,7 +73,7 @@ class RunTimer:
 
 def run(args: argparse.Namespace) -> list[str]:
     """Build the engine, run the cases; returns the printed result lines."""
-    model = common.ensure_model(args.model)
+    model = common.ensure_model(args.model, args.shape)
     extra = {"prefill_delay_steps": "0", **common.engine_args(args)}
     engine = LLMEngine(engine_config(model, args.device, args.attention_backend, engine_args=extra))
     timer = RunTimer(engine)

@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "profile_detail.txt").write_text("")
-    model = str(common.ensure_model(args.model))
+    model = str(common.ensure_model(args.model, args.shape))
     summaries = [
         profile_batch(args, model, int(b), out_dir) for b in args.batch_sizes.split(",") if b
     ]

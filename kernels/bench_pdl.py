@@ -18,12 +18,13 @@ measured in the same run:
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 import kernels.linear as klinear
+from kernels import pdl
 from kernels.bench_linear import copy_bandwidth, graph_time
 from kernels.rmsnorm import fused_add_rmsnorm
 from kernels.silu_mul import silu_mul
@@ -62,6 +63,11 @@ def _forward(x, layers, linear):
     return x
 
 
+def _ignoring_weight(x: torch.Tensor, layers: list, linear: Callable) -> Callable:
+    """`_forward(x, layers, linear)` as `graph_time`'s `fn(weight)` (the weight is a dummy)."""
+    return lambda _weight: _forward(x, layers, linear)
+
+
 @torch.inference_mode()
 def main() -> None:
     copy_bw = copy_bandwidth()
@@ -76,7 +82,6 @@ def main() -> None:
         f"{weight_bytes / 1e6:.1f} MB = {bound_us:.1f} us at that bandwidth; us per layer:"
     )
     print(f"{'M':>4} " + " ".join(f"{v:>14}" for v in VARIANTS) + "   best vs cublas")
-    saved_env = os.environ.get("TRITONLLM_PDL")
 
     def skinny(x, w):
         return klinear.skinny_linear(x, w)
@@ -87,7 +92,7 @@ def main() -> None:
             ref = _forward(x, layers, F.linear)
             times = {}
             for variant in VARIANTS:
-                os.environ["TRITONLLM_PDL"] = "1" if "pdl" in variant else "0"
+                pdl.set_enabled("pdl" in variant)
                 linear = F.linear if variant.startswith("cublas") else skinny
                 out = _forward(x, layers, linear)  # tunes the skinny GEMM outside the graph
                 # 28 layers of bf16 roundings in another order drift apart a little; a kernel
@@ -95,11 +100,9 @@ def main() -> None:
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 assert err < 0.05, f"{variant} at M={m}: relative error {err:.3f}"
                 # One graph of the whole 28-layer forward (graph_time's "weights": one dummy).
-                seconds = graph_time(
-                    lambda _, x=x, fwd=linear: _forward(x, layers, fwd), [None], 20
-                )
+                seconds = graph_time(_ignoring_weight(x, layers, linear), [None], 20)
                 times[variant] = seconds / LAYERS
-            best = min(times, key=times.get)
+            best = min(times, key=times.__getitem__)
             print(
                 f"{m:4d} "
                 + " ".join(f"{times[v] * 1e6:14.1f}" for v in VARIANTS)
@@ -107,10 +110,7 @@ def main() -> None:
                 flush=True,
             )
     finally:
-        if saved_env is None:
-            os.environ.pop("TRITONLLM_PDL", None)
-        else:
-            os.environ["TRITONLLM_PDL"] = saved_env
+        pdl.set_enabled(True)  # the process default
 
 
 if __name__ == "__main__":

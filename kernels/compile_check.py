@@ -5,15 +5,16 @@ the wrappers launch, through Triton's full pipeline (TTIR → TTGIR → LLVM →
 bundled ptxas) for sm_80 and sm_90, and fails if a kernel does not compile, spills registers or
 needs more shared memory than the target has.
 
-All 158 configurations × 2 targets = 316 compilations (about 2 minutes of CPU): the
+All 173 configurations × 2 targets = 346 compilations (about 2 minutes of CPU): the
 attention kernels (52), the layer kernels incl. fused add + RMSNorm and q/k-norm + RoPE with
 and without the K/V store (33), the sampler's Gumbel-max kernels (9: bf16 and float32 logits),
 and the skinny GEMM (`kernels/linear.py`: the 15 distinct tiles
 `candidate_configs` yields for Qwen3-0.6B's projections at M = 1..256 × bf16/fp16 × bias or
-not, plus 4 split-K reduces). `--quick` (what the CPU tests run, a few seconds): sm_90 only,
-27 configurations: attention at head_dim 128, bf16/fp32, GQA groups 2 and 3; the older layer
+not, the same tiles' split-K fix-up variant in bf16 without bias, plus 4 split-K reduces).
+`--quick` (what the CPU tests run, a few seconds): sm_90 only, 28 configurations: attention at head_dim 128, bf16/fp32, GQA groups 2 and 3; the older layer
 kernels in bf16/fp32; one bf16 configuration of each kernel added since (fused add + RMSNorm,
-q/k-norm + RoPE + K/V store, Gumbel chunk + chunk argmax, skinny GEMM + split-K reduce). The CPU tests run
+q/k-norm + RoPE + K/V store, Gumbel chunk + chunk argmax, skinny GEMM with and without the
+fix-up + split-K reduce). The CPU tests run
 it in a subprocess: Triton must not be in interpreter mode for this, and a process cannot have
 both.
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 os.environ["TRITON_INTERPRET"] = "0"
 
@@ -42,13 +43,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kernels.decode_attention import _decode_reduce_kernel, _decode_stage1_kernel  # noqa: E402
 from kernels.extend_attention import _extend_kernel  # noqa: E402
-from kernels.linear import (  # noqa: E402
-    _REDUCE_BLOCK,
-    MAX_M,
-    _skinny_linear_kernel,
-    _splitk_reduce_kernel,
-    candidate_configs,
-)
+from kernels.linear import _REDUCE_BLOCK, MAX_M, candidate_configs  # noqa: E402
+from kernels.linear_kernels import _skinny_linear_kernel, _splitk_reduce_kernel  # noqa: E402
 from kernels.rmsnorm import _fused_add_rmsnorm_kernel, _rmsnorm_kernel  # noqa: E402
 from kernels.rotary import _rotary_kernel  # noqa: E402
 from kernels.sampling import BLOCK as SAMPLING_BLOCK  # noqa: E402
@@ -73,7 +69,7 @@ class Launch(NamedTuple):
     constexprs, num_warps, num_stages, and the scalar arguments that are neither i32 nor in
     FLOAT_ARGS (name -> Triton type, e.g. `{"offset": "i64"}`)."""
 
-    fn: object
+    fn: Any  # a triton.JITFunction
     pointers: dict[str, str]
     constexprs: dict
     num_warps: int
@@ -264,7 +260,8 @@ def _linear_configs(quick: bool):
     bias, deduplicated by what is compiled (M and split_k are not specialized); the split-K
     reduce kernel for each dtype and bias. `--quick`: bf16, no bias, the first candidate at M=1
     of the qkv projection, and the reduce."""
-    tiles = {}  # ((tile), num_stages, EVEN_K), in first-seen order; the SM count sets only split_k
+    # ((tile), num_stages, EVEN_K), in first-seen order; the SM count sets only split_k
+    tiles: dict[tuple[tuple[bool, int, int, int, int], int, bool], None] = {}
     for n, k in QWEN3_PROJECTIONS[:1] if quick else QWEN3_PROJECTIONS:
         for m in (1,) if quick else range(1, MAX_M + 1):
             candidates = candidate_configs(m, n, k, H200_SMS)
@@ -273,7 +270,14 @@ def _linear_configs(quick: bool):
                 tiles[(tile, cfg.num_stages, k % cfg.block_k == 0)] = None
     for dt in ("bf16",) if quick else ("bf16", "fp16"):
         for bias in (False,) if quick else (False, True):
-            for (use_dot, block_m, block_n, block_k, warps), stages, even_k in tiles:
+            # The split-K fix-up variant (`LinearConfig.fixup`): bf16 without bias, as the
+            # Qwen3 projections run.
+            fixups = (False, True) if dt == "bf16" and not bias else (False,)
+            for (
+                (use_dot, block_m, block_n, block_k, warps),
+                stages,
+                even_k,
+            ), fixup in itertools.product(tiles, fixups):
                 yield (
                     _skinny_linear_kernel,
                     {
@@ -282,6 +286,7 @@ def _linear_configs(quick: bool):
                         "b_ptr": dt,  # the bias, or `out` standing in for it
                         "out_ptr": dt,
                         "part_ptr": "fp32",
+                        "lock_ptr": "i32",
                     },
                     dict(
                         BLOCK_M=block_m,
@@ -292,6 +297,7 @@ def _linear_configs(quick: bool):
                         HAS_BIAS=bias,
                         UPCAST=False,
                         NUM_STAGES=stages,
+                        FIXUP=fixup,
                     ),
                     warps,
                     stages,

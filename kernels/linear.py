@@ -19,8 +19,9 @@ shared memory on sm_80/sm_90, several tiles in flight per program).
 
 Split-K (`split_k` > 1): program `(m, n, s)` writes its float32 partial sum of K-range `s` to a
 `[split_k, M, N]` workspace and `_splitk_reduce_kernel` adds the partials in a fixed order
-(deterministic, no atomics), then the bias, and rounds once to the output dtype.
-`split_k` == 1 writes the output directly. Why split K rather than only shrink BLOCK_N: with
+(deterministic, no atomics), then the bias, and rounds once to the output dtype; with
+`fixup` the tile's last program does that reduction itself, in the same launch
+(`kernels.linear_kernels`). `split_k` == 1 writes the output directly. Why split K rather than only shrink BLOCK_N: with
 N = 1024 even BLOCK_N = 8 leaves ~1 program per SM, each walking all of K with only its own
 pipeline in flight (latency-bound); splitting K 4-16 ways gives 2-4 programs per SM with 1-2
 pipelined steps each, for a workspace of `split_k * M * N * 4` bytes (32 KB at M = 1, read
@@ -30,235 +31,64 @@ shapes whose tiles alone fill the GPU (lm_head, large M) skip the reduce.
 On sm_90+ both kernels launch with programmatic dependent launch (`kernels.pdl`).
 
 Configurations are picked per shape by timing a few candidates on the GPU (`tuned_config`, once
-per (M bucket, N, K, dtype, bias)); `tritonllm.layers.linear.Linear` then decides per shape
-between this kernel and cuBLAS. Reference: `torch.nn.functional.linear` (float32 math).
+per (M bucket, N, K, dtype, bias); the candidates and the timer are `kernels.linear_configs`);
+`tritonllm.layers.linear.Linear` then decides per shape between this kernel and cuBLAS.
+Reference: `torch.nn.functional.linear` (float32 math).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import statistics
-from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import triton
-import triton.language as tl
 
 import kernels
-from kernels.pdl import launch_options, pdl_wait
+from kernels.linear_configs import (
+    MAX_M,
+    LinearConfig,
+    candidate_configs,
+    gpu_time_ms,
+    m_bucket,
+    num_sms,
+)
+from kernels.linear_kernels import _skinny_linear_kernel, _splitk_reduce_kernel
+from kernels.pdl import launch_options
 
 logger = logging.getLogger(__name__)
 
-MAX_M = 256  # larger M is compute-bound: cuBLAS's territory
-_SPLIT_K_MAX = 16
 _REDUCE_BLOCK = 1024
 # Triton's interpreter (3.6) multiplies bf16 tl.dot operands as raw bits: upcast there (as
 # kernels/decode_attention.py does). Compiled kernels use the bf16/fp16 tensor-core dot.
 _UPCAST_DOT = kernels.interpreting()
 
 
-class LinearConfig(NamedTuple):
-    """One launch configuration of `_skinny_linear_kernel`.
+_DUMMIES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_LOCKS: dict[torch.device, list[torch.Tensor]] = {}
+_MIN_LOCKS = 1 << 16  # tile counters per device: more than any decode shape has tiles
 
-    `split_k`: K-ranges (1 = no workspace, no reduce kernel); `block_m`: token rows per program
-    (a power of 2; >= 16 with `use_dot`); `block_n`, `block_k`: weight tile (elements).
+
+def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    if (device, dtype) not in _DUMMIES:
+        _DUMMIES[device, dtype] = torch.zeros(1, dtype=dtype, device=device)
+    return _DUMMIES[device, dtype]
+
+
+def _locks(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's int32 tile counters of fix-up launches, all 0 between launches (each
+    launch's last programs reset theirs); grown only outside a CUDA-graph capture.
+
+    Raises:
+        ValueError: more tiles than counters while capturing (warm the shape up first).
     """
-
-    use_dot: bool
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int
-    num_warps: int
-    num_stages: int
-
-
-# M and split_k are not specialized (Triton would compile separate kernels for M == 1 and
-# split_k == 1): one compiled kernel per tile configuration serves every M and split.
-@triton.jit(do_not_specialize=["M", "split_k"])
-def _skinny_linear_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    out_ptr,
-    part_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_om,
-    k_per_split,
-    split_k,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    UPCAST: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # Axis 0 is the M tile, so the programs that share a weight tile run side by side and all
-    # but the first find it in L2.
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    k_start = pid_k * k_per_split
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    # Rows past N / M are clamped to row 0 instead of masked: the loads stay unpredicated
-    # and the extra rows are dropped at the store.
-    rows_n = tl.where(mask_n, offs_n, 0).to(tl.int64)
-    rows_m = tl.where(mask_m, offs_m, 0).to(tl.int64)
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
-    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
-    cols = tl.arange(0, BLOCK_M)
-    pdl_wait(PDL)  # nothing above touches memory (`kernels.pdl`)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    # An explicit num_stages makes Triton software-pipeline the loads of the dot-free path too
-    # (cp.async into shared memory, NUM_STAGES - 1 tiles in flight), not only loads of a dot.
-    # The last K-range may be shorter; with EVEN_K (K % BLOCK_K == 0, k_start a multiple of
-    # BLOCK_K) every step is then whole and needs no mask.
-    k_len = tl.minimum(k_per_split, K - k_start)
-    for k in tl.range(0, k_len, BLOCK_K, num_stages=NUM_STAGES):
-        mask_k = (offs_k + k < K)[None, :]
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=mask_k, other=0.0)
-        if USE_DOT:
-            if EVEN_K:
-                x = tl.load(x_ptrs)
-            else:
-                x = tl.load(x_ptrs, mask=mask_k, other=0.0)
-            if UPCAST:
-                acc = tl.dot(
-                    w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee"
-                )
-            else:
-                acc = tl.dot(w, tl.trans(x), acc)
-        else:
-            wf = w.to(tl.float32)
-            for i in tl.static_range(BLOCK_M):
-                # One broadcast multiply + row sum per token row (BLOCK_M <= 8), accumulated
-                # in the weight tile's layout; rows past M re-read row M - 1 (not stored).
-                row_i = tl.minimum(pid_m * BLOCK_M + i, M - 1).to(tl.int64)
-                xi_ptrs = x_ptr + row_i * stride_xm + offs_k + k
-                if EVEN_K:
-                    xi = tl.load(xi_ptrs)
-                else:
-                    xi = tl.load(xi_ptrs, mask=offs_k + k < K, other=0.0)
-                part = tl.sum(wf * xi.to(tl.float32)[None, :], axis=1)
-                acc += tl.where(cols[None, :] == i, part[:, None], 0.0)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    mask = mask_n[:, None] & mask_m[None, :]
-    if split_k == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        part_ptrs = part_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
-        tl.store(part_ptrs, acc, mask=mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _splitk_reduce_kernel(
-    part_ptr,
-    b_ptr,
-    out_ptr,
-    M,
-    N,
-    stride_om,
-    split_k,
-    BLOCK: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl_wait(PDL)
-    m = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(split_k):  # fixed order: the result does not depend on program scheduling
-        acc += tl.load(part_ptr + (s * M + m) * N + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def m_bucket(m: int) -> int:
-    """The decode CUDA-graph batch size that serves `m` token rows: 1, 2, 4, 8, then multiples
-    of 8 (`EngineConfig.cuda_graph_batch_sizes`); shapes are tuned and chosen per bucket."""
-    return triton.next_power_of_2(m) if m <= 8 else -(-m // 8) * 8
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: pretend to be an H100/H200 so split-K gets exercised
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _sm_count(index: int) -> int:
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
-
-
-def _auto_split_k(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, sms: int):
-    """Smallest power-of-2 split that launches >= 2 programs per SM (two resident programs per
-    SM hide each other's load latency), keeping >= one BLOCK_K step per split."""
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = 1
-    while tiles * split < 2 * sms and split < _SPLIT_K_MAX and k >= 2 * split * block_k:
-        split *= 2
-    return split
-
-
-def candidate_configs(m: int, n: int, k: int, sms: int = 132) -> list[LinearConfig]:
-    """The configurations tried for an `[m, k] x [n, k]` product, most likely best first.
-
-    Per M range: M <= 8 tries the dot-free GEMV (two tile shapes) and the padded MMA; larger M
-    tries MMA tiles. Each tile shape comes with its automatic split-K (`_auto_split_k`); when
-    that is > 1 the no-split variant is tried too (it saves the reduce kernel and the
-    workspace traffic, and wins when the tiles alone fill the GPU).
-    """
-    bm = triton.next_power_of_2(m)
-    if m <= 8:
-        tiles = [
-            (False, bm, 16, 256, 4, 3),
-            (False, bm, 32, 128, 4, 3),
-            (True, 16, 64, 128, 4, 4),
-        ]
-    elif m <= 64:
-        tiles = [(True, max(16, bm), 64, 128, 4, 4), (True, max(16, bm), 128, 64, 4, 4)]
-    else:
-        tiles = [(True, 64, 128, 64, 4, 4), (True, 128, 128, 64, 8, 3), (True, 64, 64, 128, 4, 4)]
-    configs = []
-    for use_dot, block_m, block_n, block_k, warps, stages in tiles:
-        split = _auto_split_k(m, n, k, block_m, block_n, block_k, sms)
-        for s in (split, 1) if split > 1 else (1,):
-            configs.append(LinearConfig(use_dot, block_m, block_n, block_k, s, warps, stages))
-    return configs
-
-
-_DUMMIES: dict[torch.device, torch.Tensor] = {}
-
-
-def _dummy_f32(device: torch.device) -> torch.Tensor:
-    if device not in _DUMMIES:
-        _DUMMIES[device] = torch.zeros(1, dtype=torch.float32, device=device)
-    return _DUMMIES[device]
+    buffers = _LOCKS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"skinny_linear: {tiles} fix-up tiles first seen inside a capture")
+        # Smaller buffers stay allocated: captured CUDA graphs may still use them.
+        buffers.append(torch.zeros(max(tiles, _MIN_LOCKS), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def _launch(
@@ -274,10 +104,13 @@ def _launch(
     part = (
         torch.empty(split, m, n, dtype=torch.float32, device=x.device)
         if split > 1
-        else _dummy_f32(x.device)
+        else _dummy(x.device, torch.float32)
     )
     bias_arg = bias if bias is not None else out
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+    fixup = cfg.fixup and split > 1
+    # Always int32 pointers (like `part`'s float32), so the variants share compiled kernels.
+    locks = _locks(x.device, grid[0] * grid[1]) if fixup else _dummy(x.device, torch.int32)
     pdl = launch_options(x.device)
     _skinny_linear_kernel[grid](
         x,
@@ -285,6 +118,7 @@ def _launch(
         bias_arg,
         out,
         part,
+        locks,
         m,
         n,
         k,
@@ -301,11 +135,12 @@ def _launch(
         HAS_BIAS=bias is not None,
         UPCAST=_UPCAST_DOT,
         NUM_STAGES=cfg.num_stages,
+        FIXUP=fixup,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl,
     )
-    if split > 1:
+    if split > 1 and not fixup:
         _splitk_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](
             part,
             bias_arg,
@@ -322,30 +157,6 @@ def _launch(
     return out
 
 
-def gpu_time_ms(fn: Callable[[], object], runs: int = 15, warmup: int = 2) -> float:
-    """Median GPU time of `fn()` in ms: CUDA events around each call on the current stream,
-    after a write that evicts L2 (the weights of a decode step are never L2-resident: the next
-    layer's are elsewhere). The eviction also keeps the GPU busy, so the host's launch latency
-    is not timed. Synchronizes the device.
-    """
-    device = torch.cuda.current_device()
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
-    flush = torch.empty(2 * max(l2, 32 << 20), dtype=torch.uint8, device="cuda")
-    for _ in range(warmup):
-        fn()
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(runs)
-    ]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
-
-
 _TUNED: dict[tuple, LinearConfig] = {}
 
 
@@ -359,10 +170,12 @@ def tuned_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     cfg = _TUNED.get(key)
     if cfg is not None:
         return cfg
-    candidates = candidate_configs(m, n, k, _num_sms(x.device))
+    candidates = candidate_configs(m, n, k, num_sms(x.device))
     if kernels.interpreting() or not x.is_cuda or torch.cuda.is_current_stream_capturing():
         return candidates[0]
-    times = [gpu_time_ms(lambda c=c: _launch(x, weight, bias, c), runs=7) for c in candidates]
+    times = [
+        gpu_time_ms(functools.partial(_launch, x, weight, bias, c), runs=7) for c in candidates
+    ]
     cfg = candidates[min(range(len(candidates)), key=times.__getitem__)]
     logger.debug("skinny_linear M<=%d N=%d K=%d: %s (%.1f us)", key[0], n, k, cfg, min(times) * 1e3)
     _TUNED[key] = cfg
@@ -403,3 +216,14 @@ def skinny_linear(
     if bias is not None:
         bias = bias.contiguous()
     return _launch(x, weight, bias, config or tuned_config(x, weight, bias))
+
+
+__all__ = [
+    "MAX_M",
+    "LinearConfig",
+    "candidate_configs",
+    "gpu_time_ms",
+    "m_bucket",
+    "skinny_linear",
+    "tuned_config",
+]

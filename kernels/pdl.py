@@ -15,21 +15,18 @@ The rule every kernel with a `PDL` switch keeps: with PDL on, it calls `pdl_wait
 global memory access. So each kernel still completes after its predecessor, and a kernel
 launched without PDL (cuBLAS, PyTorch) waits as usual.
 
-Measured on an H200 (BENCHMARKS.md, "Session 5 diagnostics", `python -m kernels.bench_pdl`):
-with cuBLAS projections (the default) PDL on the norm/SiLU kernels is neutral (within 1% per
-layer at M = 1..256); with the skinny GEMM it is mixed (-4 us of a ~35 us layer at M = 1, 32 and
-64, +5.6 us at M = 8). It stays on because it costs nothing on the default path and is the
-precondition for overlapping kernel boundaries at all. Prefetching each GEMM program's weight
-slice into L2 before the wait (`cp.async.bulk.prefetch`) was tried and made the chain slower
-(30 -> 46 us per layer at M = 1), so it is not done.
+PDL stays on because on the H200 it cost nothing on the default (cuBLAS) path and is the
+precondition for overlapping kernel boundaries at all; with the skinny GEMM it was mixed.
+Prefetching each GEMM program's weight slice into L2 before the wait
+(`cp.async.bulk.prefetch`) was tried and made the chain slower, so it is not done
+(BENCHMARKS.md, "A decode layer's kernel chain, with and without PDL").
 
-`TRITONLLM_PDL=0` turns it off (read when a kernel is launched); it is never on in Triton's
-CPU interpreter or below sm_90.
+`set_enabled(False)` turns it off for the process (the engine calls it with
+`EngineConfig.pdl` when it starts on CUDA); it is never on in Triton's CPU interpreter or below
+sm_90.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -38,14 +35,20 @@ import triton.language as tl
 import kernels
 
 _CAPABLE: dict[int, bool] = {}
+# The process-wide switch (`set_enabled`); on by default.
+_ENABLED = True
+
+
+def set_enabled(on: bool) -> None:
+    """Turn PDL on or off for every kernel launched from now on, in this process."""
+    global _ENABLED
+    _ENABLED = on
 
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels launched on `device` use PDL: a CUDA device of compute capability
-    >= 9.0, not Triton's interpreter, and `TRITONLLM_PDL` is not "0"."""
-    if device.type != "cuda" or kernels.interpreting():
-        return False
-    if os.environ.get("TRITONLLM_PDL", "1") == "0":
+    >= 9.0, not Triton's interpreter, and not switched off (`set_enabled`)."""
+    if not _ENABLED or device.type != "cuda" or kernels.interpreting():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _CAPABLE:

@@ -213,12 +213,9 @@ def rotary(
     ):
         raise ValueError(f"rotary: q {tuple(q.shape)} k {tuple(k.shape)} cos {cos_cache.shape}")
     norm = q_norm_weight is not None
-    if norm != (k_norm_weight is not None) or (
-        norm
-        and not all(
-            w.shape == (head_dim,) and w.dtype == q.dtype and w.is_contiguous()
-            for w in (q_norm_weight, k_norm_weight)
-        )
+    if norm != (k_norm_weight is not None) or not all(
+        w is None or (w.shape == (head_dim,) and w.dtype == q.dtype and w.is_contiguous())
+        for w in (q_norm_weight, k_norm_weight)
     ):
         raise ValueError(
             "rotary: q_norm_weight and k_norm_weight must both be given ([D], q's dtype) or neither"

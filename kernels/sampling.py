@@ -17,8 +17,8 @@ Two kernels:
    programs) without a block-wide reduction and a program per 1,024 columns at large batches.
    The logarithms use the hardware's approximate `lg2` (`_log2`). Before both changes (one
    reduction per 1,024 columns, libdevice's accurate `log`: ~150 instructions per logit) the
-   kernel took 0.12-0.16 ms per call at batch 188 on an H200, compute-bound, for 57 MB of bf16
-   logits that take ~14 us to read.
+   kernel was compute-bound, several times slower than reading its logits (BENCHMARKS.md,
+   "Session 6 diagnostics").
 2. `_chunk_argmax_kernel`, grid `(B,)`: the argmax over a row's chunks.
 
 Randomness: Philox keyed by `seed`. One Philox call (`tl.randint4x`) yields four 32-bit numbers,
@@ -271,7 +271,7 @@ def gumbel_argmax(
         )
     batch, vocab = logits.shape
     per_row = isinstance(inv_temperature, torch.Tensor)
-    if per_row and (
+    if isinstance(inv_temperature, torch.Tensor) and (
         inv_temperature.shape != (batch,)
         or inv_temperature.dtype != torch.float32
         or inv_temperature.device != logits.device

@@ -27,8 +27,8 @@ from .triton_client import TritonClient
 # small enough that tokenizing a rejected giant prompt cannot stall other requests for seconds.
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 # Longer than any silence a healthy backend has (a fresh GPU machine compiles its prefill
-# kernels on the first request: ~60-80 s on the H200), short enough that a request whose
-# generator died does not hang its client forever.
+# kernels on the first request: ARCHITECTURE.md, "Platform facts", FlashInfer), short enough
+# that a request whose generator died does not hang its client forever.
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
 # Seconds SIGTERM lets the generations in flight finish (openai_frontend/drain.py).
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
@@ -145,6 +145,7 @@ def create_app(
             await client.close()
 
     app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
+    app.state.server = None  # the lifespan sets it (the gRPC channel needs the running loop)
     install_error_handlers(app)
 
     app.state.drain = DrainState(timeout_s=drain_timeout_s)
@@ -215,4 +216,4 @@ def main(argv: list[str] | None = None) -> None:
         drain_timeout_s=args.drain_timeout,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-    server_class()(config).run()
+    server_class()(config, app).run()

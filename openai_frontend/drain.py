@@ -20,6 +20,7 @@ import signal
 import time
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -81,7 +82,7 @@ class DrainGate:
         await response(scope, receive, send)
 
 
-def server_class():
+def server_class() -> Any:
     """uvicorn's ``Server`` with this module's SIGTERM drain; on shutdown it also aborts the
     generations still in flight first (uvicorn waits for open responses to finish, and a long
     stream would otherwise hold the shutdown until the launcher's SIGKILL and leave its work
@@ -89,9 +90,13 @@ def server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        def _states(self):
-            app_state = self.config.app.state
-            return getattr(app_state, "server", None), app_state.drain
+        def __init__(self, config: uvicorn.Config, app: Any) -> None:
+            super().__init__(config)
+            self.app = app  # the FastAPI app of ``create_app`` (config.app is typed loosely)
+
+        def _states(self) -> tuple[Any, DrainState]:
+            # ``state.server`` is None until the lifespan started.
+            return self.app.state.server, self.app.state.drain
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             _, drain = self._states()
@@ -108,7 +113,7 @@ def server_class():
                     self.should_exit = True
             return await super().on_tick(counter)
 
-        async def shutdown(self, sockets=None) -> None:
+        async def shutdown(self, sockets: Any = None) -> None:
             server, _ = self._states()
             if server is not None and server.live:
                 log.warning("aborting %d generation(s) in flight", len(server.live))

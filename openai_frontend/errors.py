@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -106,7 +108,7 @@ def _param(loc: tuple, body: object, missing: bool) -> str | None:
     return ".".join(kept) or None
 
 
-def _most_specific(errors: list[dict]) -> dict:
+def _most_specific(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     """The error to report: the first one, unless the same field failed a union member whose
     type matched. A union field reports one error per member tried (``prompt: [-1]`` fails
     ``str`` and ``list[str]`` by type and ``list[TokenId]`` by range); the first error that is not
@@ -121,7 +123,9 @@ def _most_specific(errors: list[dict]) -> dict:
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
-    first = _most_specific(exc.errors()) if exc.errors() else {"msg": "invalid request", "loc": ()}
+    first: Mapping[str, Any] = (
+        _most_specific(exc.errors()) if exc.errors() else {"msg": "invalid request", "loc": ()}
+    )
     if first.get("type") == "json_invalid":
         return OpenAIError(
             "We could not parse the JSON body of your request. Expected a valid JSON object.",

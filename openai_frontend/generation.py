@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from .errors import OpenAIError
 from .protocol import PromptTokensDetails, Usage
@@ -55,7 +56,8 @@ def to_openai_error(exc: TritonError, prompt_param: str) -> OpenAIError:
     return OpenAIError(message, param=named.group(1) if named else None, code="invalid_value")
 
 
-class Delta(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Delta:
     """One piece of one choice.
 
     Attributes:
@@ -81,16 +83,13 @@ class Choice:
     logprobs: list[dict[str, Any]] | None
 
 
-_HAS_ASYNCIO_TIMEOUT = hasattr(asyncio, "timeout")
-
-
 async def _read_within(stream: ResponseStream, timeout_s: float | None) -> LLMChunk | None:
     """``stream.read()``, raising ``asyncio.TimeoutError`` after ``timeout_s`` seconds (None:
     no limit). A timed-out read is cancelled safely: the stream keeps its gRPC read (see
     ``ResponseStream``), and ``Generation.close`` then aborts the request."""
     if timeout_s is None:
         return await stream.read()
-    if _HAS_ASYNCIO_TIMEOUT:  # Python 3.11+: no extra task per read, unlike wait_for
+    if sys.version_info >= (3, 11):  # asyncio.timeout: no extra task per read, unlike wait_for
         async with asyncio.timeout(timeout_s):
             return await stream.read()
     return await asyncio.wait_for(stream.read(), timeout_s)
@@ -244,8 +243,9 @@ class Generation:
         ]
         async for delta in self.deltas():
             texts[delta.index].append(delta.text)
-            if delta.logprobs:
-                logprobs[delta.index].extend(delta.logprobs)
+            entries = logprobs[delta.index]
+            if delta.logprobs and entries is not None:  # logprobs come only when asked for
+                entries.extend(delta.logprobs)
         return [
             Choice("".join(parts), reason, entries)
             for parts, reason, entries in zip(texts, self.finish_reasons, logprobs, strict=True)

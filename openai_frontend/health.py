@@ -39,13 +39,13 @@ from fastapi.responses import JSONResponse
 
 from .errors import OpenAIError
 from .generation import Generation
-from .triton_client import TritonClient, TritonError
+from .triton_client import InputValue, TritonClient, TritonError
 
 log = logging.getLogger(__name__)
 
 # The probe: a prompt every tokenizer encodes and one greedy token. Its request id says what it
 # is in Triton's logs and statistics.
-PROBE_INPUTS = {"text_input": "health", "max_tokens": 1, "temperature": 0.0}
+PROBE_INPUTS: dict[str, InputValue] = {"text_input": "health", "max_tokens": 1, "temperature": 0.0}
 PROBE_ID_PREFIX = "health-"
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +91,7 @@ def encode_tensor(name: str, value: InputValue, spec: InputSpec) -> tuple[Any, b
         TritonError: the value cannot be sent as ``spec.datatype``.
     """
     dims = [1] * len(spec.shape)
+    flat: list[Any]
     if isinstance(value, list | tuple):
         dims[-1] = len(value)
         flat = list(value)
@@ -194,7 +196,11 @@ class ResponseStream:
             return await asyncio.shield(pending)
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if pending.cancelled() and not (task is not None and task.cancelling()):
+            # Task.cancelling() is Python 3.11+; before it, a cancelled read counts as the call's.
+            reader_cancelled = (
+                sys.version_info >= (3, 11) and task is not None and task.cancelling() > 0
+            )
+            if pending.cancelled() and not reader_cancelled:
                 return grpc.aio.EOF  # the call was cancelled (``cancel()``), not this reader
             raise
         finally:

@@ -3,6 +3,8 @@ token accounting of each benchmark are checked; speeds never are."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import subprocess
@@ -47,6 +49,49 @@ def test_qwen3_0_6b_bound_matches_design_yardstick():
     assert seconds == pytest.approx(3.56, abs=0.01)
     assert w.num_output_tokens / seconds == pytest.approx(37_700, rel=0.005)
     assert traffic.total_bytes == pytest.approx(15.09e12, rel=0.005)
+
+
+def test_qwen3_8b_bound_counts_the_untied_lm_head_not_the_embedding(tmp_path):
+    """Qwen3-8B decode reads every weight but the embedding (only gathered by row) once per
+    step: 15.14 GB in bf16 with its own lm_head; 147,456 B of K/V per token (36 layers x 8 KV
+    heads x 128 x 2 x bf16). The checkpoint's shard headers give the same byte count."""
+    from safetensors.torch import save_file
+
+    from tritonllm.build_model import make_config, parameter_shapes, shard_names
+    from tritonllm.config import ModelConfig
+
+    hf_config = make_config("qwen3-8b")
+    shapes = parameter_shapes(hf_config)
+    numel = {n: math.prod(s) for n, s in shapes.items()}
+    weight_bytes = 2 * (sum(numel.values()) - numel["model.embed_tokens.weight"])
+    assert weight_bytes == 15_136_811_008
+    assert ModelConfig.from_dict(hf_config.to_dict()).kv_bytes_per_token * 2 == 147_456
+    # Shards holding the same names, as headers only (checkpoint_weight_bytes reads no data):
+    # tensors of one element with the 8B shapes written into the header by hand.
+    for i, names in enumerate(shard_names(shapes, 2)):
+        header = {
+            n: {"dtype": "BF16", "shape": list(shapes[n]), "data_offsets": [0, 0]} for n in names
+        }
+        data = json.dumps(header).encode()
+        path = tmp_path / f"model-{i:05d}.safetensors"
+        path.write_bytes(len(data).to_bytes(8, "little") + data)
+    assert bandwidth.checkpoint_weight_bytes(tmp_path, 2) == weight_bytes
+    # A tied checkpoint (no lm_head stored) counts its embedding once, as the LM head.
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(10, 4), "norm": torch.zeros(3)},
+        str(tied / "model.safetensors"),
+    )
+    assert bandwidth.checkpoint_weight_bytes(tied, 2) == 2 * 43
+    w = common.random_workload(256)
+    traffic = bandwidth.decode_bytes(
+        [len(p) for p in w.prompts], w.output_lens, weight_bytes, 147_456
+    )
+    assert traffic.decode_steps == 1_023
+    # KV per token is 1.286x Qwen3-0.6B's and the weights 12.7x: 33.3 TB, 7.85 s at 4.24 TB/s.
+    assert traffic.total_bytes == pytest.approx(33.30e12, rel=1e-3)
+    assert traffic.bound_seconds(4.24e12) == pytest.approx(7.85, abs=0.02)
 
 
 def test_decode_schedule_sums_prompt_plus_generated_tokens():
@@ -130,7 +175,15 @@ def test_offline_benchmark_generates_exactly_the_workload(tiny_model_dir):
     assert res.hf.generated_tokens == 2 * max(w.output_lens[:2])
 
 
-def test_online_benchmark_streams_exact_token_counts(tiny_model_dir, triton_server, tokenizer):
+def test_online_benchmark_streams_exact_token_counts(
+    tiny_model_dir, triton_server, tokenizer, tmp_path
+):
+    """Exact token counts per request; per level the load probe's columns, the generator's
+    responses/s against the platform ceiling measured in the same run (`--ceiling`), and the
+    concurrency-1 ITL against the batch-1 decode step; the JSON summary and plots are written
+    and linked from the appended section."""
+    import json
+
     from tritonllm.tokenization.chat import render_prompt
 
     args = [
@@ -156,10 +209,49 @@ def test_online_benchmark_streams_exact_token_counts(tiny_model_dir, triton_serv
         triton_server.grpc_url,
         "--metrics-url",
         triton_server.metrics_url,
-        "--no-append",
+        "--ceiling",
+        "--ceiling-seconds",
+        "0.5",
+        "--ceiling-tokens",
+        "8",
+        "--ceiling-client-processes",
+        "2",
+        "--plots-dir",
+        str(tmp_path / "plots"),
+        "--benchmarks-md",
+        str(tmp_path / "BENCHMARKS.md"),
     ]
-    results, offline_tps, loads = online.main(args)
+    run = online.main(args)
+    results, offline_tps, loads = run.results, run.offline, run.loads
     assert set(results) == {1, 2} and set(offline_tps) == {1, 2}
+    assert run.decode_step_s > 0
+    # The generator's responses/s: at least one response per request, and per streamed chunk.
+    for c, level in results.items():
+        assert run.responses_per_s[c] * level.seconds >= len(level.records)
+        for mode in ("alone", "ensemble"):
+            ceiling_level = run.ceiling[mode][c]
+            assert ceiling_level.errors == () and ceiling_level.responses > 0
+    (summary_file,) = (tmp_path / "plots").glob("online-*.json")
+    summary = json.loads(summary_file.read_text())
+    assert [lv["concurrency"] for lv in summary["levels"]] == [1, 2]
+    for lv in summary["levels"]:
+        c = lv["concurrency"]
+        assert lv["generator_over_ceiling"] == pytest.approx(
+            run.responses_per_s[c] / run.ceiling["ensemble"][c].responses_per_s
+        )
+        assert lv["online_over_offline"] == pytest.approx(
+            results[c].output_tokens_per_s / offline_tps[c]
+        )
+    assert summary["decode_step_b1_ms"] == pytest.approx(run.decode_step_s * 1e3)
+    assert summary["itl_over_decode_step"] == pytest.approx(
+        summary["itl_p50_c1_ms"] / summary["decode_step_b1_ms"]
+    )
+    section = (tmp_path / "BENCHMARKS.md").read_text()
+    stem = summary_file.stem
+    for kind in ("throughput", "ttft", "chunks"):
+        assert (tmp_path / "plots" / f"{stem}-{kind}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"](plots/{stem}-{kind}.png)" in section
+    assert "Platform ceiling" in section and "ITL p50 at concurrency 1" in section
     # Per level: CPU of the sidecar and this client, and the generator's time counters.
     for load in loads.values():
         assert "sidecar" in load["cpu"] and "client" in load["cpu"], load
@@ -230,6 +322,102 @@ def test_gpu_suite_refuses_bad_steps_before_doing_anything(tmp_path, steps):
     assert "usage:" in result.stderr
     assert not calls.exists(), calls.read_text()
     assert not out.exists()
+
+
+def _suite(tmp_path, steps, **env):
+    """Run gpu_suite.sh with stand-ins for python3 and nvidia-smi first on PATH: each records its
+    arguments and, for the benchmarks, writes the files the real ones would (a log line, the
+    JSON, a plot), so that the suite's own logic (steps, limits, packing) is what is tested."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    calls = tmp_path / "calls.txt"
+    fake = f"""#!/bin/sh
+echo "$*" >> "{calls}"
+for a in "$@"; do
+  case "$prev" in
+  --json) echo '{{}}' > "$a" ;;
+  --plots-dir) mkdir -p "$a" && echo png > "$a/plot.png" ;;
+  esac
+  prev=$a
+done
+echo "ran $*"
+"""
+    (bin_dir / "python3").write_text(fake)
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho gpu\n")
+    for tool in ("python3", "nvidia-smi"):
+        (bin_dir / tool).chmod(0o755)
+    out = tmp_path / "out"
+    env = {"OUT": str(out), **env}
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **env)
+    result = subprocess.run(
+        ["bash", str(REPO_ROOT / "benchmarks" / "gpu_suite.sh"), *steps],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    return result, lines, out
+
+
+def test_gpu_suite_runs_the_issue16_steps_and_packs_their_results(tmp_path):
+    """ceiling, gemm, offline8b and online8b run their benchmarks with the flags that write
+    into $OUT (the 8B checkpoint built first, once per step, the 0.6B one not at all); every log,
+    JSON and plot lands in one archive, the originals are removed, BENCHMARKS.md and the summary
+    stay."""
+    import tarfile
+
+    result, calls, out = _suite(tmp_path, ["ceiling", "gemm", "bench8b"])
+    assert result.returncode == 0, result.stderr
+    assert [c.split()[1] for c in calls] == [
+        "benchmarks.ceiling",
+        "kernels.bench_linear",
+        "tritonllm.build_model",
+        "benchmarks.offline",
+        "tritonllm.build_model",
+        "benchmarks.online",
+    ]
+    assert f"--json {out}/linear-sweep.json" in calls[1]
+    assert "--shape qwen3-8b --out models/qwen3-8b" in calls[2]
+    assert "--model models/qwen3-8b --hf-subset 0" in calls[3]
+    assert "--model models/qwen3-8b" in calls[5] and "--prompts-per-client 2" in calls[5]
+    assert all(f"--benchmarks-md {out}/BENCHMARKS.md" in calls[i] for i in (0, 3, 5))
+    summary = (out / "suite-summary.txt").read_text().splitlines()
+    assert [line.split()[:2] for line in summary] == [
+        ["ceiling", "rc=0"],
+        ["gemm", "rc=0"],
+        ["build-qwen3-8b", "rc=0"],
+        ["offline8b", "rc=0"],
+        ["build-qwen3-8b", "rc=0"],
+        ["online8b", "rc=0"],
+    ]
+    (archive,) = out.glob("results-ceiling-gemm-offline8b-online8b-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert {
+        "ceiling.log",
+        "gemm.log",
+        "linear-sweep.json",
+        "offline-8b.log",
+        "online-8b.log",
+    } <= names
+    assert {"build.log", "benchmarks/plots/plot.png", "BENCHMARKS.md", "suite-summary.txt"} <= names
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["BENCHMARKS.md", "suite-summary.txt", archive.name]
+    )
+
+
+def test_gpu_suite_skips_steps_the_time_budget_cannot_hold(tmp_path):
+    result, calls, out = _suite(tmp_path, ["gemm", "online8b"], SUITE_SECONDS="70")
+    assert result.returncode == 1
+    assert calls == []
+    assert "gemm: skipped" in (out / "suite-summary.txt").read_text()
+
+
+def test_gpu_suite_refuses_an_output_folder_inside_the_repository(tmp_path):
+    result, calls, _ = _suite(tmp_path, ["gemm"], OUT=str(REPO_ROOT / "benchmarks" / "new"))
+    assert result.returncode == 2 and "outside the repository" in result.stderr
+    assert calls == [] and not (REPO_ROOT / "benchmarks" / "new").exists()
 
 
 def test_only_publishing_tools_offer_benchmarks_md_flags(capsys):

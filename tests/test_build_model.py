@@ -5,7 +5,10 @@ Oracle: Hugging Face transformers loading and running the written checkpoints.
 
 from __future__ import annotations
 
+import json
+import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,12 +16,16 @@ from fixtures_model import tiny_model_factory  # noqa: F401
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from tritonllm.build_model import (
+    SHARD_BYTES,
     WEIGHTS_FILE,
+    WEIGHTS_INDEX,
     build_model,
     is_complete_model_dir,
     main,
     make_config,
+    parameter_shapes,
     random_state_dict,
+    shard_names,
 )
 
 ARCHS = ["qwen3", "qwen2", "llama"]
@@ -185,3 +192,70 @@ def test_qwen3_06b_builds_quickly_and_loads(tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([[9707, 1879]])).logits
     assert torch.isfinite(logits).all()
+
+
+def test_qwen3_8b_config_and_parameter_count():
+    """Qwen/Qwen3-8B's shape: 36 layers of hidden 4096, 32 q / 8 KV heads of 128, an untied
+    lm_head (stored, unlike the smaller shapes')."""
+    config = make_config("qwen3-8b", "qwen3")
+    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (
+        4096,
+        36,
+        12288,
+    )
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 8, 128)
+    assert config.vocab_size == 151936 and not config.tie_word_embeddings
+    assert config.rope_parameters["rope_theta"] == 1e6 and config.rms_norm_eps == 1e-6
+    assert config.dtype == torch.bfloat16
+    shapes = parameter_shapes(config)
+    assert shapes["lm_head.weight"] == shapes["model.embed_tokens.weight"] == (151936, 4096)
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (128,)
+    assert sum(math.prod(s) for s in shapes.values()) == 8_190_735_360
+    # 16.4 GB of bf16 in shards of at most 5 GB, each tensor whole, in parameter order.
+    shards = shard_names(shapes, 2)
+    assert len(shards) == 4 and [n for shard in shards for n in shard] == list(shapes)
+    assert all(sum(math.prod(shapes[n]) * 2 for n in s) <= SHARD_BYTES for s in shards)
+
+
+def test_sharded_checkpoint_holds_the_single_file_weights(tmp_path):
+    """Weights over `shard_bytes` go to HF-named shards plus an index, which transformers and
+    the engine's loader read as the one-file checkpoint of the same seed; a missing shard makes
+    the directory incomplete (it is rebuilt)."""
+    from tritonllm.models import safetensors_files
+
+    one = build_model(tmp_path / "one", shape="tiny", seed=5)
+    sharded = build_model(tmp_path / "sharded", shape="tiny", seed=5, shard_bytes=1 << 20)
+    index = json.loads((sharded / WEIGHTS_INDEX).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2 and not (sharded / WEIGHTS_FILE).exists()
+    assert [Path(f).name for f in safetensors_files(str(sharded))] == files
+    assert is_complete_model_dir(sharded)
+    expected = AutoModelForCausalLM.from_pretrained(one).state_dict()
+    got = AutoModelForCausalLM.from_pretrained(sharded).state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert index["metadata"]["total_size"] == sum(
+        (sharded / f).stat().st_size for f in files
+    ) - sum(_header_bytes(sharded / f) for f in files)
+    (sharded / files[-1]).unlink()
+    assert not is_complete_model_dir(sharded)
+    # Rebuilding as one file leaves no stale shard behind.
+    build_model(sharded, shape="tiny", seed=5)
+    assert sorted(p.name for p in sharded.glob("*.safetensors")) == [WEIGHTS_FILE]
+
+
+def _header_bytes(path: Path) -> int:
+    """The size of a safetensors file's length prefix and JSON header."""
+    with path.open("rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_weights_drawn_on_the_gpu_are_seeded_and_loadable(tmp_path):
+    first = build_model(tmp_path / "a", shape="tiny", seed=2, device="cuda")
+    again = build_model(tmp_path / "b", shape="tiny", seed=2, device="cuda")
+    a = AutoModelForCausalLM.from_pretrained(first).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(again).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(t.device.type == "cpu" and torch.isfinite(t).all() for t in a.values())

@@ -9,7 +9,7 @@ from openai_frontend.generation import to_openai_error
 from openai_frontend.triton_client import TritonError
 from tritonllm.config import EngineConfig
 from tritonllm.engine import LLMEngine
-from tritonllm.engine.kv_cache import PageAllocator
+from tritonllm.engine.cache_manager import CacheManager, PageAllocator
 from tritonllm.engine.radix_cache import RadixCache
 from tritonllm.sampling_params import SamplingParams
 
@@ -28,14 +28,13 @@ def test_a_full_cache_is_evicted_in_slices_not_one_tree_walk_per_page():
     the tree about 64 times (1/64 of the pool per eviction), not once per page: each walk costs
     O(cached pages), so per-page walks made a full cache quadratic (seen on the H200 profile)."""
     from tritonllm.engine.request import Request
-    from tritonllm.engine.scheduler import Scheduler
 
-    alloc = PageAllocator(1 + 640)
-    tree = RadixCache(alloc, page_size=1)
+    tree = RadixCache(page_size=1)
+    cache = CacheManager(1 + 640, 1, tree, max_requests=9)
+    alloc = cache.allocator
     for i in range(640):  # 640 one-page prompts, unlocked: all evictable
         tree.insert([10_000 + i], alloc.alloc(1))
     assert alloc.num_free == 0 and tree.num_evictable_pages == 640
-    sched = Scheduler(alloc, tree, page_size=1, max_running_requests=8, max_prefill_tokens=64)
     walks = 0
     evict = tree.evict
 
@@ -47,9 +46,30 @@ def test_a_full_cache_is_evicted_in_slices_not_one_tree_walk_per_page():
     tree.evict = counted
     req = Request("r", [1], GREEDY, arrival=0, stop_ids=frozenset())
     for n in range(1, 641):
-        assert sched._grow(req, n, reserve=0)
+        assert cache.grow(req, n, reserve=0)
     assert len(req.pages) == 640 and len(set(req.pages)) == 640
-    assert walks <= 640 // sched.evict_batch + 1 and sched.evict_batch == 10
+    assert walks <= 640 // cache.evict_batch + 1 and cache.evict_batch == 10
+
+
+def test_without_a_prefix_cache_every_released_page_returns_to_the_free_list():
+    """`NoPrefixCache` plugs into the same cache manager: a request's pages, full ones
+    included, all go back to the free list, and nothing is ever cached or evicted."""
+    from tritonllm.engine.prefix_cache import NoPrefixCache
+    from tritonllm.engine.request import Request
+
+    cache = CacheManager(1 + 8, 2, NoPrefixCache(), max_requests=2)
+    req = Request("r", [1, 2, 3, 4, 5], GREEDY, arrival=0, stop_ids=frozenset())
+    cache.match_prefix(req)
+    assert req.pages == [] and req.num_computed == 0
+    assert cache.grow(req, 5, reserve=0) and len(req.pages) == 3
+    assert not cache.grow(req, 5 + 2 * 6, reserve=0)  # 9 pages wanted, 8 usable: nothing taken
+    assert len(req.pages) == 3 and cache.num_free_pages == 5
+    req.num_computed = 5
+    cache.cache_prefix(req)
+    assert req.num_tree_pages == 0 and cache.prefix_cache.num_pages == 0
+    cache.release(req)
+    assert req.pages == [] and req.page_row == -1
+    assert cache.num_free_pages == cache.num_available_pages == cache.num_usable_pages == 8
 
 
 def test_allocator_never_hands_out_page_zero_and_refuses_overdraw():
@@ -65,7 +85,7 @@ def test_allocator_never_hands_out_page_zero_and_refuses_overdraw():
 
 def test_radix_match_insert_lock_and_lru_eviction():
     alloc = PageAllocator(16)
-    tree = RadixCache(alloc, page_size=2)
+    tree = RadixCache(page_size=2)
     a = [1, 2, 3, 4, 5, 6]
     pages_a = alloc.alloc(3)
     node_a, tree_pages = tree.insert(a, pages_a)
@@ -85,12 +105,11 @@ def test_radix_match_insert_lock_and_lru_eviction():
     node_b, _ = tree.insert(b, [pages_a[0]] + pages_b)
     tree.lock(node_a)
     assert tree.num_evictable_pages == 1  # only b's leaf: a's path is locked
-    assert tree.evict(10) == 1 and tree.match_prefix(b + [0])[1] == pages_a[:1]
+    assert tree.evict(10) == pages_b and tree.match_prefix(b + [0])[1] == pages_a[:1]
     tree.unlock(node_a)
-    free_before = alloc.num_free
-    assert tree.evict(2) == 2  # the two deepest pages of a, leaf first
+    # The two deepest pages of a, leaf first; the caller (the cache manager) frees them.
+    assert tree.evict(2) == [pages_a[2], pages_a[1]]
     assert tree.match_prefix(a + [7])[1] == pages_a[:1]
-    assert alloc.num_free == free_before + 2
 
 
 # ---- engine-level caching -------------------------------------------------------------------

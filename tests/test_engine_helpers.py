@@ -126,3 +126,12 @@ def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     """Random prompts (token ids in [10, VOCAB)) of the given lengths."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(10, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def sample_host(sampler, logits: torch.Tensor, reqs: list):
+    """`sampler.sample_device(logits, reqs)` copied back to the host (a `SamplerOutput`: token
+    ids, logprobs, top logprobs per row), as the engine's `LaunchedStep.result` does."""
+    from tritonllm.engine.sampler import DeviceSamples
+
+    samples = sampler.sample_device(logits, reqs)
+    return DeviceSamples.to_output([t.cpu() for t in samples.tensors()], samples.num_top)

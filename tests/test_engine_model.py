@@ -12,6 +12,7 @@ from tritonllm.config import EngineConfig, ModelConfig
 from tritonllm.engine import LLMEngine
 from tritonllm.layers import rope_inv_freq
 from tritonllm.models import load_model, safetensors_files
+from tritonllm.sampling_params import SamplingParams
 
 
 def test_model_config_from_checkpoints():
@@ -82,7 +83,8 @@ def test_prefill_logits_match_transformers(arch, tie):
     sched.add(req)
     while req.num_computed < len(prompt):
         batch = sched._schedule_prefill()
-        ids, pos, meta, _, _ = runner.build_metadata(batch)
+        fwd = runner.build_inputs(batch)
+        ids, pos, meta = fwd.input_ids, fwd.positions, fwd.meta
         runner.backend.prepare(meta)
         last = torch.tensor([len(ids) - 1])
         logits = runner.model(ids, pos, meta, last)[0]
@@ -113,3 +115,33 @@ def test_loader_rejects_incomplete_checkpoint(tmp_path):
     cfg = ModelConfig.from_pretrained(path)
     with pytest.raises(ValueError, match="qkv_proj"):
         load_model(str(tmp_path), cfg, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_engine_settings_reach_layers_sampler_and_backend_as_constructor_arguments(fused):
+    """`EngineConfig.fused_layers`, `linear_kernel` and `tensor_core_decode_min_batch` are
+    handed to every layer, the sampler and the attention backend when the engine is built
+    (no module reads them from the environment); the greedy ids do not depend on them on CPU."""
+    from tritonllm.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLUMLP
+
+    config = EngineConfig(
+        model=checkpoint("qwen3"),
+        page_size=4,
+        num_pages=64,
+        fused_layers=fused,
+        linear_kernel="auto",
+        tensor_core_decode_min_batch=16,
+    )
+    engine = LLMEngine(config)
+    runner = engine.runner
+    switched = [m for m in runner.model.modules() if isinstance(m, RMSNorm | RotaryEmbedding)]
+    switched += [m for m in runner.model.modules() if isinstance(m, SwiGLUMLP)]
+    assert switched and all(m.fused is fused for m in switched)
+    modes = {m.mode for m in runner.model.modules() if isinstance(m, Linear)}
+    assert modes == {"auto" if fused else "cublas"}  # auto with the layer kernels off: cuBLAS
+    assert runner.sampler.fused is fused
+    assert runner.backend.options.tensor_core_decode_min_batch == 16
+    prompt = prompts([7], seed=9)[0]
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    reference = LLMEngine(EngineConfig(model=checkpoint("qwen3"), page_size=4, num_pages=64))
+    assert greedy == reference.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0]

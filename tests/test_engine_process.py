@@ -7,6 +7,7 @@ the child's lifetime, and a real tritonserver for the generator's process mode.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -22,8 +23,8 @@ from test_engine_thread import GREEDY, TIMEOUT, Collector
 
 from tritonllm.config import EngineConfig
 from tritonllm.engine import EngineProcess, EngineThread, LLMEngine
-from tritonllm.engine.engine_process import decode_step, encode_step
-from tritonllm.engine.engine_thread import LoopTimes
+from tritonllm.engine.client import EngineClient, LoopTimes
+from tritonllm.engine.process_messages import decode_step, encode_step
 from tritonllm.engine.request import RequestOutput
 from tritonllm.engine.request_limits import RequestLimits
 from tritonllm.sampling_params import SamplingParams
@@ -81,6 +82,38 @@ def _wait_gone(pid: int, timeout: float = 15.0) -> bool:
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     return not _alive(pid)
+
+
+def _serve_through_the_client_interface(client: EngineClient) -> None:
+    """What the Triton generator does with an engine, through `EngineClient` only: submit,
+    read stats and loop times, abort, check liveness; the outputs follow the interface's
+    contract (greedy ids equal transformers', one final output per request)."""
+    prompt = prompts([9], seed=31)[0]
+    sink = Collector()
+    client.submit("c-greedy", prompt, GREEDY, sink)
+    client.submit("c-abort", prompt, SamplingParams(max_tokens=400, ignore_eos=True), sink)
+    client.abort("c-abort")
+    client.abort("c-unknown")  # ignored
+    sink.wait(["c-greedy", "c-abort"])
+    assert sink.ids("c-greedy") == hf_greedy(checkpoint("qwen3"), prompt, 12)[0]
+    assert sink.outputs["c-abort"][-1].finish_reason == "abort"
+    assert [sum(o.finished for o in sink.outputs[r]) for r in sink.outputs] == [1, 1]
+    assert client.is_alive()
+    stats, times = client.stats(), client.loop_times()
+    assert stats.num_running == 0 and stats.num_steps > 0 and times.loops > 0
+    with pytest.raises(ValueError, match="top_p"):
+        client.submit("c-bad", prompt, SamplingParams(top_p=0), sink)
+
+
+def test_engine_thread_and_engine_process_serve_one_client_interface(process):
+    """Both implementations of `EngineClient` pass the same interface-level scenario."""
+    thread = EngineThread(LLMEngine(_config()))
+    try:
+        for client in (thread, process):
+            _serve_through_the_client_interface(client)
+    finally:
+        thread.shutdown()
+    assert not thread.is_alive()
 
 
 def test_greedy_ids_of_concurrent_submissions_equal_hf(process):
@@ -446,16 +479,14 @@ def test_a_stalled_child_is_not_alive_until_it_resumes():
         ep.shutdown()
 
 
-def test_profile_env_writes_the_engine_loops_cprofile_stats(tmp_path, monkeypatch):
-    """`TRITONLLM_ENGINE_PROFILE=<file>`: the child runs its loop under cProfile and leaves
-    pstats there at exit, with the engine's step in it."""
+def test_engine_profile_writes_the_engine_loops_cprofile_stats(tmp_path):
+    """`EngineConfig.engine_profile=<file>` (`TRITONLLM_ENGINE_PROFILE` for the generator): the
+    child runs its loop under cProfile and leaves pstats there at exit, with the engine's step
+    in it."""
     import pstats
 
-    from tritonllm.engine.engine_process import PROFILE_ENV
-
     path = tmp_path / "engine.prof"
-    monkeypatch.setenv(PROFILE_ENV, str(path))
-    ep = EngineProcess(_config())
+    ep = EngineProcess(dataclasses.replace(_config(), engine_profile=str(path)))
     try:
         done = Collector()
         ep.submit("p", prompts([7], seed=3)[0], GREEDY, done)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_helpers import checkpoint, hf_greedy, hf_logits, prompts
+from test_engine_helpers import checkpoint, hf_greedy, hf_logits, prompts, sample_host
 
 from tritonllm.config import EngineConfig
 from tritonllm.engine import LLMEngine
@@ -151,9 +151,9 @@ def test_sampler_masks_stop_ids_until_min_tokens():
     )
     logits = torch.zeros(1, 8)
     logits[0, 3] = 10.0
-    assert sampler.sample(logits.clone(), [req]).token_ids == [0]
+    assert sample_host(sampler, logits.clone(), [req]).token_ids == [0]
     req.token_ids += [5, 6]  # two outputs: EOS is allowed again
-    assert sampler.sample(logits.clone(), [req]).token_ids == [3]
+    assert sample_host(sampler, logits.clone(), [req]).token_ids == [3]
 
 
 def test_unseeded_sampling_follows_the_distribution():
@@ -162,7 +162,7 @@ def test_unseeded_sampling_follows_the_distribution():
     reqs = [Request(str(i), [1], SamplingParams(top_k=2), arrival=i) for i in range(4000)]
     logits = torch.full((4000, 6), -5.0)
     logits[:, 0], logits[:, 1] = 2.0, 1.0
-    tokens = torch.tensor(sampler.sample(logits, reqs).token_ids)
+    tokens = torch.tensor(sample_host(sampler, logits, reqs).token_ids)
     assert set(tokens.tolist()) <= {0, 1}
     assert abs((tokens == 0).float().mean().item() - 0.7311) < 0.03
 
@@ -190,7 +190,7 @@ def test_sampling_frequencies_match_softmax_over_many_tokens():
     sampler = Sampler(torch.device("cpu"), seed=3)
     n = 40_000
     reqs = [Request(str(i), [1], SamplingParams(temperature=1.0), arrival=i) for i in range(n)]
-    tokens = torch.tensor(sampler.sample(probs.log().repeat(n, 1), reqs).token_ids)
+    tokens = torch.tensor(sample_host(sampler, probs.log().repeat(n, 1), reqs).token_ids)
     counts = torch.bincount(tokens, minlength=4).double()
     expected = probs.double() * n
     assert ((counts - expected) ** 2 / expected).sum().item() < 16.27

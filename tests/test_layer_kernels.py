@@ -23,12 +23,7 @@ import kernels.rotary as kernels_rotary  # noqa: E402
 from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm  # noqa: E402
 from kernels.rotary import rotary  # noqa: E402
 from kernels.silu_mul import silu_mul  # noqa: E402
-from tritonllm.layers import (  # noqa: E402
-    RMSNorm,
-    RotaryEmbedding,
-    SwiGLUMLP,
-    fused,  # noqa: E402
-)
+from tritonllm.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP  # noqa: E402
 from tritonllm.layers import norm as norm_module  # noqa: E402
 from tritonllm.layers import rotary as rotary_module  # noqa: E402
 
@@ -49,13 +44,25 @@ def _tol(dtype: torch.dtype) -> dict:
     return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
 
 
+def _set_fused(module, enabled: bool) -> None:
+    """Switch the Triton kernels of `module` and its submodules on or off (each layer's own
+    `fused` switch, set from `EngineConfig.fused_layers` when the engine builds the model)."""
+    for m in module.modules():
+        if isinstance(m, (RMSNorm, RotaryEmbedding, SwiGLUMLP)):
+            m.fused = enabled
+
+
 def _reference(module, *args):
-    """The module's PyTorch path, on the CPU copy of the inputs."""
-    enabled, fused.ENABLED = fused.ENABLED, False
+    """The module's PyTorch path (and that of modules among `args`, such as q/k norms), on the
+    CPU copy of the inputs."""
+    modules = [module] + [a for a in args if isinstance(a, torch.nn.Module)]
+    for m in modules:
+        _set_fused(m, False)
     try:
         return module(*args)
     finally:
-        fused.ENABLED = enabled
+        for m in modules:
+            _set_fused(m, True)
 
 
 def _qkv(num_tokens, hq, hk, head_dim, dtype, device, seed=0):
@@ -310,9 +317,9 @@ def test_rotary_kv_store_rejects_a_cache_that_does_not_fit():
 
 def _force_fused_on_cpu(monkeypatch):
     """Route the norm and rotary layers to their kernels on CPU tensors too (the interpreter
-    runs them); `fused.ENABLED` still switches them off."""
+    runs them); each layer's `fused` switch still turns them off."""
     for module in (norm_module, rotary_module):
-        monkeypatch.setattr(module, "use_fused", lambda x: fused.ENABLED)
+        monkeypatch.setattr(module, "use_fused", lambda enabled, x: enabled)
 
 
 def _prefill_logits(engine, prompt_list):
@@ -326,16 +333,17 @@ def _prefill_logits(engine, prompt_list):
         sched.add(Request(f"r{i}", prompt, SamplingParams(), arrival=i))
     batch = sched._schedule_prefill()
     assert batch.extend_lens == [len(p) for p in prompt_list]
-    ids, pos, meta, _, _ = runner.build_metadata(batch)
+    fwd = runner.build_inputs(batch)
+    ids, pos, meta = fwd.input_ids, fwd.positions, fwd.meta
 
     def logits(enabled: bool) -> torch.Tensor:
-        was, fused.ENABLED = fused.ENABLED, enabled
+        _set_fused(runner.model, enabled)
         try:
             with torch.inference_mode():
                 runner.backend.prepare(meta)
                 return runner.model(ids, pos, meta, torch.arange(len(ids), device=ids.device))
         finally:
-            fused.ENABLED = was
+            _set_fused(runner.model, True)
 
     return logits
 

@@ -108,6 +108,154 @@ def test_skinny_linear_split_k_with_bias_and_strided_rows(device):
         _check(skinny_linear(x, w, b, config=cfg), x, w, b)
 
 
+@pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize(("m", "use_dot", "block_m"), [(3, False, 4), (20, True, 16)])
+def test_split_k_fixup_gives_the_reduce_kernels_bits_in_one_launch(device, m, use_dot, block_m):
+    """The fix-up variant (the tile's last program sums the partials) adds them in the reduce
+    kernel's order: bit-identical output, bias added once, every tile counter back at 0 after
+    each launch, so a second launch (as a CUDA-graph replay) gives the same result."""
+    import kernels.linear as kl
+
+    x = _padded(m, 1000, torch.bfloat16, device, seed=3)
+    w = _padded(40, 1000, torch.bfloat16, device, seed=4, scale=0.03)
+    b = torch.randn(40, generator=torch.Generator().manual_seed(5)).bfloat16()
+    for split in (2, 3, 4):
+        reduce_cfg = LinearConfig(use_dot, block_m, 16, 64, split, num_warps=4, num_stages=2)
+        fixup_cfg = reduce_cfg._replace(fixup=True)
+        expected = skinny_linear(x, w, b, config=reduce_cfg)
+        for _ in range(2):
+            out = skinny_linear(x, w, b, config=fixup_cfg)
+            assert torch.equal(out, expected), split
+            assert not kl._locks(x.device, 1).any()
+        _check(out, x, w, b)
+    # Without a split there is nothing to fix up: the plain kernel's result.
+    one = LinearConfig(use_dot, block_m, 16, 64, 1, 4, 2)
+    assert torch.equal(
+        skinny_linear(x, w, b, one._replace(fixup=True)), skinny_linear(x, w, b, one)
+    )
+
+
+@pytest.mark.parametrize("device", [CPU])
+@pytest.mark.parametrize("m", [3, 20, 100])
+def test_every_sweep_kernel_matches_fp32_matmul(device, m):
+    """Each distinct kernel `kernels.bench_linear` times (`linear_sweep.sweep_configs`: tuned,
+    more tiles, fix-up splits), once, on NaN-padded views: what the GPU sweep reports as a
+    candidate computes the product."""
+    from kernels.linear_sweep import FAMILIES, compile_key, sweep_configs
+
+    families = sweep_configs(m, 48, 1024, sms=8)
+    assert list(families) == list(FAMILIES)
+    assert families["tuned"] == candidate_configs(m, 48, 1024, 8)
+    assert families["fixup"] and all(c.fixup and c.split_k > 1 for c in families["fixup"])
+    distinct = {}
+    for configs in families.values():
+        assert len(set(configs)) == len(configs)
+        for cfg in configs:
+            assert cfg.block_m >= min(m, 16) or not cfg.use_dot
+            assert cfg.split_k * cfg.block_k <= 1024 and cfg.split_k <= 16
+            distinct.setdefault(compile_key(cfg, 1024), cfg)
+    x = _padded(m, 1024, torch.bfloat16, device, seed=m)
+    w = _padded(48, 1024, torch.bfloat16, device, seed=9, scale=1024**-0.5)
+    for cfg in distinct.values():
+        _check(skinny_linear(x, w, None, config=cfg), x, w, None)
+
+
+def test_bench_linear_keeps_cublas_unless_a_candidate_beats_the_margin():
+    from kernels.bench_linear import best_of, config_text
+
+    cfg = LinearConfig(False, 1, 16, 256, 8, 4, 3, fixup=True)
+    point = {
+        "cublas_us": 5.0,
+        "families": {
+            "tuned": {"us": 4.9, "config": cfg._replace(fixup=False)._asdict()},
+            "fixup": {"us": 4.0, "config": cfg._asdict()},
+            "sweep": {"us": None, "config": None},  # every candidate wrong: not timed
+        },
+    }
+    assert best_of(point) == ("fixup", 4.0, cfg._asdict())
+    point["families"]["fixup"]["us"] = 4.9  # within 3% of cuBLAS: noise, keep the library
+    assert best_of(point) == ("cublas", 5.0, None)
+    assert config_text(cfg) == "fma 1x16x256 s8 w4 st3 fix"
+
+
+def test_bench_linear_times_every_candidate_and_leaves_wrong_ones_out(monkeypatch, tmp_path):
+    """The sweep harness on CPU with stand-ins for the kernel and the graph timer: per point
+    every candidate is checked against F.linear before it is timed, each family reports its
+    fastest, the choice follows the margin, the layer row sums the projections, and the JSON
+    on disk is the result."""
+    import json
+
+    import kernels.bench_linear as bench
+
+    bad = LinearConfig(False, 1, 16, 256, 1, 4, 3)  # the first sweep tile at M = 1, no split
+    broken = LinearConfig(False, 1, 8, 512, 1, 2, 4)  # a sweep tile that fails to launch
+    launched = []
+
+    def fake_skinny(x, w, b=None, config=None):
+        if config == broken:
+            raise RuntimeError("out of resources")
+        launched.append(config)
+        return torch.zeros_like(F.linear(x, w)) if config == bad else F.linear(x, w)
+
+    def fake_graph_time(fn, weights):
+        launched.clear()
+        fn(weights[0])
+        cfg = launched[-1] if launched else None  # None: the cuBLAS lambda
+        if cfg is None:
+            return 5e-6
+        return (4e-6 if cfg.fixup else 6e-6) + 1e-9 * cfg.block_n  # ties broken by tile
+
+    monkeypatch.setattr(bench, "skinny_linear", fake_skinny)
+    monkeypatch.setattr(bench, "graph_time", fake_graph_time)
+    models = {"tiny": {"qkv_proj": (64, 1024), "lm_head": (96, 512)}}
+    out = tmp_path / "linear.json"
+    result = bench.run(models, [1, 20], list(bench.FAMILIES), 8, 4e12, str(out), device="cpu")
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert [(p["shape"], p["m"]) for p in result["points"]] == [
+        ("qkv_proj", 1),
+        ("qkv_proj", 20),
+        ("lm_head", 1),
+        ("lm_head", 20),
+    ]
+    first = result["points"][0]
+    # `bad` is in both the tuned set and the sweep, and wrong wherever it runs (M = 1).
+    assert first["families"]["tuned"]["wrong"] == [bench.config_text(bad)]
+    assert first["families"]["sweep"]["wrong"] == [
+        bench.config_text(bad),
+        f"{bench.config_text(broken)} (RuntimeError: out of resources)",
+    ]
+    assert first["families"]["fixup"]["wrong"] == []
+    assert first["families"]["tuned"]["us"] == pytest.approx(6.016)  # no fix-up, block_n 16
+    for point, choice in zip(result["points"], result["choices"], strict=True):
+        assert point["cublas_us"] == pytest.approx(5.0)
+        assert point["families"]["fixup"]["us"] < 4.1 and point["winner"] == "fixup"
+        assert choice["impl"] == "triton" and choice["config"]["fixup"]
+        assert (choice["n"], choice["k"], choice["m_bucket"]) == (
+            point["n"],
+            point["k"],
+            point["m"],
+        )
+    # Only qkv_proj is a layer projection here: the layer row is its best alone.
+    assert [(r["m"], r["cublas_us"]) for r in result["layers"]] == [(1, 5.0), (20, 5.0)]
+    assert all(r["best_us"] < 4.1 for r in result["layers"])
+    wrong = [line.split(": ", 1)[0] for line in bench.wrong_results(result)]
+    assert wrong == ["tiny qkv_proj M=1"] * 3 + ["tiny lm_head M=1"] * 3
+
+
+def test_bench_linear_precompiles_each_distinct_kernel_of_the_sweep_once():
+    from kernels.bench_linear import BATCH_SIZES, MODELS, compile_items
+    from kernels.linear_sweep import compile_key, sweep_configs
+
+    points = [(m, n, k) for s in MODELS.values() for n, k in s.values() for m in BATCH_SIZES]
+    items = compile_items(points, 132)
+    keys = [compile_key(cfg, k) for cfg, _, k in items]
+    assert len(set(keys)) == len(keys)
+    for m, n, k in points:
+        for configs in sweep_configs(m, n, k, 132).values():
+            assert {compile_key(c, k) for c in configs} <= set(keys)
+    assert all(n % 16 == 0 and n <= 4096 and k % 16 == 0 for _, n, k in items)
+
+
 def test_m_bucket_is_the_cuda_graph_batch_size_that_serves_m():
     sizes = [1, 2, 4, 8] + list(range(16, 257, 8))
     for m in range(1, 257):
@@ -177,14 +325,34 @@ def test_loader_fills_linear_projections():
     assert torch.equal(mlp.down_proj.weight, state["model.layers.1.mlp.down_proj.weight"])
 
 
-def test_linear_mode_reads_the_environment(monkeypatch):
-    monkeypatch.delenv("TRITONLLM_LINEAR", raising=False)
-    assert linear_layer.linear_mode() == "cublas"
-    monkeypatch.setenv("TRITONLLM_LINEAR", " Triton ")
-    assert linear_layer.linear_mode() == "triton"
-    monkeypatch.setenv("TRITONLLM_LINEAR", "fast")
-    with pytest.raises(ValueError, match="TRITONLLM_LINEAR"):
-        linear_layer.linear_mode()
+def test_linear_mode_comes_from_the_engine_config():
+    """`EngineConfig.linear_kernel` (env `TRITONLLM_LINEAR_KERNEL` for the Triton model) reaches
+    every `Linear` of the model as its constructor argument; "auto" with the layer kernels off
+    is cuBLAS; an unknown mode is refused by the config and by `Linear` itself."""
+    from tritonllm.config import EngineConfig
+    from tritonllm.layers.fused import LayerKernels
+    from tritonllm.models import load_model
+    from tritonllm.triton_config import engine_config
+
+    config = engine_config({"model": checkpoint("qwen3")}, {"TRITONLLM_LINEAR_KERNEL": "triton"})
+    assert config.linear_kernel == "triton"
+    assert EngineConfig(model=checkpoint("qwen3")).linear_kernel == "cublas"
+    with pytest.raises(ValueError, match="linear_kernel"):
+        EngineConfig(model=checkpoint("qwen3"), linear_kernel="fast")
+    with pytest.raises(ValueError, match="mode"):
+        Linear(4, 4, mode="fast")
+    assert Linear(4, 4).mode == "cublas"
+    assert LayerKernels(fused=False, linear="auto").linear_mode == "cublas"
+    assert LayerKernels(fused=False, linear="triton").linear_mode == "triton"
+    model = load_model(
+        checkpoint("qwen3"),
+        config.model_config,
+        torch.device("cpu"),
+        torch.float32,
+        kernels=LayerKernels(linear=config.linear_kernel),
+    )
+    modes = {m.mode for m in model.modules() if isinstance(m, Linear)}
+    assert modes == {"triton"}
 
 
 @pytest.mark.parametrize(
@@ -219,10 +387,10 @@ def test_chooser_picks_the_faster_and_remembers(monkeypatch, t_triton, t_cublas,
     assert sorted(timed) == [[], [True]]  # each implementation timed once
     assert linear_layer._choose(torch.randn(4, 16, dtype=torch.bfloat16), w, None) is expected
     assert len(timed) == 2  # same bucket (4): remembered
-    assert linear_layer.linear_choices() == {(4, 32, 16, torch.bfloat16, False, w.device): expected}
+    assert linear_layer._CHOICES == {(4, 32, 16, torch.bfloat16, False, w.device): expected}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert linear_layer._choose(torch.randn(9, 16, dtype=torch.bfloat16), w, None) is False
-    assert len(timed) == 2 and len(linear_layer.linear_choices()) == 1
+    assert len(timed) == 2 and len(linear_layer._CHOICES) == 1
 
 
 # ---- GPU ---------------------------------------------------------------------------------
@@ -245,6 +413,37 @@ def test_skinny_linear_qwen3_shapes_every_config(device, m, n, k):
 
 
 @pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize(("n", "k"), QWEN3_SHAPES[:4])
+def test_split_k_fixup_replays_in_a_cuda_graph_as_the_reduce_kernel(device, m, n, k):
+    """Fix-up launches on the GPU, eager and replayed 20 times from one CUDA graph with new
+    inputs, match the two-kernel split-K bit for bit: no replay reads a partial before it is
+    written or finds a counter left over."""
+    from kernels.linear import candidate_configs as configs
+
+    w = _padded(n, k, torch.bfloat16, device, seed=n, scale=k**-0.5)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = [c for c in configs(m, n, k, sms) if c.split_k > 1]
+    assert splits
+    with torch.inference_mode():
+        for cfg in splits:
+            fixup = cfg._replace(fixup=True)
+            x = _padded(m, k, torch.bfloat16, device, seed=m)
+            assert torch.equal(skinny_linear(x, w, None, fixup), skinny_linear(x, w, None, cfg))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = skinny_linear(x, w, None, fixup)
+            for seed in range(20):
+                x.copy_(
+                    torch.randn(
+                        m, k, device=device, generator=torch.Generator(device).manual_seed(seed)
+                    )
+                )
+                graph.replay()
+                assert torch.equal(out, skinny_linear(x, w, None, cfg)), (cfg, seed)
+
+
+@pytest.mark.parametrize("device", [CUDA])
 def test_skinny_linear_fp16_with_bias(device):
     x = _padded(3, 2048, torch.float16, device, seed=0)
     w = _padded(1000, 2048, torch.float16, device, seed=1, scale=2048**-0.5)
@@ -257,9 +456,8 @@ def test_skinny_linear_fp16_with_bias(device):
 def test_linear_modes_on_cuda(device, mode, monkeypatch):
     """Forced modes run exactly the forced implementation; auto runs the remembered winner.
     All agree with the float32 reference."""
-    monkeypatch.setenv("TRITONLLM_LINEAR", mode)
     monkeypatch.setattr(linear_layer, "_CHOICES", {})
-    layer = Linear(1024, 3072, bias=False, device=device, dtype=torch.bfloat16)
+    layer = Linear(1024, 3072, bias=False, device=device, dtype=torch.bfloat16, mode=mode)
     with torch.inference_mode():
         for m in (1, 5, 24, 200, 300):
             x = torch.randn(m, 1024, device=device, dtype=torch.bfloat16)
@@ -273,12 +471,12 @@ def test_linear_modes_on_cuda(device, mode, monkeypatch):
                 assert torch.equal(out, triton_out)
             else:
                 key = (m_bucket(m), 3072, 1024, torch.bfloat16, False, x.device)
-                chosen = linear_layer.linear_choices()[key]
+                chosen = linear_layer._CHOICES[key]
                 assert torch.equal(out, triton_out if chosen else cublas)
         out3d = layer(torch.ones(2, 3, 1024, device=device, dtype=torch.bfloat16))
         assert out3d.shape == (2, 3, 3072)
     if mode != "auto":
-        assert linear_layer.linear_choices() == {}
+        assert linear_layer._CHOICES == {}
 
 
 @pytest.mark.parametrize("device", [CUDA])
@@ -286,9 +484,8 @@ def test_linear_modes_on_cuda(device, mode, monkeypatch):
 def test_cuda_graph_with_linear_replays_correctly(device, mode, monkeypatch):
     """Warm-up outside the capture decides; the captured graph (split-K workspace included)
     replays the same result for new input data."""
-    monkeypatch.setenv("TRITONLLM_LINEAR", mode)
     monkeypatch.setattr(linear_layer, "_CHOICES", {})
-    layer = Linear(3072, 1024, bias=True, device=device, dtype=torch.bfloat16)
+    layer = Linear(3072, 1024, bias=True, device=device, dtype=torch.bfloat16, mode=mode)
     static_x = torch.randn(4, 3072, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
         stream = torch.cuda.Stream()
@@ -314,9 +511,8 @@ def test_cuda_graph_with_linear_replays_correctly(device, mode, monkeypatch):
 
 @pytest.mark.parametrize("device", [CUDA])
 def test_unseen_shape_during_capture_takes_cublas(device, monkeypatch):
-    monkeypatch.setenv("TRITONLLM_LINEAR", "auto")
     monkeypatch.setattr(linear_layer, "_CHOICES", {})
-    layer = Linear(1024, 4096, bias=False, device=device, dtype=torch.bfloat16)
+    layer = Linear(1024, 4096, bias=False, device=device, dtype=torch.bfloat16, mode="auto")
     static_x = torch.randn(8, 1024, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
         stream = torch.cuda.Stream()
@@ -330,14 +526,15 @@ def test_unseen_shape_during_capture_takes_cublas(device, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, F.linear(static_x, layer.weight))
-    assert linear_layer.linear_choices() == {}
+    assert linear_layer._CHOICES == {}
 
 
 @pytest.mark.parametrize("device", [CUDA])
-def test_swiglu_mlp_with_triton_linear_matches_cpu(device, monkeypatch):
-    monkeypatch.setenv("TRITONLLM_LINEAR", "triton")
+def test_swiglu_mlp_with_triton_linear_matches_cpu(device):
+    from tritonllm.layers.fused import LayerKernels
+
     torch.manual_seed(0)
-    mlp = SwiGLUMLP(1024, 3072).to(torch.bfloat16)
+    mlp = SwiGLUMLP(1024, 3072, LayerKernels(linear="triton")).to(torch.bfloat16)
     x = torch.randn(8, 1024, dtype=torch.bfloat16)
     with torch.inference_mode():
         expected = mlp.float()(x.float())

@@ -5,6 +5,8 @@ inputs or race with it)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,17 +23,31 @@ def test_pdl_is_off_on_cpu_and_in_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or kernels.interpreting(), reason="needs CUDA")
-def test_pdl_switch_follows_the_device_and_the_environment(monkeypatch):
+def test_pdl_switch_follows_the_device_and_the_engine_config():
+    """On by default where the device can; `EngineConfig.pdl=False` (env `TRITONLLM_PDL=0` for
+    the Triton model) turns it off for the process when the engine starts."""
+    from test_engine_helpers import checkpoint
+
+    from tritonllm.config import EngineConfig
+    from tritonllm.engine.model_runner import ModelRunner
+
     device = torch.device("cuda")
     capable = torch.cuda.get_device_capability()[0] >= 9
-    monkeypatch.delenv("TRITONLLM_PDL", raising=False)
-    assert pdl.enabled(device) is capable
-    assert pdl.launch_options(device) == (
-        {"PDL": True, "launch_pdl": True} if capable else {"PDL": False}
-    )
-    monkeypatch.setenv("TRITONLLM_PDL", "0")
-    assert not pdl.enabled(device)
-    assert pdl.launch_options(device) == {"PDL": False}
+    try:
+        assert pdl.enabled(device) is capable
+        assert pdl.launch_options(device) == (
+            {"PDL": True, "launch_pdl": True} if capable else {"PDL": False}
+        )
+        config = EngineConfig(
+            model=checkpoint("qwen3"), device="cuda", num_pages=16, cuda_graph=False, pdl=False
+        )
+        ModelRunner(config)
+        assert not pdl.enabled(device)
+        assert pdl.launch_options(device) == {"PDL": False}
+        ModelRunner(dataclasses.replace(config, pdl=True))
+        assert pdl.enabled(device) is capable
+    finally:
+        pdl.set_enabled(True)
 
 
 def _chain(x, residual, weights):
@@ -71,7 +87,7 @@ def _chain(x, residual, weights):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or kernels.interpreting(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [1, 16])
-def test_pdl_chain_in_a_cuda_graph_matches_plain_launches(monkeypatch, m):
+def test_pdl_chain_in_a_cuda_graph_matches_plain_launches(m):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90")
     gen = torch.Generator(device="cuda").manual_seed(m)
@@ -95,11 +111,13 @@ def test_pdl_chain_in_a_cuda_graph_matches_plain_launches(monkeypatch, m):
     x, residual = rand(m, 1024), rand(m, 1024)
     k_cache, v_cache = weights[6], weights[7]
 
-    monkeypatch.setenv("TRITONLLM_PDL", "0")
-    expected = [t.clone() for t in _chain(x, residual, weights)]
+    pdl.set_enabled(False)
+    try:
+        expected = [t.clone() for t in _chain(x, residual, weights)]
+    finally:
+        pdl.set_enabled(True)
     expected_caches = (k_cache.clone(), v_cache.clone())
 
-    monkeypatch.setenv("TRITONLLM_PDL", "1")
     k_cache.zero_()
     v_cache.zero_()
     stream = torch.cuda.Stream()

@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from test_engine_helpers import sample_host
 
 import kernels
 
@@ -237,7 +238,7 @@ def test_cpu_sampler_keeps_the_pytorch_path(kernel_calls):
     sampler = Sampler(torch.device("cpu"), seed=0)
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     reqs = [_req(i, SamplingParams(temperature=0.0 if i % 2 else 0.8)) for i in range(4)]
-    out = sampler.sample(logits.clone(), reqs)
+    out = sample_host(sampler, logits.clone(), reqs)
     assert kernel_calls == []
     assert out.token_ids[1::2] == logits.argmax(dim=-1)[1::2].tolist()
 
@@ -260,7 +261,7 @@ SLOW_PATH_ROWS = {
 def test_sampler_takes_the_kernel_only_for_plain_batches(device, vocab, kernel_calls, monkeypatch):
     if device == "cpu":
         # Exercise the CUDA-only fast path in the interpreter (the CPU path is otherwise kept).
-        monkeypatch.setattr(sampler_module, "use_fused", lambda logits: True)
+        monkeypatch.setattr(sampler_module, "use_fused", lambda enabled, logits: enabled)
     sampler = Sampler(torch.device(device), seed=0)
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1))
     logits[2, 5], logits[2, 9] = 10.0, 9.5  # row 2 has generated token 5 (presence penalty 2)
@@ -316,7 +317,7 @@ def test_sampler_reads_bfloat16_logits_without_a_float32_copy(device, vocab, mon
     """The model's bf16 logits go to the kernel as they are; a penalised batch and the PyTorch
     path work on a float32 copy and leave the caller's logits untouched."""
     if device == "cpu":
-        monkeypatch.setattr(sampler_module, "use_fused", lambda logits: True)
+        monkeypatch.setattr(sampler_module, "use_fused", lambda enabled, logits: enabled)
     seen: list[tuple[torch.dtype, int]] = []
     real = kernels.sampling.gumbel_argmax
 

@@ -22,7 +22,7 @@ from test_engine_helpers import checkpoint, hf_greedy, prompts
 
 from tritonllm.config import CUDA_PREFILL_DELAY_STEPS, EngineConfig
 from tritonllm.engine import LLMEngine
-from tritonllm.engine.kv_cache import PageAllocator
+from tritonllm.engine.cache_manager import CacheManager
 from tritonllm.engine.radix_cache import RadixCache
 from tritonllm.engine.request import Request, RequestStatus
 from tritonllm.engine.scheduler import ScheduledBatch, Scheduler
@@ -41,12 +41,9 @@ def make_scheduler(
 ) -> Scheduler:
     """A scheduler over a fresh page pool (`num_pages` usable pages of `PAGE_SIZE` tokens) with
     a radix cache, as `LLMEngine` builds it."""
-    alloc = PageAllocator(1 + num_pages)
-    radix = RadixCache(alloc, page_size=PAGE_SIZE)
+    cache = CacheManager(1 + num_pages, PAGE_SIZE, RadixCache(PAGE_SIZE), max_running + 1)
     return Scheduler(
-        alloc,
-        radix,
-        page_size=PAGE_SIZE,
+        cache,
         max_running_requests=max_running,
         max_prefill_tokens=max_prefill_tokens,
         prefill_delay_steps=delay,
@@ -73,7 +70,7 @@ def advance(sched: Scheduler, batch: ScheduledBatch) -> None:
     for req in sampling:
         req.token_ids.append(SAMPLED_ID)
         if not batch.is_decode:
-            sched.cache_prefix(req)
+            sched.cache.cache_prefix(req)
         if req.num_output_tokens >= req.params.max_tokens:
             sched.abort(req)  # what the engine does for a finished request
 
@@ -112,8 +109,7 @@ def start_decoding(sched: Scheduler, rids: tuple[str, ...] = ("a", "b")) -> list
 def assert_pages_balanced(sched: Scheduler) -> None:
     """With nothing running, every page is free or held (unlocked) by the radix cache."""
     assert not sched.running and not sched.waiting
-    free = sched.allocator.num_free + sched.radix.num_evictable_pages
-    assert free == sched.allocator.num_usable
+    assert sched.cache.num_available_pages == sched.cache.num_usable_pages
 
 
 # ---- the delay --------------------------------------------------------------------------------

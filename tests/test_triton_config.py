@@ -103,3 +103,52 @@ def test_repository_parameters_name_the_default_model():
         text = Path(MODEL_REPOSITORY, model, "config.pbtxt").read_text()
         value = re.search(r'key: "model" value: \{ string_value: "([^"]*)" \}', text).group(1)
         assert value == DEFAULT_MODEL
+
+
+def test_kernel_and_diagnostic_settings_are_engine_config_fields(tmp_path):
+    """The settings that were read from the environment elsewhere (layer kernels, the GEMM
+    choice, PDL, FlashInfer's tensor-core threshold, the engine-process profile) are
+    ``EngineConfig`` fields, parsed here like every other one."""
+    env = {
+        "TRITONLLM_DEVICE": "cpu",
+        "TRITONLLM_FUSED_LAYERS": "0",
+        "TRITONLLM_LINEAR_KERNEL": "auto",
+        "TRITONLLM_PDL": "off",
+        "TRITONLLM_TENSOR_CORE_DECODE_MIN_BATCH": "16",
+        "TRITONLLM_ENGINE_PROFILE": str(tmp_path / "engine.prof"),
+    }
+    config = engine_config({"model": str(tmp_path)}, env)
+    assert (config.fused_layers, config.linear_kernel, config.pdl) == (False, "auto", False)
+    assert config.tensor_core_decode_min_batch == 16
+    assert config.engine_profile == str(tmp_path / "engine.prof")
+    default = engine_config({"model": str(tmp_path)}, {"TRITONLLM_DEVICE": "cpu"})
+    assert (default.fused_layers, default.linear_kernel, default.pdl) == (True, "cublas", True)
+    assert default.tensor_core_decode_min_batch == 64 and default.engine_profile is None
+    with pytest.raises(ValueError, match="linear_kernel"):
+        engine_config({"linear_kernel": "fast"}, {"TRITONLLM_DEVICE": "cpu"})
+    with pytest.raises(ValueError, match="tensor_core_decode_min_batch"):
+        engine_config({"tensor_core_decode_min_batch": "-1"}, {"TRITONLLM_DEVICE": "cpu"})
+
+
+def test_engine_modules_read_no_environment():
+    """Engine settings reach the engine as ``EngineConfig`` fields (parsed here, in one place),
+    never through environment lookups in the engine's own modules, hot paths included."""
+    root = Path(__file__).resolve().parent.parent
+    allowed = {
+        # Triton's own switch between compiling and interpreting, set before kernels import.
+        root / "kernels" / "__init__.py",
+        root / "kernels" / "compile_check.py",
+    }
+    readers = re.compile(r"os\.environ|os\.getenv|getenv\(")
+    offenders = []
+    for folder in (
+        "tritonllm/engine",
+        "tritonllm/attention",
+        "tritonllm/layers",
+        "tritonllm/models",
+        "kernels",
+    ):
+        for path in sorted((root / folder).rglob("*.py")):
+            if path not in allowed and readers.search(path.read_text()):
+                offenders.append(str(path.relative_to(root)))
+    assert offenders == []

@@ -23,7 +23,8 @@ from tritonllm.triton_server import TritonServer
 
 
 def _group_members(pgid: int) -> dict[int, str]:
-    """Live processes of process group `pgid`: pid -> command line (up to 120 chars)."""
+    """Live processes of process group `pgid`: pid -> command line (up to 400 chars: a stub's
+    command line names its model directory after a checkout path of any length)."""
     found = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -32,7 +33,7 @@ def _group_members(pgid: int) -> dict[int, str]:
         except (OSError, IndexError):
             continue
         if int(fields[2]) == pgid and fields[0] != "Z":
-            found[int(stat.parent.name)] = argv.decode(errors="replace")[:120]
+            found[int(stat.parent.name)] = argv.decode(errors="replace")[:400]
     return found
 
 

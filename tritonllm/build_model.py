@@ -20,7 +20,9 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -40,15 +42,17 @@ from tritonllm.tokenization.qwen_tokenizer import (
     save_qwen3_tokenizer,
 )
 
-SHAPES = ("tiny", "qwen3-0.6b")
+SHAPES = ("tiny", "qwen3-0.6b", "qwen3-8b")
 ARCHS = ("qwen3", "qwen2", "llama")
 VOCAB_SIZE = 151936  # Qwen3's embedding rows (the tokenizer has 151669 ids)
 EOS_TOKEN_IDS = [QWEN3_EOS_TOKEN_ID, QWEN3_PAD_TOKEN_ID]  # <|im_end|>, <|endoftext|>
 BOS_TOKEN_ID = QWEN3_PAD_TOKEN_ID
 WEIGHTS_FILE = "model.safetensors"
+# Sharded checkpoints (weights over SHARD_BYTES): HF's names and index.
+WEIGHTS_INDEX = "model.safetensors.index.json"
+SHARD_BYTES = 5 * 10**9
 REQUIRED_FILES = (
     "config.json",
-    WEIGHTS_FILE,
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
@@ -83,14 +87,28 @@ _SHAPE_KWARGS = {
         intermediate_size=3072,
         max_position_embeddings=40960,
     ),
+    # Qwen/Qwen3-8B's config.json (untied lm_head).
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
 }
-_SHAPE_DTYPE = {"tiny": torch.float32, "qwen3-0.6b": torch.bfloat16}
+_SHAPE_DTYPE = {"tiny": torch.float32, "qwen3-0.6b": torch.bfloat16, "qwen3-8b": torch.bfloat16}
+# Shapes whose weights are drawn on the GPU when there is one (16 GB: minutes on the CPU).
+_GPU_SHAPES = ("qwen3-8b",)
 
 
 def make_config(shape: str = "tiny", arch: str = "qwen3") -> PretrainedConfig:
     """The transformers config of a ``shape`` x ``arch`` model.
 
-    All: vocab 151936, tied embeddings, rms_norm_eps 1e-6, SiLU MLP, bos 151643, eos 151645.
+    All: vocab 151936, tied embeddings (except ``qwen3-8b``), rms_norm_eps 1e-6, SiLU MLP,
+    bos 151643, eos 151645.
     ``qwen3`` has q/k RMSNorm, ``qwen2`` q/k/v biases, ``llama`` llama3 RoPE scaling.
 
     Raises:
@@ -100,21 +118,28 @@ def make_config(shape: str = "tiny", arch: str = "qwen3") -> PretrainedConfig:
         raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=VOCAB_SIZE,
         tie_word_embeddings=True,
         rms_norm_eps=1e-6,
         hidden_act="silu",
         bos_token_id=BOS_TOKEN_ID,
         eos_token_id=QWEN3_EOS_TOKEN_ID,
-        **_SHAPE_KWARGS[shape],
     )
+    common.update(_SHAPE_KWARGS[shape])
+    # transformers 5 still takes the legacy rope_theta / rope_scaling keys (it folds them into
+    # rope_parameters) without declaring them, hence the call-arg ignores.
+    config: PretrainedConfig
     if arch == "qwen3":
-        config = Qwen3Config(rope_theta=1e6, attention_bias=False, **common)
+        config = Qwen3Config(  # type: ignore[call-arg]
+            rope_theta=1e6, attention_bias=False, **common
+        )
     elif arch == "qwen2":
-        config = Qwen2Config(rope_theta=1e6, **common)
+        config = Qwen2Config(rope_theta=1e6, **common)  # type: ignore[call-arg]
     else:
-        config = LlamaConfig(rope_theta=5e5, rope_scaling=dict(LLAMA3_ROPE_SCALING), **common)
+        config = LlamaConfig(  # type: ignore[call-arg]
+            rope_theta=5e5, rope_scaling=dict(LLAMA3_ROPE_SCALING), **common
+        )
     config.dtype = _SHAPE_DTYPE[shape]
     return config
 
@@ -156,31 +181,108 @@ def init_std(name: str, shape: tuple[int, ...], hidden_size: int) -> tuple[float
     return 0.0, 1.0 / math.sqrt(fan_in)
 
 
-def random_state_dict(
-    config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32
-) -> dict[str, torch.Tensor]:
-    """Seeded random weights for ``config``, named as transformers names them.
-
-    Parameter names and shapes come from the model built on the meta device (no memory); each
-    tensor is drawn on the CPU from one ``torch.Generator`` in name order, then cast to ``dtype``
-    (one tensor at a time: peak extra memory is the largest tensor in float32). Tied
-    ``lm_head.weight`` is not stored.
-    """
+def parameter_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """The stored parameters of ``config``'s model, in transformers' order, with their shapes
+    (from the model built on the meta device: no memory). Tied ``lm_head.weight`` is not
+    listed."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    generator = torch.Generator().manual_seed(seed)
-    state: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        mean, std = init_std(name, tuple(param.shape), config.hidden_size)
-        weight = torch.randn(tuple(param.shape), generator=generator, dtype=torch.float32)
-        state[name] = weight.mul_(std).add_(mean).to(dtype)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def iter_random_tensors(
+    config: PretrainedConfig,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Seeded random weights for ``config`` as ``(name, CPU tensor)``, one at a time.
+
+    Each tensor is drawn on ``device`` from one ``torch.Generator`` in parameter order
+    (``parameter_shapes``), cast to ``dtype`` and moved to the CPU: peak extra memory is the
+    largest tensor in float32. The same ``seed`` and device type give the same weights; CPU and
+    CUDA draws differ.
+    """
+    generator = torch.Generator(device).manual_seed(seed)
+    for name, shape in parameter_shapes(config).items():
+        mean, std = init_std(name, shape, config.hidden_size)
+        weight = torch.randn(shape, generator=generator, dtype=torch.float32, device=device)
+        yield name, weight.mul_(std).add_(mean).to(dtype).cpu()
         del weight
-    return state
+
+
+def random_state_dict(
+    config: PretrainedConfig,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """All of ``iter_random_tensors`` as a state dict, named as transformers names them."""
+    return dict(iter_random_tensors(config, seed, dtype, device))
+
+
+def shard_names(
+    shapes: dict[str, tuple[int, ...]], itemsize: int, shard_bytes: int = SHARD_BYTES
+) -> list[list[str]]:
+    """Parameter names per shard file, in order: a new shard starts when the next tensor would
+    take the current one over ``shard_bytes`` (a tensor larger than that gets a shard alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _write_weights(
+    config: PretrainedConfig,
+    out: Path,
+    seed: int,
+    dtype: torch.dtype,
+    device: str,
+    shard_bytes: int,
+) -> None:
+    """``model.safetensors``, or HF-style shards ``model-0000i-of-0000n.safetensors`` plus
+    ``model.safetensors.index.json`` (written last) when the weights exceed ``shard_bytes``."""
+    shapes = parameter_shapes(config)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    shards = shard_names(shapes, itemsize, shard_bytes)
+    if len(shards) == 1:
+        files = [WEIGHTS_FILE]
+    else:
+        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    tensors = iter_random_tensors(config, seed, dtype, device)
+    for file, names in zip(files, shards, strict=True):
+        state = dict(next(tensors) for _ in names)  # parameter order: exactly these names
+        assert list(state) == names
+        save_file(state, str(out / file), metadata={"format": "pt"})
+        (out / file).chmod(0o644)  # safetensors writes 0600; servers may run as another user
+        weight_map.update(dict.fromkeys(names, file))
+        del state
+    if len(files) > 1:
+        total = sum(math.prod(shape) * itemsize for shape in shapes.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def is_complete_model_dir(path: str | Path) -> bool:
-    """Whether ``path`` holds every file ``build_model`` writes."""
-    return all((Path(path) / name).is_file() for name in REQUIRED_FILES)
+    """Whether ``path`` holds every file ``build_model`` writes: config, tokenizer and either
+    ``model.safetensors`` or the shard index and every shard it names."""
+    path = Path(path)
+    if not all((path / name).is_file() for name in REQUIRED_FILES):
+        return False
+    if (path / WEIGHTS_FILE).is_file():
+        return True
+    try:
+        weight_map = json.loads((path / WEIGHTS_INDEX).read_text())["weight_map"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return all((path / file).is_file() for file in set(weight_map.values()))
 
 
 def _write_config(config: PretrainedConfig, out: Path, arch: str) -> None:
@@ -199,16 +301,23 @@ def build_model(
     arch: str = "qwen3",
     seed: int = 0,
     force: bool = False,
+    device: str | None = None,
+    shard_bytes: int = SHARD_BYTES,
 ) -> Path:
     """Write a loadable HF model directory with seeded random weights and the Qwen3 tokenizer.
 
     ``tiny`` is float32 (hidden 64, 2 layers, 4/2 heads, head_dim 32); ``qwen3-0.6b`` is the
-    exact Qwen3-0.6B shape in bfloat16 (1.2 GB on disk). generation_config: eos
-    ``[151645, 151643]``, greedy by default. The same ``seed`` gives the same weights.
+    exact Qwen3-0.6B shape in bfloat16 (1.2 GB on disk); ``qwen3-8b`` the exact Qwen3-8B shape
+    (untied lm_head) in bfloat16 (16.4 GB, in shards). generation_config: eos
+    ``[151645, 151643]``, greedy by default. The same ``seed`` and device type give the same
+    weights.
 
     Args:
         out_dir: target directory (created).
         force: rebuild even when ``out_dir`` already holds a complete model.
+        device: where the weights are drawn (``random_state_dict``); default ``cuda`` for
+            ``qwen3-8b`` when CUDA is available, else ``cpu``.
+        shard_bytes: larger weights are written as shards of at most this many bytes.
     Returns:
         ``out_dir`` as a ``Path``.
     Raises:
@@ -219,11 +328,14 @@ def build_model(
     if is_complete_model_dir(out) and not force:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    dtype = _SHAPE_DTYPE[shape]
-    state = random_state_dict(config, seed=seed, dtype=dtype)
-    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / WEIGHTS_FILE).chmod(0o644)  # safetensors writes 0600; servers may run as another user
-    del state
+    # An interrupted rebuild never looks complete, and no stale shard is left to be counted.
+    for stale in [out / WEIGHTS_INDEX, out / "config.json", *out.glob("model*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    if device is None:
+        device = "cuda" if shape in _GPU_SHAPES and torch.cuda.is_available() else "cpu"
+    _write_weights(config, out, seed, _SHAPE_DTYPE[shape], device, shard_bytes)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     _write_config(config, out, arch)
     GenerationConfig(
         bos_token_id=BOS_TOKEN_ID,
@@ -243,11 +355,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", choices=ARCHS, default="qwen3")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="rebuild an existing model")
+    parser.add_argument(
+        "--device", help="draw the weights on this device (default: cuda for qwen3-8b if any)"
+    )
     args = parser.parse_args(argv)
     if is_complete_model_dir(args.out) and not args.force:
         print(f"{args.out} already holds a model (use --force to rebuild)")
         return 0
-    out = build_model(args.out, shape=args.shape, arch=args.arch, seed=args.seed, force=True)
+    out = build_model(
+        args.out, shape=args.shape, arch=args.arch, seed=args.seed, force=True, device=args.device
+    )
     print(f"wrote {args.shape} {args.arch} model to {out}")
     return 0
 

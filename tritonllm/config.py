@@ -77,7 +77,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], extra_eos: tuple[int, ...] = ()) -> ModelConfig:
         """Build from a parsed `config.json` dict. Raises ValueError if unsupported."""
-        archs = cfg.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(cfg.get("model_type"), "")]
+        archs = cfg.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(cfg.get("model_type", ""), "")]
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -161,6 +161,16 @@ CUDA_PREFILL_DELAY_STEPS = 8
 # Its upper limit: beyond ~1k decode steps a "delay" only means new requests wait for the
 # running ones to finish (seconds of TTFT), which is never what a setting means.
 MAX_PREFILL_DELAY_STEPS = 1024
+# GEMM kernels of `Linear` on CUDA (EngineConfig.linear_kernel). cuBLAS by default: on the H200
+# `kernels.bench_linear` found it faster than the skinny-GEMM kernel at most decode shapes of
+# Qwen3-0.6B, so "auto" would mostly pick cuBLAS after timing every shape at start-up
+# (BENCHMARKS.md, "Kernel micro-benchmarks").
+LINEAR_KERNELS = ("auto", "cublas", "triton")
+# Default of EngineConfig.tensor_core_decode_min_batch: from this batch size on, FlashInfer's
+# tensor-core decode balances uneven contexts better than its CUDA-core kernels; 64 had the
+# best offline result of 1, 64 and 128 on the H200 (BENCHMARKS.md, "Offline: tensor-core
+# decode threshold").
+TENSOR_CORE_DECODE_MIN_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -173,9 +183,8 @@ class EngineConfig:
         dtype: "float32" | "bfloat16" | "float16"; None → float32 on CPU, bfloat16 on CUDA.
         page_size: tokens per KV page; None → 16 on CPU, 64 on CUDA (fewer, larger pages: less
             page-table work per step on the host and fewer page lookups in the attention
-            kernels; on an H200 the offline benchmark reached 57.8% of its bandwidth bound at
-            64 and 53.4% at 16, BENCHMARKS.md 2026-11-30). The prefix cache reuses whole pages
-            only.
+            kernels: the offline benchmark ran closer to its bound at 64 than at 16,
+            BENCHMARKS.md "Offline: page size"). The prefix cache reuses whole pages only.
         num_pages: KV pages in the pool (page 0 is reserved, so num_pages - 1 are usable);
             None → on CPU enough for `max_running_requests` sequences of min(max_model_len,
             2048) tokens capped at 1 GiB, on CUDA `gpu_memory_utilization` of free memory
@@ -183,10 +192,10 @@ class EngineConfig:
         max_running_requests: most requests in one batch (admitted at the same time).
         max_prefill_tokens: the per-step token budget of a prefill/extend batch (chunked
             prefill splits longer prompts across steps); None → 8192 on CPU,
-            `CUDA_MAX_PREFILL_TOKENS` on CUDA, where an eager prefill step's host time
-            (~15 ms) does not grow with its size, so fewer, larger steps finish a burst of
-            prompts sooner (the offline benchmark: 5.47 vs 5.64 s, mean of 3 and 4 runs on an
-            H200, BENCHMARKS.md "Session 5 diagnostics").
+            `CUDA_MAX_PREFILL_TOKENS` on CUDA, where an eager prefill step's host time does
+            not grow with its size, so fewer, larger steps finish a burst of prompts sooner
+            (BENCHMARKS.md, "Host time of an eager prefill step" and "Session 5 diagnostics",
+            "Offline A/Bs").
         prefill_delay_steps: most decode steps a new request waits, while others decode, so
             that arrivals share prefill steps (admission delay; see `engine.scheduler`); 0 =
             admit at the next step; at most `MAX_PREFILL_DELAY_STEPS`. None → 0 on CPU,
@@ -208,16 +217,30 @@ class EngineConfig:
         overlap_schedule: schedule step N+1 on the CPU while the GPU runs step N (sampled ids
             stay on the GPU and are processed one step late); None → on for CUDA, off on CPU.
             True on CPU is honoured (no speed-up; it exercises the same code path in tests).
+        fused_layers: on CUDA, run the layers' Triton kernels (RMSNorm, fused add + RMSNorm,
+            q/k-norm + RoPE, SiLU-mul) and the sampler's fused Gumbel-max kernel; False runs
+            their PyTorch code (for debugging). The CPU path always runs PyTorch.
+        linear_kernel: GEMMs of at most 256 rows in `layers.Linear` on CUDA: "cublas"
+            (`F.linear`), "triton" (the skinny-GEMM kernel wherever it applies) or "auto"
+            (time both per shape once, keep the faster; cuBLAS when `fused_layers` is off).
+        pdl: programmatic dependent launch for the Triton kernels on sm_90+ (`kernels.pdl`).
+        tensor_core_decode_min_batch: FlashInfer decode batches of at least this many
+            sequences run its tensor-core kernels (see `TENSOR_CORE_DECODE_MIN_BATCH`); 0: all.
+        engine_profile: diagnostics: a file path; the engine process (`EngineProcess`) then
+            runs its loop under cProfile and writes the stats (pstats format) there every 10 s
+            and when it exits. None: no profile.
     """
 
     model: str
     device: str = "cpu"
     dtype: str | None = None
-    page_size: int | None = None
+    # page_size, max_prefill_tokens and prefill_delay_steps: None ("derive") is replaced in
+    # __post_init__, so they are typed as what they always are once constructed.
+    page_size: int = None  # type: ignore[assignment]
     num_pages: int | None = None
     max_running_requests: int = 256
-    max_prefill_tokens: int | None = None
-    prefill_delay_steps: int | None = None
+    max_prefill_tokens: int = None  # type: ignore[assignment]
+    prefill_delay_steps: int = None  # type: ignore[assignment]
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"
     max_model_len: int | None = None
@@ -226,6 +249,11 @@ class EngineConfig:
     cuda_graph: bool | None = None
     cuda_graph_max_bs: int = 256
     overlap_schedule: bool | None = None
+    fused_layers: bool = True
+    linear_kernel: str = "cublas"
+    pdl: bool = True
+    tensor_core_decode_min_batch: int = TENSOR_CORE_DECODE_MIN_BATCH
+    engine_profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size is None:  # frozen: derived once, here
@@ -255,6 +283,15 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(
+                f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}"
+            )
+        if self.tensor_core_decode_min_batch < 0:
+            raise ValueError(
+                "tensor_core_decode_min_batch must be >= 0, "
+                f"got {self.tensor_core_decode_min_batch}"
+            )
 
     @cached_property
     def model_config(self) -> ModelConfig:

@@ -32,8 +32,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from .triton_server import TritonServer, start_process_group, stop_process_group
+from .processes import start_process_group, stop_process_group
+from .triton_server import TritonServer
 
 FAILURE_POLICIES = ("restart", "exit")
 # Seconds a failed tritonserver gets between SIGTERM and SIGKILL before it is restarted.
@@ -148,7 +150,7 @@ class Supervisor:
         health_url: str,
         policy: SupervisePolicy,
         startup_timeout_s: float,
-        cwd: os.PathLike | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.new_triton, self.sidecar_command = new_triton, sidecar_command
         self.health_url, self.policy, self.startup_timeout_s = health_url, policy, startup_timeout_s
@@ -168,6 +170,7 @@ class Supervisor:
         ``TritonServer.start``)."""
         self.triton = self.new_triton()
         self.triton.start(timeout=self.startup_timeout_s)
+        assert self.triton.process is not None  # start() returns with the server running
         log(f"tritonserver pid {self.triton.process.pid}, log {self.triton.log_path}")
 
     def start_sidecar(self) -> None:
@@ -197,8 +200,9 @@ class Supervisor:
     # --- watching -------------------------------------------------------------------------
 
     def _dead_process(self) -> tuple[str, str] | None:
-        if self.triton is not None and self.triton.process.poll() is not None:
-            return "tritonserver", f"exited with code {self.triton.process.returncode}"
+        process = self.triton.process if self.triton is not None else None
+        if process is not None and process.poll() is not None:
+            return "tritonserver", f"exited with code {process.returncode}"
         if self.sidecar is not None and self.sidecar.poll() is not None:
             return "sidecar", f"exited with code {self.sidecar.returncode}"
         return None

@@ -34,18 +34,24 @@ is a field of ``EngineConfig``; each can be set by the environment variable
                                        (``engine/engine_process.py``: a GIL of its own),
                                        ``false``: on a thread of the Python stub; default: a
                                        process when the device is CUDA, else the thread
-``TRITONLLM_LINEAR``                   env only: GEMMs of <= 256 rows on CUDA: ``cublas``
-                                       (default), ``auto``, ``triton`` (``layers/linear.py``)
+``TRITONLLM_FUSED_LAYERS``             ``true``/``false``: the layers' Triton kernels on CUDA
+                                       (default true; ``layers/fused.py``)
+``TRITONLLM_LINEAR_KERNEL``            GEMMs of <= 256 rows on CUDA: ``cublas`` (default),
+                                       ``auto``, ``triton`` (``layers/linear.py``)
+``TRITONLLM_PDL``                      ``true``/``false``: programmatic dependent launch of the
+                                       Triton kernels on sm_90+ (default true;
+                                       ``kernels/pdl.py``)
+``TRITONLLM_TENSOR_CORE_DECODE_MIN_BATCH``
+                                       FlashInfer decode batches of at least this many
+                                       sequences use its tensor-core kernels (64)
+``TRITONLLM_ENGINE_PROFILE``           diagnostics: a file path; the engine process runs its
+                                       loop under cProfile and writes the stats there every
+                                       10 s and at exit (``engine/engine_process.py``)
 =====================================  ===================================================
 
 Any other ``EngineConfig`` field is read the same way (``TRITONLLM_`` + its upper-case name).
-Empty values count as unset; ``none`` sets an optional field to None.
-
-Two more variables are read from the environment only: ``TRITONLLM_TENSOR_CORE_DECODE_MIN_BATCH``
-(FlashInfer decode batches of at least this many sequences use its tensor-core kernels; default
-64, ``attention/flashinfer_backend.py``) and, for diagnostics, ``TRITONLLM_ENGINE_PROFILE`` (a
-file path: the engine process runs under cProfile and writes its stats there every 10 s and at
-exit, ``engine/engine_process.py``).
+Empty values count as unset; ``none`` sets an optional field to None. No other module of the
+engine reads the environment: every setting reaches its user as a constructor argument.
 """
 
 from __future__ import annotations
@@ -172,7 +178,9 @@ def engine_config(
             continue
         text = _setting(field.name, params, env)
         if text is not None:
-            kwargs[field.name] = _parse(text, str(field.type), field.name)
+            # A field that defaults to None (derived when unset) takes "none" too.
+            annotation = str(field.type) + (" | None" if field.default is None else "")
+            kwargs[field.name] = _parse(text, annotation, field.name)
         elif field.name == "device":
             kwargs["device"] = _default_device()
     return EngineConfig(**kwargs)

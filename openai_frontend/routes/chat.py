@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -59,7 +59,7 @@ async def create_chat_completion(
     )
 
 
-async def _events(gen: Generation, encoder: ChunkEncoder) -> AsyncIterator[str]:
+async def _events(gen: Generation, encoder: ChunkEncoder) -> AsyncGenerator[str, None]:
     # OpenAI's chunk sequence per choice: the role first, content deltas, then an empty delta
     # that carries finish_reason. Deltas are written as dicts: unset fields are left out, not
     # null. Content chunks carry the logprobs of their tokens (also when a token completes no

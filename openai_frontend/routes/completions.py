@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -51,7 +51,7 @@ async def create_completion(
     )
 
 
-async def _events(gen: Generation, encoder: ChunkEncoder) -> AsyncIterator[str]:
+async def _events(gen: Generation, encoder: ChunkEncoder) -> AsyncGenerator[str, None]:
     # Every delta carries text (or logprobs), except possibly each choice's last, which carries
     # its finish_reason. text_offset continues across a choice's chunks.
     offsets = [0] * gen.n

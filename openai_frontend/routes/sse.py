@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -65,7 +65,7 @@ class ChunkEncoder:
 
 
 def stream_response(
-    gen: Generation, events: AsyncIterator[str], encoder: ChunkEncoder
+    gen: Generation, events: AsyncGenerator[str, None], encoder: ChunkEncoder
 ) -> StreamingResponse:
     """The SSE response of a started generation: ``events`` (the endpoint's chunks), then the
     usage chunk when asked for, then ``[DONE]``. An error after the 200 is sent in-band as an
@@ -79,7 +79,7 @@ def stream_response(
 
 
 async def _body(
-    gen: Generation, events: AsyncIterator[str], encoder: ChunkEncoder
+    gen: Generation, events: AsyncGenerator[str, None], encoder: ChunkEncoder
 ) -> AsyncIterator[str]:
     try:
         async with aclosing(events):

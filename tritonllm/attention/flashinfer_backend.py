@@ -12,8 +12,9 @@ buffers; `prepare_capture(bs)` creates a `use_cuda_graph=True` decode wrapper fo
 `bs` over slices of them and plans it with a dummy batch; `prepare_replay(meta, bs)` re-plans
 that wrapper with the real batch padded to `bs` (padding: one token on reserved page 0).
 FlashInfer's plan() copies into the fixed buffers, so the captured kernels see the new batch.
-Decode batches of `TENSOR_CORE_DECODE_MIN_BATCH` or more sequences use the tensor-core decode
-kernels (load balance over uneven context lengths; see the constant).
+Decode batches of `AttentionOptions.tensor_core_decode_min_batch` or more sequences use the
+tensor-core decode kernels (load balance over uneven context lengths;
+`tritonllm.config.TENSOR_CORE_DECODE_MIN_BATCH` says why the default is 64).
 
 Split-KV in graphs: in CUDA-graph mode FlashInfer's tensor-core (prefill) planner always plans
 split-KV, so every layer also runs its merge kernel, but it splits no sequence once the batch
@@ -21,8 +22,8 @@ exceeds the CTAs it may add (`2 * SMs / kv_heads`, FlashInfer's `max_batch_size_
 sequence already takes at least one CTA, so its KV-chunk search ends at the longest sequence
 (`PrefillSplitQOKVIndptr` in FlashInfer's `attention/scheduler.cuh`, 0.5.x). Those graph wrappers
 are therefore planned with `disable_split_kv=True`: the same one chunk per sequence, written
-straight to the output, without the 28 merge kernels per step (0.11 ms of a batch-190 step on an
-H200, BENCHMARKS.md "Session 5 diagnostics"). Without split-KV FlashInfer launches its padded
+straight to the output, without the 28 merge kernels per step (BENCHMARKS.md, "Session 5
+diagnostics"). Without split-KV FlashInfer launches its padded
 grid (`bs + ceil(2 * bs / 16) - 1` tiles for GQA group 2) with no validity mask, and the padding
 CTAs read the plan's request/tile indices past the real ones, entries no plan of the wrapper
 writes (each writes `bs` of them). They are set in the wrapper's pinned plan-staging buffer,
@@ -30,21 +31,25 @@ which every plan copies to the device whole: zero at creation (so even the captu
 plan points them at a real sequence), then the batch's shortest sequence (a one-token padding
 row whenever the batch is smaller than the graph): a padding CTA recomputes that sequence's
 tile and writes the same values again. Pointing them at sequence 0, often the longest, made
-the attention 5% slower than with split-KV on (offline run of 2026-11-30 14:11 UTC).
+the attention slower than with split-KV on (BENCHMARKS.md, "Session 6 diagnostics").
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kernels.store_kv import store_kv
 from tritonllm.attention import register_backend
-from tritonllm.attention.base import AttentionBackend, AttentionMetadata
+from tritonllm.attention.base import AttentionBackend, AttentionMetadata, AttentionOptions
+
+if TYPE_CHECKING:
+    from tritonllm.config import ModelConfig
+    from tritonllm.engine.kv_cache import KVCache
 
 try:
     import flashinfer
@@ -52,18 +57,6 @@ except ImportError:  # the registry still lists the backend; constructing it rai
     flashinfer = None
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-K)
-
-# Decode batches of at least this many sequences run FlashInfer's tensor-core (prefill-kernel)
-# decode even for small GQA groups: its planner splits long sequences into chunks, so a batch
-# whose contexts differ (100..2047 tokens) no longer waits for its longest sequences. Measured
-# on an H200 (`python -m kernels.bench_attention`, 2026-11-30, CUDA-graph wrappers, Qwen3-0.6B
-# heads): contexts 100..2047 at batch 150 75% -> 90% of copy bandwidth, at batch 256 85% -> 95%;
-# equal contexts at batch 128 88% -> 81%, at batch 64 80% -> 74%. Served and offline batches
-# have uneven contexts, and the offline benchmark (same run, 2026-11-30 11:04 UTC) reached
-# 60.6% of its bound with 128, 63.3% with 64 and 63.2% with 1: hence 64.
-TENSOR_CORE_DECODE_MIN_BATCH = 64
-# Overrides TENSOR_CORE_DECODE_MIN_BATCH when set (an int; read when a backend is built).
-TENSOR_CORE_DECODE_ENV = "TRITONLLM_TENSOR_CORE_DECODE_MIN_BATCH"
 
 
 @dataclass
@@ -147,10 +140,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         ValueError: a float32 KV cache (FlashInfer has no float32 kernels).
     """
 
-    def __init__(self, model_config, kv_cache, device: torch.device) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        kv_cache: KVCache,
+        device: torch.device,
+        options: AttentionOptions | None = None,
+    ) -> None:
         if flashinfer is None:
             raise ImportError("the flashinfer backend needs flashinfer-python (tritonllm[gpu])")
-        super().__init__(model_config, kv_cache, device)
+        super().__init__(model_config, kv_cache, device, options)
         if kv_cache.k_cache(0).dtype == torch.float32:
             # FlashInfer's JIT dtype table has half, bfloat16 and fp8 only.
             raise ValueError(
@@ -165,8 +164,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         # FlashInfer's decode kernels on CUDA cores suit small GQA groups; larger groups go
         # faster through its tensor-core (prefill) kernels (the same rule SGLang applies).
         self.use_tensor_cores = self.num_q_heads // self.num_kv_heads >= 4
-        env = os.environ.get(TENSOR_CORE_DECODE_ENV, "").strip()
-        self.tensor_core_min_batch = int(env) if env else TENSOR_CORE_DECODE_MIN_BATCH
+        self.tensor_core_min_batch = self.options.tensor_core_decode_min_batch
         # "Must be initialized to 0 for its first use" (FlashInfer docs).
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -179,7 +177,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             )
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._wrapper = self._decode
-        self._out_cache_loc: torch.Tensor | None = None
+        # This forward's K/V slots (the batch's, or the graph buffer's); empty until `prepare`.
+        self._out_cache_loc = torch.empty(0, dtype=torch.int64, device=device)
         self._graph: _GraphBuffers | None = None
         self._graph_wrappers: dict[int, object] = {}
         # graph batch size -> planned without split-KV (module docstring)
@@ -261,6 +260,10 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ---- CUDA-graph decode ------------------------------------------------------------------
 
+    @property
+    def supports_cuda_graph(self) -> bool:
+        return True
+
     def init_cuda_graph(self, max_bs: int, max_pages_per_seq: int | None = None) -> None:
         """Allocate FlashInfer's fixed buffers for decode graphs of up to `max_bs` sequences.
 
@@ -306,10 +309,13 @@ class FlashInferAttentionBackend(AttentionBackend):
                 paged_kv_indices_buffer=g.kv_indices,
                 paged_kv_last_page_len_buffer=g.kv_last_page_len[:bs],
             )
+            # FlashInfer 0.5's private pinned plan-staging buffer (module docstring): a version
+            # without it keeps FlashInfer's split-KV plan rather than fail at capture.
             staging = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)
-            no_split = tensor_cores and bs > self._max_batch_if_split and staging is not None
-            if no_split:
+            no_split = False
+            if staging is not None and tensor_cores and bs > self._max_batch_if_split:
                 staging.zero_()  # padding CTAs then read sequence 0 (module docstring)
+                no_split = True
             self._graph_wrappers[bs] = wrapper
             self._graph_no_split[bs] = no_split
         dummy_table = torch.zeros(bs, 1, dtype=torch.int32, device=self.device)
@@ -356,10 +362,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         n = meta.num_seqs
         if not meta.is_decode or n > bs:
             raise ValueError(f"cannot replay: decode={meta.is_decode}, num_seqs={n}, bs={bs}")
-        wrapper = self._graph_wrappers.get(bs)
-        if wrapper is None:
+        wrapper, g = self._graph_wrappers.get(bs), self._graph
+        if wrapper is None or g is None:
             raise RuntimeError(f"prepare_capture({bs}) was never called")
-        g = self._graph
         pad = self._graph_pad_tiles.get(bs)
         if pad is not None:
             # Padding tiles recompute the shortest sequence: a padding row if there is one.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,7 +23,11 @@ from kernels.decode_attention import decode_attention, default_num_kv_splits
 from kernels.extend_attention import extend_attention
 from kernels.store_kv import store_kv
 from tritonllm.attention import register_backend
-from tritonllm.attention.base import AttentionBackend, AttentionMetadata
+from tritonllm.attention.base import AttentionBackend, AttentionMetadata, AttentionOptions
+
+if TYPE_CHECKING:
+    from tritonllm.config import ModelConfig
+    from tritonllm.engine.kv_cache import KVCache
 
 
 @dataclass
@@ -39,8 +44,14 @@ class _GraphBuffers:
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention through the Triton kernels in `kernels/` (see module docstring)."""
 
-    def __init__(self, model_config, kv_cache, device: torch.device) -> None:
-        super().__init__(model_config, kv_cache, device)
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        kv_cache: KVCache,
+        device: torch.device,
+        options: AttentionOptions | None = None,
+    ) -> None:
+        super().__init__(model_config, kv_cache, device, options)
         self.num_q_heads = model_config.num_heads
         self.num_kv_heads = model_config.num_kv_heads
         self.head_dim = model_config.head_dim
@@ -48,8 +59,12 @@ class TritonAttentionBackend(AttentionBackend):
         self._workspace = torch.empty(0, dtype=torch.float32, device=device)
         self._graph: _GraphBuffers | None = None
         self._is_decode = True
-        self._page_table = self._seq_lens = self._out_cache_loc = None
-        self._cu_extend_lens: torch.Tensor | None = None
+        # The planned forward's inputs (views of the batch's metadata or of the graph
+        # buffers); empty until the first `prepare`.
+        self._page_table = torch.empty(0, 0, dtype=torch.int32, device=device)
+        self._seq_lens = torch.empty(0, dtype=torch.int32, device=device)
+        self._out_cache_loc = torch.empty(0, dtype=torch.int64, device=device)
+        self._cu_extend_lens = torch.empty(0, dtype=torch.int32, device=device)
         self._max_extend_len = 0
         self._num_kv_splits = 1
         self._decode_ws: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -131,8 +146,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ---- CUDA-graph decode ------------------------------------------------------------------
 
+    @property
+    def supports_cuda_graph(self) -> bool:
+        return True
+
     def _graph_splits(self, bs: int) -> int:
-        max_len = self._graph.page_table.shape[1] * self.page_size
+        max_len = self._require_graph(bs).page_table.shape[1] * self.page_size
         return default_num_kv_splits(bs, self.num_kv_heads, max_len, self.device)
 
     def init_cuda_graph(self, max_bs: int, max_pages_per_seq: int | None = None) -> None:

@@ -28,7 +28,7 @@ class CudaGraphRunner:
 
     Args:
         model: the `CausalLM` (its forward must not read device values on the host).
-        backend: an attention backend with the CUDA-graph hooks.
+        backend: an attention backend whose `supports_cuda_graph` is True.
         batch_sizes: ascending batch sizes to capture.
         max_pages_per_seq: page-table width of the graphs (pages of one max-length sequence).
         vocab_size: logits width.

@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass
 
 from tritonllm.config import EngineConfig
-from tritonllm.engine.kv_cache import PageAllocator
+from tritonllm.engine.cache_manager import CacheManager
 from tritonllm.engine.model_runner import ModelRunner
 from tritonllm.engine.overlap import LaunchedStep, num_unknown_tail
+from tritonllm.engine.prefix_cache import NoPrefixCache, PrefixCache
 from tritonllm.engine.radix_cache import RadixCache
 from tritonllm.engine.request import Request, RequestOutput, RequestStatus
 from tritonllm.engine.request_limits import RequestLimits
@@ -76,15 +77,15 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         self.runner = ModelRunner(config)
-        self.allocator = PageAllocator(self.runner.num_pages)
-        radix = None
-        if config.enable_prefix_cache:
-            radix = RadixCache(self.allocator, config.page_size)
-        self.radix = radix
+        prefix_cache: PrefixCache = (
+            RadixCache(config.page_size) if config.enable_prefix_cache else NoPrefixCache()
+        )
+        # One page-table row per running request, plus the one being admitted.
+        self.cache = CacheManager(
+            self.runner.num_pages, config.page_size, prefix_cache, config.max_running_requests + 1
+        )
         self.scheduler = Scheduler(
-            self.allocator,
-            radix,
-            config.page_size,
+            self.cache,
             config.max_running_requests,
             config.max_prefill_tokens,
             config.prefill_delay_steps,
@@ -245,7 +246,7 @@ class LLMEngine:
                 continue  # finished (overlap: its extra token is discarded) or aborted
             req.token_ids[pos] = tokens[j]
             if is_prefill:
-                self.scheduler.cache_prefix(req)
+                self.cache.cache_prefix(req)
             outputs.append(self._append_token(req, pos, logprobs[j], top_logprobs[j]))
 
     def _append_token(
@@ -259,14 +260,15 @@ class LLMEngine:
         reason = None
         if token in req.stop_ids and num_out >= p.min_tokens:
             reason = "stop"
-        elif num_out >= p.max_tokens or pos + 1 >= self.max_model_len:
+        # add_request replaced a max_tokens of None by the room left in the context.
+        elif num_out >= p.max_tokens or pos + 1 >= self.max_model_len:  # type: ignore[operator]
             reason = "length"
         lps = None if lp is None else [lp]
         tops = None if top is None else [top]
         released, trim = [token], 0
         if req.stop_checker is not None:
             released, trim, stopped, lps, tops = self._check_stop_strings(
-                req, token, reason, lps, tops
+                req, req.stop_checker, token, reason, lps, tops
             )
             if stopped:
                 reason = "stop"
@@ -277,15 +279,22 @@ class LLMEngine:
             del self._requests[req.request_id]
         return self._output(req, released, num_out, lps, tops, trim)
 
-    def _check_stop_strings(self, req: Request, token: int, reason: str | None, lp, top):
-        """Run the request's stop-string checker on its new token.
+    def _check_stop_strings(
+        self,
+        req: Request,
+        checker: StopStringChecker,
+        token: int,
+        reason: str | None,
+        lp: list[float] | None,
+        top: list[dict[int, float]] | None,
+    ) -> tuple[list[int], int, bool, list[float] | None, list[dict[int, float]] | None]:
+        """Run the request's stop-string checker (`checker`) on its new token.
 
         Returns (released ids, trim chars, stopped, logprobs, top logprobs) for this step's
         output; a request that ends for another reason (`reason`) releases what was held. The
         logprobs of held ids wait in `req.held_logprobs` and are released with their ids, so
         an output's logprobs always align 1:1 with its `new_token_ids`.
         """
-        checker = req.stop_checker
         num_held = checker.num_held
         result = checker.process([token])
         released = list(result.release_ids)
@@ -293,7 +302,7 @@ class LLMEngine:
             req.num_withheld = num_held + 1 - len(released)
         elif reason is not None:
             released += checker.flush()
-        if lp is not None:
+        if lp is not None and top is not None:  # logprobs come with their top alternatives
             # The checker releases its oldest held ids first; `token` is the newest.
             held = req.held_logprobs
             held.append((lp[0], top[0]))
@@ -344,17 +353,16 @@ class LLMEngine:
 
     # ---- introspection and offline use ---------------------------------------------------------
     def stats(self) -> EngineStats:
-        total = self.allocator.num_usable
-        free = self.allocator.num_free
-        radix = self.radix
+        cache = self.cache
+        total, free = cache.num_usable_pages, cache.num_free_pages
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             total_pages=total,
             free_pages=free,
             used_pages=total - free,
-            cached_pages=radix.num_pages if radix else 0,
-            evictable_pages=radix.num_evictable_pages if radix else 0,
+            cached_pages=cache.prefix_cache.num_pages,
+            evictable_pages=cache.prefix_cache.num_evictable_pages,
             max_batch_size_seen=self._max_batch,
             num_steps=self._num_steps,
             num_preemptions=self.scheduler.num_preemptions,

@@ -11,13 +11,8 @@ process) run the engine loop in its own process for the same reason.
     receiver thread ◀── result pipe ─────  one message per step: outputs, EngineStats, LoopTimes
       └▶ CallbackTable.deliver → callbacks
 
-Transport: one pickled message per step, each `RequestOutput` as a plain tuple of its fields,
-rebuilt in the parent. Measured on the 2-core CI box for a decode step of 256 outputs of one id
-each (pickle protocol 5, mean of 2,000 rounds): pickling the `RequestOutput` objects costs
-160 us to dump and 385-450 us to load (20.5 KB); `encode_step` 79 us, `decode_step` 79 us with
-the rebuild (12.6 KB). Over a real pipe between two processes the tuples ran at 5,900 messages
-per second with 87-90 us of the parent's CPU per message (the objects: 1,400/s, 505-530 us).
-The load runs on the parent's receiver thread, which shares the stub's GIL, so tuples it is.
+The child's side is `engine.engine_child`, the messages between the two
+`engine.process_messages` (one pickled message per step, its outputs as plain tuples).
 
 Lifetime: the child never outlives the parent. It exits on end-of-file of its command pipe
 (the parent closed it, or died), and on Linux the kernel kills it when the parent's receiver
@@ -29,59 +24,30 @@ finish_reason "error"; later submits raise RuntimeError.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import dataclasses
 import logging
 import multiprocessing
-import operator
 import os
-import pickle
 import signal
 import sys
 import threading
 import time
-import traceback
 import weakref
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from tritonllm.config import EngineConfig
-from tritonllm.engine.engine import EngineStats, LLMEngine
-from tritonllm.engine.engine_thread import CallbackTable, LoopTimes, OutputCallback, admit_and_step
-from tritonllm.engine.request import RequestOutput
+from tritonllm.engine.client import EngineClient, LoopTimes, OutputCallback
+from tritonllm.engine.engine import EngineStats
+from tritonllm.engine.engine_child import engine_main
+from tritonllm.engine.engine_thread import CallbackTable
+from tritonllm.engine.process_messages import ABORT, FAILED, STOP, SUBMIT, decode_step
 from tritonllm.engine.request_limits import RequestLimits
 from tritonllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Commands (parent → child; each message is a list of them) and the child's first message.
-_SUBMIT, _ABORT, _STOP = "submit", "abort", "stop"
-_READY, _FAILED = "ready", "failed"
-PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # <linux/prctl.h>
 # Seconds a child that closed its result pipe gets to exit before the kernel kills it.
 EXIT_GRACE_S = 10.0
-# Diagnostics: a file path here makes the child run its engine loop under cProfile and write
-# the stats there (pstats format) every PROFILE_DUMP_S seconds and when it exits.
-PROFILE_ENV = "TRITONLLM_ENGINE_PROFILE"
-PROFILE_DUMP_S = 10.0
-
-# A step message is (output rows, stats row, loop-times row): tuples of the dataclass fields in
-# declaration order, so `Class(*row)` rebuilds them (see the module docstring for why).
-_output_row = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestOutput)))
-_stats_row = operator.attrgetter(*(f.name for f in dataclasses.fields(EngineStats)))
-_times_row = operator.attrgetter(*(f.name for f in dataclasses.fields(LoopTimes)))
-
-
-def encode_step(outputs: list[RequestOutput], stats: EngineStats, times: LoopTimes) -> bytes:
-    """The bytes of one step message (see `decode_step`)."""
-    rows = [_output_row(out) for out in outputs]
-    return pickle.dumps((rows, _stats_row(stats), _times_row(times)), pickle.HIGHEST_PROTOCOL)
-
-
-def decode_step(data: bytes) -> tuple[list[RequestOutput], EngineStats, LoopTimes]:
-    """(outputs, stats, loop times) of a message made by `encode_step`."""
-    rows, stats, times = pickle.loads(data)
-    return [RequestOutput(*row) for row in rows], EngineStats(*stats), LoopTimes(*times)
 
 
 def python_executable() -> str:
@@ -106,8 +72,8 @@ def python_executable() -> str:
     raise RuntimeError(f"no Python interpreter to start the engine process (tried {candidates})")
 
 
-class EngineProcess:
-    """An `LLMEngine` in a spawned child process, with `EngineThread`'s interface.
+class EngineProcess(EngineClient):
+    """An `LLMEngine` in a spawned child process (`EngineClient`, like `EngineThread`).
 
     The constructor returns once the child has built its engine (model load, KV pool, CUDA
     graph capture). Outputs are delivered by calling each request's callback from one thread of
@@ -127,7 +93,7 @@ class EngineProcess:
         stall_timeout_s: `is_alive()` turns False while requests are in flight and the child
             has sent no step for this many seconds (a hung engine; it turns True again if the
             child resumes). None: never. The default stays above a fresh GPU machine's
-            first-request kernel compilation (~60-80 s on the H200).
+            first-request kernel compilation (ARCHITECTURE.md, "Platform facts", FlashInfer).
     Raises:
         RuntimeError: the engine could not be built (the message carries the child's error
             and traceback), the child died or was not ready within `start_timeout`.
@@ -149,7 +115,7 @@ class EngineProcess:
         child_commands, self._commands = ctx.Pipe(duplex=False)
         self._results, child_results = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
-            target=_engine_main,
+            target=engine_main,
             args=(config, child_commands, child_results, os.getpid()),
             name=name,
             daemon=True,
@@ -162,8 +128,9 @@ class EngineProcess:
         self._deferred: list[tuple] = []  # commands posted on the receiver thread
         self._ready = threading.Event()
         self._start_error: str | None = None
-        self._limits: RequestLimits | None = None
-        self._stats: EngineStats | None = None
+        # Both are set by the handshake, before the constructor returns.
+        self._limits: RequestLimits
+        self._stats: EngineStats
         self._times = LoopTimes()
         # The receiver thread starts the child: PR_SET_PDEATHSIG fires when the thread that
         # created the child exits, and this thread lives exactly as long as the child matters.
@@ -182,7 +149,7 @@ class EngineProcess:
             self._stop_child(timeout=5.0)
             raise RuntimeError(self._start_error)
 
-    # ---- the EngineThread interface --------------------------------------------------------
+    # ---- EngineClient ----------------------------------------------------------------------
     def submit(
         self,
         request_id: str,
@@ -206,7 +173,7 @@ class EngineProcess:
                 self._last_progress = time.monotonic()
             self._routes.add(request_id, callback, params.n, len(prompt_ids))
         try:
-            self._post((_SUBMIT, request_id, list(prompt_ids), params))
+            self._post((SUBMIT, request_id, list(prompt_ids), params))
         except OSError as exc:
             # The child is gone. If the receiver already failed the request through its
             # callback, that was its one answer; otherwise this exception is.
@@ -217,7 +184,7 @@ class EngineProcess:
         """Abort a request between steps; its callback gets a final "abort" output. Unknown or
         finished ids are ignored, and so are aborts after shutdown or the child's death."""
         try:
-            self._post((_ABORT, request_id))
+            self._post((ABORT, request_id))
         except OSError:
             pass  # the child is gone; its death fails every request in flight
 
@@ -291,7 +258,7 @@ class EngineProcess:
             try:
                 if not self._closed:
                     try:
-                        self._commands.send([(_STOP,)])
+                        self._commands.send([(STOP,)])
                     except OSError:
                         pass
                     self._closed = True
@@ -357,11 +324,11 @@ class EngineProcess:
         except (EOFError, OSError):
             self._process.join(5.0)
             message = (
-                _FAILED,
+                FAILED,
                 "the engine process exited before it was ready "
                 f"({_describe_exit(self._process.exitcode)}; see its stderr)",
             )
-        if message[0] == _FAILED:
+        if message[0] == FAILED:
             self._start_error = f"engine failed to start: {message[1]}"
             self._results.close()
             self._ready.set()
@@ -379,16 +346,16 @@ class EngineProcess:
             return  # shut down: requests in flight get no further outputs
         message = f"the engine process died ({_describe_exit(self._process.exitcode)})"
         logger.error("%s; failing %d requests in flight", message, len(self._routes))
-        if self._stats is not None:  # its requests and pages are gone with it
-            self._stats = dataclasses.replace(
-                self._stats,
-                num_running=0,
-                num_waiting=0,
-                free_pages=self._stats.total_pages,
-                used_pages=0,
-                cached_pages=0,
-                evictable_pages=0,
-            )
+        # Its requests and pages are gone with it.
+        self._stats = dataclasses.replace(
+            self._stats,
+            num_running=0,
+            num_waiting=0,
+            free_pages=self._stats.total_pages,
+            used_pages=0,
+            cached_pages=0,
+            evictable_pages=0,
+        )
         self._routes.fail_all(message)
 
 
@@ -404,98 +371,3 @@ def _describe_exit(exitcode: int | None) -> str:
     if exitcode < 0:
         return f"killed by {signal.Signals(-exitcode).name}"
     return f"exit code {exitcode}"
-
-
-# ---- child process -----------------------------------------------------------------------------
-def _engine_main(
-    config: EngineConfig, commands: Connection, results: Connection, parent_pid: int
-) -> None:
-    """The child's entry point: build the engine, report ready (or the error), serve."""
-    _bind_to_parent(parent_pid, multiprocessing.current_process().name)
-    # Like Triton's Python stubs, the engine outlives SIGINT/SIGTERM sent to its process group
-    # (a terminal's Ctrl-C, `stop_process_group`): it keeps serving the requests in flight
-    # while the server drains them, and exits when its parent stops it or dies.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        engine = LLMEngine(config)
-    except BaseException as exc:
-        detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        try:
-            results.send((_FAILED, detail))
-        except OSError:
-            pass
-        return
-    profile_path = os.environ.get(PROFILE_ENV, "").strip()
-    profiler = None
-    if profile_path:
-        import cProfile
-
-        profiler = cProfile.Profile()
-        profiler.enable()
-    try:
-        results.send((_READY, RequestLimits.of(engine), engine.stats()))
-        _serve(engine, commands, results, profiler and (lambda: profiler.dump_stats(profile_path)))
-    except (EOFError, OSError):
-        pass  # the parent closed its end or is gone: nobody is left to serve
-    finally:
-        if profiler is not None:
-            profiler.disable()
-            profiler.dump_stats(profile_path)
-
-
-def _bind_to_parent(parent_pid: int, name: str) -> None:
-    """Linux: have the kernel SIGKILL this process when the thread that started it exits, and
-    name it (`/proc/PID/comm`, what `ps` and `top` show) after the `multiprocessing` process."""
-    if sys.platform.startswith("linux"):
-        try:
-            prctl = ctypes.CDLL(None, use_errno=True).prctl
-            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-            prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
-
-
-def _serve(
-    engine: LLMEngine,
-    commands: Connection,
-    results: Connection,
-    dump_profile: Callable[[], None] | None = None,
-) -> None:
-    """The engine loop (like `EngineThread._loop`): read commands, blocking only while idle,
-    apply them between steps, step, send one message per step. Returns on a stop command;
-    raises EOFError when the parent closed the command pipe. `dump_profile` (diagnostics, see
-    `PROFILE_ENV`) is called every `PROFILE_DUMP_S` seconds."""
-    cpu0 = time.thread_time()
-    busy = transport = 0.0
-    loops = 0
-    next_dump = time.monotonic() + PROFILE_DUMP_S
-    while True:
-        if dump_profile is not None and time.monotonic() >= next_dump:
-            dump_profile()
-            next_dump = time.monotonic() + PROFILE_DUMP_S
-        batch: list[tuple] = []
-        if not engine.has_unfinished():
-            batch.extend(commands.recv())
-        while commands.poll():
-            batch.extend(commands.recv())
-        start = time.perf_counter()
-        submissions, aborts = [], []
-        for command in batch:
-            if command[0] == _SUBMIT:
-                submissions.append(command[1:])
-            elif command[0] == _ABORT:
-                aborts.append(command[1])
-            else:
-                return
-        outputs = admit_and_step(engine, submissions, aborts)
-        encoding = time.perf_counter()
-        busy_now = busy + encoding - start
-        times = LoopTimes(busy_now, time.thread_time() - cpu0, transport, loops + 1)
-        results.send_bytes(encode_step(outputs, engine.stats(), times))
-        end = time.perf_counter()
-        busy += end - start
-        transport += end - encoding
-        loops += 1

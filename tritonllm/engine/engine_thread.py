@@ -1,9 +1,11 @@
-"""`EngineThread`: runs an `LLMEngine` on its own daemon thread for the Triton generator.
+"""`EngineThread`: runs an `LLMEngine` on its own daemon thread for the Triton generator (an
+`engine.client.EngineClient`).
 
 Submissions and aborts from any thread are queued under one condition variable and applied
 between steps; the thread sleeps on it when there is no work. Outputs are delivered by calling
 each request's callback on the engine thread. `CallbackTable` (the routing of outputs to
-callbacks, n > 1 children included) is shared with `engine_process.EngineProcess`.
+callbacks, n > 1 children included) and `admit_and_step` (one loop iteration) are shared with
+`engine_process.EngineProcess`.
 """
 
 from __future__ import annotations
@@ -12,16 +14,14 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
 
+from tritonllm.engine.client import EngineClient, LoopTimes, OutputCallback
 from tritonllm.engine.engine import EngineStats, LLMEngine
 from tritonllm.engine.request import RequestOutput
 from tritonllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-OutputCallback = Callable[[RequestOutput], None]
 Submission = tuple[str, list[int], SamplingParams]  # (request id, prompt ids, params)
 
 
@@ -102,29 +102,8 @@ def _call(callback: OutputCallback, out: RequestOutput) -> None:
         logger.exception("output callback failed for %s", out.request_id)
 
 
-@dataclass(frozen=True)
-class LoopTimes:
-    """Where the engine thread's time went since it started (seconds, monotonic counters).
-
-    Attributes:
-        busy_s: wall time with work to do (submissions, aborts, `engine.step()`, callbacks);
-            the rest of the thread's life it slept waiting for work.
-        cpu_s: CPU time of the thread itself (`time.thread_time`), including waits for the
-            GPU (`EngineStats.gpu_wait_s`: CUDA event waits spin). `busy_s - cpu_s` is time
-            blocked otherwise, mostly on the GIL, which an engine thread shares with every
-            other Python thread of its process.
-        callback_s: wall time spent in the output callbacks.
-        loops: iterations of the loop that did work (about one engine step each).
-    """
-
-    busy_s: float = 0.0
-    cpu_s: float = 0.0
-    callback_s: float = 0.0
-    loops: int = 0
-
-
-class EngineThread:
-    """Thread-safe front of an `LLMEngine`.
+class EngineThread(EngineClient):
+    """Thread-safe front of an `LLMEngine`, on a thread of this process (`EngineClient`).
 
     Errors: `submit` validates synchronously (ValueError, nothing queued). An exception inside
     a step fails the requests in flight with finish_reason "error" (message in
@@ -136,7 +115,8 @@ class EngineThread:
         stall_timeout_s: `is_alive()` turns False while one engine step (or the delivery of
             its outputs) has been running for longer than this many seconds: a hung engine;
             it turns True again when the step returns. None: never. The default stays above
-            a fresh GPU machine's first-request kernel compilation (~60-80 s on the H200).
+            a fresh GPU machine's first-request kernel compilation (ARCHITECTURE.md,
+            "Platform facts", FlashInfer).
     """
 
     def __init__(

@@ -1,8 +1,9 @@
-"""The paged KV cache: one K and one V tensor for all layers, plus a free-page allocator.
+"""The paged KV cache: one K and one V tensor for all layers, and the pool's size.
 
 Layout `[num_layers, num_pages, page_size, num_kv_heads, head_dim]` (FlashInfer's NHD paged
 layout per layer). Token slot `s = page * page_size + offset`. Page 0 is never handed out: it is
-the padding target of page tables (and of CUDA-graph padding).
+the padding target of page tables (and of CUDA-graph padding). Which page belongs to whom is
+`engine.cache_manager`'s business.
 """
 
 from __future__ import annotations
@@ -39,43 +40,6 @@ class KVCache:
     def v_cache(self, layer: int) -> torch.Tensor:
         """`[num_pages, page_size, num_kv_heads, head_dim]` view of layer `layer`'s V."""
         return self.v[layer]
-
-
-class PageAllocator:
-    """Free list of page ids 1..num_pages-1 (page 0 is reserved).
-
-    Freed pages are reused last-in first-out, which keeps recently touched memory warm.
-    """
-
-    def __init__(self, num_pages: int) -> None:
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, 0, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_usable(self) -> int:
-        """Pages that can ever be handed out (all but page 0)."""
-        return self.num_pages - 1
-
-    def alloc(self, n: int) -> list[int] | None:
-        """Take `n` pages; None (and nothing taken) if fewer than `n` are free."""
-        if n > len(self._free):
-            return None
-        if n == 0:
-            return []
-        pages = self._free[-n:]
-        del self._free[-n:]
-        return pages
-
-    def free(self, pages: list[int]) -> None:
-        """Return pages to the pool. Freeing page 0 or an out-of-range id is a bug."""
-        for p in pages:
-            if not 0 < p < self.num_pages:
-                raise ValueError(f"cannot free page {p} (valid: 1..{self.num_pages - 1})")
-        self._free.extend(pages)
 
 
 def derive_num_pages(config: EngineConfig) -> int:

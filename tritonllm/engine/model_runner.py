@@ -15,13 +15,14 @@ import numpy as np
 import torch
 
 from tritonllm.attention import get_attention_backend
-from tritonllm.attention.base import AttentionMetadata
+from tritonllm.attention.base import AttentionMetadata, AttentionOptions
 from tritonllm.config import EngineConfig
 from tritonllm.engine.kv_cache import KVCache, derive_num_pages
 from tritonllm.engine.overlap import FutureMap, LaunchedStep
 from tritonllm.engine.request import Request
 from tritonllm.engine.sampler import Sampler
 from tritonllm.engine.scheduler import ScheduledBatch
+from tritonllm.layers.fused import LayerKernels
 from tritonllm.models import load_model
 
 
@@ -44,9 +45,11 @@ class ForwardInputs:
 class ModelRunner:
     """Owns the model, the KV cache, the attention backend, the sampler and the CUDA graphs.
 
-    Construction loads the weights (straight onto the device), sizes the KV pool
-    (`derive_num_pages`: on CUDA it uses the memory left after the weights), then captures the
-    decode graphs when `config.use_cuda_graph` and the backend supports them.
+    Construction sets the process-wide kernel switches (`kernels.pdl`, on CUDA), loads the
+    weights (straight onto the device), sizes the KV pool (`derive_num_pages`: on CUDA it uses
+    the memory left after the weights), then captures the decode graphs when
+    `config.use_cuda_graph` and the backend supports them. Every other engine setting reaches
+    the model, the backend and the sampler as a constructor argument.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -54,28 +57,32 @@ class ModelRunner:
         self.model_config = config.model_config
         self.device = config.torch_device
         self.page_size = config.page_size
+        if self.device.type == "cuda":
+            _set_kernel_switches(config)
         self.model = load_model(
             config.model,
             self.model_config,
             self.device,
             config.torch_dtype,
             max_positions=config.effective_max_model_len,
+            kernels=LayerKernels(fused=config.fused_layers, linear=config.linear_kernel),
         )
         self.num_pages = derive_num_pages(config)
         self.kv_cache = KVCache(
             self.model_config, self.num_pages, config.page_size, config.torch_dtype, self.device
         )
         backend_cls = get_attention_backend(config.resolved_attention_backend)
-        self.backend = backend_cls(self.model_config, self.kv_cache, self.device)
+        options = AttentionOptions(tensor_core_decode_min_batch=config.tensor_core_decode_min_batch)
+        self.backend = backend_cls(self.model_config, self.kv_cache, self.device, options)
         self.model.set_attention_backend(self.backend)
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = Sampler(self.device, config.seed, fused=config.fused_layers)
         self.future = FutureMap(config.max_running_requests, self.device)
         self._is_cuda = self.device.type == "cuda"
         # Set after each backend plan: the next plan waits for it, because FlashInfer stages
         # its plan in one pinned host buffer per wrapper (see `_plan_fence`).
         self._plan_done: torch.cuda.Event | None = None
         self.graph_runner = None
-        if config.use_cuda_graph and hasattr(self.backend, "init_cuda_graph"):
+        if config.use_cuda_graph and self.backend.supports_cuda_graph:
             from tritonllm.engine.cuda_graph import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(
@@ -100,7 +107,7 @@ class ModelRunner:
 
         Per request only its counters and new token ids are read in Python; positions, slots
         and the page table are numpy over the whole batch (the page table is one gather from
-        the scheduler's `HostPageTable`).
+        the cache manager's `HostPageTable`).
         """
         ps = self.page_size
         reqs, exts = batch.reqs, batch.extend_lens
@@ -108,6 +115,8 @@ class ModelRunner:
         computed = np.fromiter((r.num_computed for r in reqs), np.int64, count=num_seqs)
         # The new tokens, flattened: token t is row rows[t]'s token at position positions[t];
         # row b's tokens start at cu[b].
+        extend: int | np.ndarray  # new tokens per row: 1 in decode
+        logits_idx: np.ndarray | list[int]
         if batch.is_decode:  # one token per row (the last sampled one); every row samples
             ids = [r.token_ids[r.num_computed] for r in reqs]
             rows = np.arange(num_seqs)
@@ -174,13 +183,6 @@ class ModelRunner:
             sample_reqs,
         )
 
-    def build_metadata(
-        self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Request]]:
-        """`build_inputs` as a tuple: (input_ids, positions, meta, logits_indices, reqs)."""
-        f = self.build_inputs(batch)
-        return f.input_ids, f.positions, f.meta, f.logits_indices, f.sample_reqs
-
     def ids_to_device(self, ids: list[int]) -> torch.Tensor:
         """A request's token ids → `[N]` int64 device tensor of real ids (for penalties)."""
         dev = self._upload(np.asarray(ids, dtype=np.int64))
@@ -225,3 +227,14 @@ class ModelRunner:
         samples = self.sampler.sample_device(logits, fwd.sample_reqs, self.ids_to_device)
         slots = self.future.store(samples.token_ids)
         return LaunchedStep.from_samples(batch, fwd.sample_reqs, samples, slots)
+
+
+def _set_kernel_switches(config: EngineConfig) -> None:
+    """Set the process-wide switches of `kernels/` from `config` (CUDA only): programmatic
+    dependent launch (`kernels.pdl`). Without Triton installed none of those kernels can run, so
+    there is nothing to set."""
+    try:
+        from kernels import pdl
+    except ImportError:
+        return
+    pdl.set_enabled(config.pdl)

@@ -5,7 +5,7 @@ page-aligned token prefix, and each node owns the KV page holding its page of to
 request reuses the pages of its longest cached page-aligned prefix. Each node has a reference
 count: a running request locks the node of its deepest cached page, which pins the whole path
 (pages of a running request are never evicted). Unreferenced leaves are evicted in LRU order
-when the page allocator runs dry.
+when the page allocator runs dry; the cache manager frees the pages they give back.
 
 Simplification against SGLang: one node per page (no edge compression), which keeps matching
 and splitting trivial; depth is at most max_model_len / page_size.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from tritonllm.engine.kv_cache import PageAllocator
+from tritonllm.engine.prefix_cache import PrefixCache
 
 
 class RadixNode:
@@ -31,20 +31,24 @@ class RadixNode:
         self.last_access = 0
 
 
-class RadixCache:
-    """Maps page-aligned token prefixes to KV pages.
+class RadixCache(PrefixCache):
+    """Maps page-aligned token prefixes to KV pages (`PrefixCache`; its nodes are `RadixNode`s).
 
-    Pages inserted into the tree belong to it: they go back to `allocator` only on eviction.
+    Pages inserted into the tree belong to it: they leave it only through `evict`.
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
-        self.allocator = allocator
+    def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.root = RadixNode((), 0, None)
         self.root.ref_count = 1  # the root is never evicted
         self._clock = itertools.count(1)
-        self.num_pages = 0  # pages owned by the tree
+        self._num_pages = 0  # pages owned by the tree
         self.num_locked_pages = 0  # pages on paths locked by running requests
+
+    @property
+    def num_pages(self) -> int:
+        """Pages owned by the tree."""
+        return self._num_pages
 
     def _keys(self, token_ids: list[int], num_pages: int):
         ps = self.page_size
@@ -85,15 +89,16 @@ class RadixCache:
             if child is None:
                 child = RadixNode(key, page, node)
                 node.children[key] = child
-                self.num_pages += 1  # a new node starts unreferenced
+                self._num_pages += 1  # a new node starts unreferenced
             node = child
             node.last_access = now
             out.append(node.page)
         return node, out
 
-    def lock(self, node: RadixNode) -> None:
-        """Pin `node` and its ancestors (a running request uses their pages)."""
-        while node is not self.root:
+    def lock(self, node: RadixNode | None) -> None:
+        """Pin `node` and its ancestors (a running request uses their pages); None or the
+        root is a no-op."""
+        while node is not None and node is not self.root:
             if node.ref_count == 0:
                 self.num_locked_pages += 1
             node.ref_count += 1
@@ -110,12 +115,13 @@ class RadixCache:
 
     @property
     def num_evictable_pages(self) -> int:
-        return self.num_pages - self.num_locked_pages
+        return self._num_pages - self.num_locked_pages
 
-    def evict(self, num_pages: int) -> int:
-        """Free up to `num_pages` pages of unreferenced leaves, least recently used first.
+    def evict(self, num_pages: int) -> list[int]:
+        """Drop up to `num_pages` unreferenced leaves, least recently used first (a parent left
+        childless and unreferenced becomes a leaf in turn).
 
-        Returns the number of pages freed to the allocator.
+        Returns their pages, which the caller frees.
         """
         heap = [(n.last_access, id(n), n) for n in self._leaves() if n.ref_count == 0]
         heapq.heapify(heap)
@@ -125,11 +131,10 @@ class RadixCache:
             parent = node.parent
             del parent.children[node.key]
             freed.append(node.page)
-            self.num_pages -= 1
+            self._num_pages -= 1
             if parent is not self.root and not parent.children and parent.ref_count == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        self.allocator.free(freed)
-        return len(freed)
+        return freed
 
     def _leaves(self):
         stack = [self.root]

@@ -23,9 +23,9 @@ class Request:
     """One sequence being generated.
 
     `token_ids` is prompt + generated tokens. `num_computed` tokens of it have K/V in the
-    cache (in `pages`); the first `num_tree_pages` pages belong to the radix cache and are
+    cache (in `pages`); the first `num_tree_pages` pages belong to the prefix cache and are
     locked through `tree_node` while the request holds them. `page_row` is the request's row
-    in the scheduler's `HostPageTable` (-1 while it holds no pages).
+    in the cache manager's `HostPageTable` (-1 while it holds no pages).
 
     The prompt and the sampling params never change after construction, so what the hot path
     asks of them each step is computed once: `num_prompt_tokens`, `uses_penalties` (any of

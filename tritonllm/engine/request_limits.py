@@ -38,7 +38,7 @@ class RequestLimits:
             vocab_size=engine.model_config.vocab_size,
             max_model_len=engine.max_model_len,
             page_size=engine.config.page_size,
-            num_usable_pages=engine.allocator.num_usable,
+            num_usable_pages=engine.cache.num_usable_pages,
         )
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -19,7 +19,7 @@ the batch; only penalties and seeded generators loop over their (few) rows.
 Logits arrive in the model's dtype (bfloat16 on GPU). Everything above works on a float32 copy
 (`Tensor.float()`: no copy when they are float32 already, as on CPU), made only when needed.
 
-Fast path (CUDA with the fused kernels on, `tritonllm.layers.fused`): a batch where every row is
+Fast path (CUDA with the fused kernels on, `Sampler(fused=True)`): a batch where every row is
 greedy or plain temperature sampling (no top-k/top-p/min-p, no logprobs, no per-request seed)
 skips all of the above after the penalties and runs `kernels.sampling.gumbel_argmax`: one pass
 over the logits as they are (bfloat16 read directly when no penalty applies),
@@ -48,9 +48,8 @@ def exponential_(out: torch.Tensor, generator: torch.Generator | None) -> torch.
 
     On CUDA `Tensor.exponential_`. On CPU `-log(U)` with `U ~ Uniform[0, 1)` clamped to the
     dtype's smallest normal (so every draw is finite): the same distribution (inverse-CDF
-    sampling), ~6x faster than CPU `exponential_` on a `[32, 151936]` float32 batch (11.9 vs
-    70.8 ms on the 2-core CI box, BENCHMARKS.md "CPU sampler noise"), which had made the CPU
-    sampler cost more than the model's layers.
+    sampling), several times faster than CPU `exponential_`, which had made the CPU sampler
+    cost more than the model's layers (BENCHMARKS.md, "CPU sampler noise").
     """
     if out.is_cuda:
         return out.exponential_(generator=generator)
@@ -120,10 +119,18 @@ IdsToDevice = Callable[[list[int]], torch.Tensor]
 
 
 class Sampler:
-    """Samples one token per row of a logits batch."""
+    """Samples one token per row of a logits batch.
 
-    def __init__(self, device: torch.device, seed: int) -> None:
+    Args:
+        device: where logits arrive and generators live.
+        seed: seed of the generator for rows without a generator of their own.
+        fused: take the fused Gumbel-max fast path on CUDA where it applies (module docstring;
+            `EngineConfig.fused_layers`).
+    """
+
+    def __init__(self, device: torch.device, seed: int, fused: bool = True) -> None:
         self.device = device
+        self.fused = fused
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.seed = seed
@@ -134,17 +141,6 @@ class Sampler:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
         return gen
-
-    @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        """Sample the next token of each request and return host results (syncs).
-
-        Args:
-            logits: `[B, vocab]` float (float32 logits may be modified in place).
-            reqs: the B requests, for their params, token history and generators.
-        """
-        samples = self.sample_device(logits, reqs)
-        return DeviceSamples.to_output([t.cpu() for t in samples.tensors()], samples.num_top)
 
     @torch.inference_mode()
     def sample_device(
@@ -168,7 +164,7 @@ class Sampler:
             ids_to_device = lambda ids: to_device(ids, torch.int64, device)  # noqa: E731
         params = [r.params for r in reqs]
         penalised = [i for i, r in enumerate(reqs) if r.uses_penalties]
-        fast = use_fused(logits) and _is_plain(logits, reqs)
+        fast = use_fused(self.fused, logits) and _is_plain(logits, reqs)
         if fast and not penalised:
             return self._gumbel_sample(logits, params)  # reads the model's logits as they are
         logits = logits.float()  # the in-place steps below need float32

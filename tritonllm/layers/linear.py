@@ -10,48 +10,30 @@ CUDA-graph batch sizes (1, 2, 4, 8, 16, 24, ..., 256), so the warm-up before eac
 decides the shapes that graph will contain. During a capture the remembered choice is used
 (cuBLAS when there is none). M > 256, float32, autograd and CPU always take `F.linear`.
 
-`TRITONLLM_LINEAR` (read at every CUDA forward): `cublas` (default: always `F.linear`; see
-`DEFAULT_MODE` for why), `auto` (measure and choose), `triton` (the kernel wherever it applies). `auto` also takes
-`F.linear` when `TRITONLLM_FUSED_LAYERS=0` (all layer kernels off). Each choice is logged once
-at INFO.
+Each `Linear` has a `mode`, fixed at construction (`EngineConfig.linear_kernel`, through
+`LayerKernels.linear_mode`): `cublas` (default: always `F.linear`;
+`tritonllm.config.LINEAR_KERNELS` says why), `auto` (measure and choose), `triton` (the kernel
+wherever it applies). Each choice of `auto` is logged once at INFO.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonllm.layers import fused
+from tritonllm.config import LINEAR_KERNELS
 
 logger = logging.getLogger(__name__)
 
-MODES = ("auto", "cublas", "triton")
-# cuBLAS by default: on the H200 `kernels.bench_linear` (BENCHMARKS.md) found cuBLAS faster at
-# most decode shapes of Qwen3-0.6B (the kernel wins only o_proj at M=1 and lm_head at M=1/32),
-# so `auto` would mostly pick cuBLAS after ~175 timings at start-up.
-DEFAULT_MODE = "cublas"
 MAX_M = 256  # = kernels.linear.MAX_M (not imported here: CPU imports stay free of Triton)
 # Triton must beat cuBLAS by this factor: near-ties (timing noise) keep the library.
 _MARGIN = 0.97
 
 # (M bucket, N, K, dtype, has bias, device) -> True when skinny_linear is faster.
 _CHOICES: dict[tuple, bool] = {}
-
-
-def linear_mode() -> str:
-    """`TRITONLLM_LINEAR` lower-cased (`DEFAULT_MODE` when unset).
-
-    Raises:
-        ValueError: a value not in MODES.
-    """
-    mode = os.environ.get("TRITONLLM_LINEAR", "").strip().lower() or DEFAULT_MODE
-    if mode not in MODES:
-        raise ValueError(f"TRITONLLM_LINEAR={mode!r}: expected one of {MODES}")
-    return mode
 
 
 def _applies(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -95,27 +77,38 @@ def _choose(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return choice
 
 
-def linear_choices() -> dict[tuple, bool]:
-    """A copy of the remembered choices: (M bucket, N, K, dtype, has bias, device) -> True
-    where skinny_linear runs."""
-    return dict(_CHOICES)
-
-
 class Linear(nn.Linear):
-    """Drop-in `nn.Linear` (same constructor, parameters, state-dict names and CPU math) whose
-    CUDA forward may run `kernels.linear.skinny_linear` (see module docstring).
+    """Drop-in `nn.Linear` (same parameters, state-dict names and CPU math; the constructor
+    adds `mode`) whose CUDA forward may run `kernels.linear.skinny_linear` (see module
+    docstring).
 
     Input `[..., in_features]`, output `[..., out_features]`, x's dtype.
 
+    Args:
+        in_features, out_features, bias, device, dtype: as for `nn.Linear`.
+        mode: one of `tritonllm.config.LINEAR_KERNELS` (default "cublas").
+
     Raises:
-        ValueError: (CUDA forward) `TRITONLLM_LINEAR` set to an unknown mode.
+        ValueError: an unknown `mode`.
     """
 
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        mode: str = "cublas",
+    ) -> None:
+        if mode not in LINEAR_KERNELS:
+            raise ValueError(f"Linear mode must be one of {LINEAR_KERNELS}, got {mode!r}")
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.mode = mode
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_cuda:
-            return F.linear(x, self.weight, self.bias)
-        mode = linear_mode()
-        if mode == "cublas" or (mode == "auto" and not fused.ENABLED):
+        mode = self.mode
+        if mode == "cublas" or not x.is_cuda:
             return F.linear(x, self.weight, self.bias)
         x2d = x.reshape(-1, x.shape[-1])
         if x2d.stride(-1) != 1:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonllm.layers.fused import use_fused
+from tritonllm.layers.fused import LayerKernels, use_fused
 from tritonllm.layers.linear import Linear
 
 
@@ -14,18 +14,27 @@ class SwiGLUMLP(nn.Module):
     """`down(silu(gate(x)) * up(x))`; `gate_up_proj` holds [gate; up] stacked on the output dim.
 
     Input `[T, hidden]`, output `[T, hidden]`, same dtype.
+
+    Args:
+        hidden_size, intermediate_size: the block's widths.
+        kernels: the layers' kernel choices (SiLU-mul kernel, the projections' `Linear` mode;
+            default `LayerKernels()`).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, kernels: LayerKernels | None = None
+    ) -> None:
         super().__init__()
+        kernels = kernels or LayerKernels()
         self.intermediate_size = intermediate_size
-        # On CUDA each projection runs the faster of cuBLAS and the skinny-GEMM kernel.
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.fused = kernels.fused
+        mode = kernels.linear_mode
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, mode=mode)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, mode=mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if use_fused(gate_up) and gate_up.dim() == 2:
+        if use_fused(self.fused, gate_up) and gate_up.dim() == 2:
             from kernels.silu_mul import silu_mul
 
             return self.down_proj(silu_mul(gate_up))

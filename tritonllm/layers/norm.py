@@ -16,11 +16,17 @@ class RMSNorm(nn.Module):
     The statistic is computed in float32 and the weight is applied after casting back (the
     Hugging Face order). On CUDA one Triton kernel (`kernels.rmsnorm`) computes the same; with a
     residual, one kernel also does the add before it.
+
+    Args:
+        dim: the normalised (last) dimension.
+        eps: added to the mean square.
+        fused: run the Triton kernels on CUDA tensors (`LayerKernels.fused`).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, fused: bool = True) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = fused
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(
@@ -40,7 +46,7 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self._norm(x)
         if (
-            use_fused(x)
+            use_fused(self.fused, x)
             and x.dim() == 2
             and x.dtype == residual.dtype == self.weight.dtype
             and x.shape == residual.shape
@@ -55,7 +61,7 @@ class RMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if (
-            use_fused(x)
+            use_fused(self.fused, x)
             and x.dim() in (2, 3)
             and x.dtype == self.weight.dtype
             and x.stride(-1) == 1

@@ -43,12 +43,23 @@ class RotaryEmbedding(nn.Module):
     The cache holds `[max_positions, head_dim // 2]` float32 cos and sin; rows are gathered per
     token, so positions need not be contiguous (prefix caching, batched sequences). The rotation
     rounds like transformers: cos/sin in the activations' dtype, products and sums rounded to it.
+    With `fused` (the default) CUDA tensors go through one Triton kernel (`kernels.rotary`), q/k
+    norms and the K/V store included where they fit.
     """
 
+    cos_cache: torch.Tensor  # [max_positions, head_dim // 2] float32 (buffers, not saved)
+    sin_cache: torch.Tensor
+
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling | None,
+        fused: bool = True,
     ) -> None:
         super().__init__()
+        self.fused = fused
         self.head_dim, self.max_positions = head_dim, max_positions
         self.theta, self.scaling = theta, scaling
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
@@ -80,24 +91,16 @@ class RotaryEmbedding(nn.Module):
         first: `q_norm(q)`, `k_norm(k)`, then rotated. On CUDA one Triton kernel
         (`kernels.rotary`) normalises and rotates q and k together, with the same rounding.
         """
-        if _fits_kernel(q, k) and _fits_norm_kernel(q, q_norm, k_norm):
+        norm_args = _norm_kernel_args(q, q_norm, k_norm)
+        if _fits_kernel(self.fused, q, k) and norm_args is not None:
             from kernels.rotary import rotary
 
-            return rotary(
-                positions,
-                q,
-                k,
-                self.cos_cache,
-                self.sin_cache,
-                q_norm.weight,
-                k_norm.weight,
-                q_norm.eps,
-            )
+            return rotary(positions, q, k, self.cos_cache, self.sin_cache, *norm_args)
         if q_norm is not None:
             q = q_norm(q)
         if k_norm is not None:
             k = k_norm(k)
-        if _fits_kernel(q, k):
+        if _fits_kernel(self.fused, q, k):
             from kernels.rotary import rotary
 
             return rotary(positions, q, k, self.cos_cache, self.sin_cache)
@@ -130,38 +133,48 @@ class RotaryEmbedding(nn.Module):
             must then store them).
         """
         no_norm = q_norm is None and k_norm is None
-        norm_fits = no_norm or _fits_norm_kernel(q, q_norm, k_norm)
-        if not (_fits_kernel(q, k) and norm_fits and v.dtype == q.dtype and v.stride(-1) == 1):
+        norm_args = None if no_norm else _norm_kernel_args(q, q_norm, k_norm)
+        if not (
+            _fits_kernel(self.fused, q, k)
+            and (no_norm or norm_args is not None)
+            and v.dtype == q.dtype
+            and v.stride(-1) == 1
+        ):
             q, k = self.forward(positions, q, k, q_norm, k_norm)
             return q, k, False
         from kernels.rotary import KVStore, rotary
 
         k_cache, v_cache, loc = kv_target
-        weights = () if no_norm else (q_norm.weight, k_norm.weight, q_norm.eps)
+        q_weight, k_weight, eps = norm_args or (None, None, 1e-6)
         q, k = rotary(
             positions,
             q,
             k,
             self.cos_cache,
             self.sin_cache,
-            *weights,
+            q_weight,
+            k_weight,
+            eps,
             kv_store=KVStore(v, k_cache, v_cache, loc),
         )
         return q, k, True
 
 
-def _fits_kernel(q: torch.Tensor, k: torch.Tensor) -> bool:
-    return use_fused(q) and q.stride(-1) == 1 and k.stride(-1) == 1
+def _fits_kernel(fused: bool, q: torch.Tensor, k: torch.Tensor) -> bool:
+    return use_fused(fused, q) and q.stride(-1) == 1 and k.stride(-1) == 1
 
 
-def _fits_norm_kernel(q: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool:
-    # The fused kernel takes one eps and weights in q's dtype; anything else runs unfused.
-    return (
-        q_norm is not None
-        and k_norm is not None
-        and q_norm.eps == k_norm.eps
-        and q_norm.weight.dtype == k_norm.weight.dtype == q.dtype
-    )
+def _norm_kernel_args(
+    q: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """`(q_norm weight, k_norm weight, eps)` for the fused kernel, or None where it cannot
+    apply the norms: it takes both, one eps and weights in q's dtype; anything else runs
+    unfused."""
+    if q_norm is None or k_norm is None or q_norm.eps != k_norm.eps:
+        return None
+    if not q_norm.weight.dtype == k_norm.weight.dtype == q.dtype:
+        return None
+    return q_norm.weight, k_norm.weight, q_norm.eps
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch import nn
 from tritonllm.attention.base import AttentionBackend, AttentionMetadata
 from tritonllm.config import ModelConfig
 from tritonllm.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLUMLP
+from tritonllm.layers.fused import LayerKernels
 
 
 class BackendRef:
@@ -27,7 +28,12 @@ class Attention(nn.Module):
     """Fused qkv projection, optional q/k norm, RoPE, paged attention, output projection."""
 
     def __init__(
-        self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, backend_ref: BackendRef
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        backend_ref: BackendRef,
+        kernels: LayerKernels,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -38,15 +44,16 @@ class Attention(nn.Module):
         )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        mode = kernels.linear_mode
         self.qkv_proj = Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, mode=mode
         )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, mode=mode)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels.fused)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels.fused)
         self._rotary = [rotary]  # a list, so the shared module is not registered per layer
         self._backend_ref = backend_ref
 
@@ -60,6 +67,8 @@ class Attention(nn.Module):
         # Qwen3's q/k norms run inside the rotary layer: one kernel for both on CUDA, which
         # also stores the new K/V into the cache when the backend allows it.
         backend = self._backend_ref.backend
+        if backend is None:
+            raise RuntimeError("CausalLM.set_attention_backend() must be called first")
         target = backend.fused_kv_store_target(self.layer_id)
         stored = False
         if target is None:
@@ -80,13 +89,18 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, backend_ref: BackendRef
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        backend_ref: BackendRef,
+        kernels: LayerKernels,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id, rotary, backend_ref)
-        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id, rotary, backend_ref, kernels)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.fused)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.fused)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -115,16 +129,19 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers, final norm (Hugging Face's `model.` submodule)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, backend_ref: BackendRef) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, backend_ref: BackendRef, kernels: LayerKernels
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, kernels.fused
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.rotary_emb, backend_ref) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, self.rotary_emb, backend_ref, kernels)
+            for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.fused)
 
 
 class CausalLM(nn.Module):
@@ -133,16 +150,28 @@ class CausalLM(nn.Module):
     Call `set_attention_backend` before the first forward. The model runner calls
     `backend.prepare(meta)` before each forward (kept outside so CUDA graphs can capture the
     forward alone).
+
+    Args:
+        cfg: the model's shape.
+        max_positions: rows of the RoPE cache (default: `cfg.max_position_embeddings`).
+        kernels: which Triton kernels the layers run on CUDA (default `LayerKernels()`: the
+            layer kernels on, cuBLAS GEMMs).
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int | None = None,
+        kernels: LayerKernels | None = None,
+    ) -> None:
         super().__init__()
+        kernels = kernels or LayerKernels()
         self.config = cfg
         self.backend_ref = BackendRef()
         self.model = DecoderModel(
-            cfg, max_positions or cfg.max_position_embeddings, self.backend_ref
+            cfg, max_positions or cfg.max_position_embeddings, self.backend_ref, kernels
         )
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, mode=kernels.linear_mode)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from tritonllm.config import ModelConfig
+from tritonllm.layers.fused import LayerKernels
 from tritonllm.models.decoder import CausalLM
 
 # HF name suffix → (our fused parameter suffix, shard index within the fused tensor).
@@ -51,8 +52,11 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     max_positions: int | None = None,
+    kernels: LayerKernels | None = None,
 ) -> CausalLM:
     """Build `CausalLM` on `device` in `dtype` and fill it from the checkpoint at `path`.
+
+    `max_positions` and `kernels` (the layers' Triton kernel choices) go to `CausalLM`.
 
     Weights are created uninitialised (meta device, then `to_empty`) and every parameter must
     come from the checkpoint.
@@ -64,7 +68,7 @@ def load_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = CausalLM(cfg, max_positions)
+            model = CausalLM(cfg, max_positions, kernels)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)

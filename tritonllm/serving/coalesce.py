@@ -10,8 +10,11 @@ by the engine's request id, so the n children ``"{id}#{i}"`` of one request are 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import is_dataclass, replace
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tritonllm.engine.request import RequestOutput
 
 
 def _concat(first: list | None, second: list | None) -> list | None:
@@ -22,19 +25,17 @@ def _concat(first: list | None, second: list | None) -> list | None:
     return list(first or []) + list(second or [])
 
 
-def _merged(previous: Any, output: Any) -> Any:
-    """``output`` (dataclass or NamedTuple ``RequestOutput``) with ``previous``'s ids and
-    logprobs in front of its own."""
-    changes = {"new_token_ids": list(previous.new_token_ids) + list(output.new_token_ids)}
-    for name in ("logprobs", "top_logprobs"):
-        if hasattr(output, name):
-            changes[name] = _concat(getattr(previous, name), getattr(output, name))
-    if is_dataclass(output):
-        return replace(output, **changes)
-    return output._replace(**changes)
+def _merged(previous: RequestOutput, output: RequestOutput) -> RequestOutput:
+    """``output`` with ``previous``'s ids and logprobs in front of its own."""
+    return replace(
+        output,
+        new_token_ids=list(previous.new_token_ids) + list(output.new_token_ids),
+        logprobs=_concat(previous.logprobs, output.logprobs),
+        top_logprobs=_concat(previous.top_logprobs, output.top_logprobs),
+    )
 
 
-def coalesce(outputs: Iterable[Any]) -> list[Any]:
+def coalesce(outputs: Iterable[RequestOutput]) -> list[RequestOutput]:
     """Merge the outputs of each request into one, keeping per-request order.
 
     Args:
@@ -45,7 +46,7 @@ def coalesce(outputs: Iterable[Any]) -> list[Any]:
         merged outputs'; ``finished``, ``finish_reason`` and the token counts are those of the
         last one. Outputs that arrive after a request's finished output are dropped (stale).
     """
-    merged: dict[str, Any] = {}
+    merged: dict[str, RequestOutput] = {}
     for output in outputs:
         previous = merged.get(output.request_id)
         if previous is None:

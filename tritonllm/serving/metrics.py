@@ -4,7 +4,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tritonllm.engine.client import LoopTimes
+    from tritonllm.engine.engine import EngineStats
+    from tritonllm.serving.response_streamer import SenderTimes
 
 
 @dataclass(frozen=True)
@@ -46,16 +51,16 @@ ENGINE_GAUGES: tuple[tuple[MetricSpec, str], ...] = (
 )
 
 
-def gauge_values(stats: Any) -> dict[str, float]:
+def gauge_values(stats: EngineStats) -> dict[str, float]:
     """``{metric name: value}`` of the gauges in ``ENGINE_GAUGES`` from an ``EngineStats``.
 
     ``request_pages`` is derived: ``used_pages - evictable_pages``, the pages that live
     requests hold (the prefix cache's unreferenced pages are free for the taking, so a server
     with no request running reports 0 even while its prefix cache is warm).
     """
-    values = {"request_pages": stats.used_pages - getattr(stats, "evictable_pages", 0)}
+    values = {"request_pages": stats.used_pages - stats.evictable_pages}
     return {
-        spec.name: float(values[attr] if attr in values else getattr(stats, attr, 0))
+        spec.name: float(values[attr] if attr in values else getattr(stats, attr))
         for spec, attr in ENGINE_GAUGES
     }
 
@@ -145,14 +150,16 @@ TIME_COUNTERS: tuple[tuple[MetricSpec, str, str], ...] = (
 )
 
 
-def counter_values(stats: Any, loop_times: Any, sender_times: Any) -> dict[str, float]:
+def counter_values(
+    stats: EngineStats, loop_times: LoopTimes, sender_times: SenderTimes
+) -> dict[str, float]:
     """``{metric name: cumulative value}`` of ``TIME_COUNTERS``.
 
     Args:
         stats: an ``EngineStats``; loop_times: the engine loop's ``LoopTimes``;
-        sender_times: the sender thread's ``SenderTimes``. Missing attributes read as 0.
+        sender_times: the sender thread's ``SenderTimes``.
     """
     sources = {"engine": stats, "loop": loop_times, "sender": sender_times}
     return {
-        spec.name: float(getattr(sources[source], attr, 0)) for spec, source, attr in TIME_COUNTERS
+        spec.name: float(getattr(sources[source], attr)) for spec, source, attr in TIME_COUNTERS
     }

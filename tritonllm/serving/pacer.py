@@ -1,11 +1,11 @@
 """Response pacing: a budget of responses per second shared by all live requests.
 
-Each response costs the same on Triton's response path whatever it carries (ARCHITECTURE.md,
-"Platform facts": about 7k responses/s through the ensemble on an H200 host, 3.5k on 2 CPU
-cores), so under load it is cheaper to send several tokens per response than to let the response path eat the engine's
-CPU time. With ``n`` requests streaming and a budget of ``B`` responses/s, a request gets a
-response at most every ``n / B`` seconds; tokens that arrive sooner are held and coalesced
-into its next response. A request's first response and its final one are never held, so
+Each response costs the same on Triton's response path whatever it carries, and that path
+has a ceiling of a few thousand responses per second (ARCHITECTURE.md, "Platform facts"), so
+under load it is cheaper to send several tokens per response than to let the response path
+eat the engine's CPU time. With ``n`` requests streaming and a budget of ``B`` responses/s, a
+request gets a response at most every ``n / B`` seconds; tokens that arrive sooner are held and
+coalesced into its next response. A request's first response and its final one are never held, so
 TTFT and end-to-end latency are unaffected; with few requests the gap is far below a decode
 step and every token goes out at once.
 """

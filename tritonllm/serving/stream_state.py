@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tritonllm.engine.request import RequestOutput
 
 # Ids before a response's new ids that the stateless detokenizer gets as context: enough for a
 # UTF-8 character split over byte-level tokens (<= 4) plus a word boundary.
@@ -64,11 +67,10 @@ class StreamState:
     _pending_logprobs: list[float] | None = None
     _pending_top: list[dict[int, float]] | None = None
 
-    def on_output(self, output: Any) -> ResponseChunk | None:
+    def on_output(self, output: RequestOutput) -> ResponseChunk | None:
         """The chunk to send for ``output`` (a ``RequestOutput``), or None if nothing is due."""
         new_ids = [int(t) for t in output.new_token_ids]
-        logprobs = getattr(output, "logprobs", None)
-        top = getattr(output, "top_logprobs", None)
+        logprobs, top = output.logprobs, output.top_logprobs
         if not self.stream:
             self._pending.extend(new_ids)
             if logprobs is not None:
@@ -91,8 +93,8 @@ class StreamState:
             num_output_tokens=int(output.num_output_tokens),
             cached_tokens=int(output.cached_tokens),
             final=bool(output.finished),
-            trim_chars=int(getattr(output, "trim_chars", 0)),
-            error=(getattr(output, "error", None) or "request failed")
+            trim_chars=int(output.trim_chars),
+            error=(output.error or "request failed")
             if output.finished and output.finish_reason == "error"
             else None,
             index=self.index,

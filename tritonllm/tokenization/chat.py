@@ -127,7 +127,7 @@ def render_prompt(
     """
     if (text_input is None) == (messages is None):
         raise ValueError("give exactly one of text_input or messages")
-    if text_input is not None:
+    if messages is None:
         if not isinstance(text_input, str):
             raise ValueError("text_input must be a string")
         return list(tokenizer.encode(text_input, add_special_tokens=False))

@@ -26,6 +26,7 @@ try:
 except ImportError:  # not pip-installed: use the checkout that holds this repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from tritonllm.engine.client import EngineClient
 from tritonllm.engine.engine import LLMEngine
 from tritonllm.engine.engine_process import EngineProcess
 from tritonllm.engine.engine_thread import EngineThread
@@ -174,6 +175,7 @@ class TritonPythonModel:
         self.new_tokens = 0
         self.last_cancel_scan = time.monotonic()
         config, serving = engine_config(params), serving_config(params)
+        self.engine: EngineClient
         if serving.use_engine_process(config.device):
             self.engine = EngineProcess(config)  # RuntimeError with the reason fails the load
         else:

@@ -1,0 +1,108 @@
+"""The platform ceiling's decoupled stream: ``max_tokens`` one-token responses per request.
+
+``execute`` only hands each request to the sender thread. The thread sends one response to each
+live request in turn (round robin) with the tensors the generator sends per response (n = 1, no
+logprobs): ``output_ids`` [1], ``prefix_ids`` (up to 8 ids sent before), ``finish_reason``
+(``""``; ``"length"`` with the last one, which carries the final flag), ``num_input_tokens``,
+``num_output_tokens``, ``cached_tokens`` (0) and ``trim_chars`` (0). Nothing else runs: the
+responses per second it reaches are Triton's own limit for one Python model instance whose
+responses all leave from one thread, as the generator's do.
+"""
+
+import os
+import queue
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+PREFIX_LEN = 8  # = tritonllm.serving.stream_state.PREFIX_LEN
+VOCAB = 151936
+_STOP = object()
+
+
+class _Stream:
+    """One live request: its sender, prompt length, tokens to send, tokens sent, last ids."""
+
+    __slots__ = ("sender", "num_input", "max_tokens", "sent", "recent")
+
+    def __init__(self, sender, num_input, max_tokens):
+        self.sender = sender
+        self.num_input = num_input
+        self.max_tokens = max_tokens
+        self.sent = 0
+        self.recent = []
+
+
+def _scalar(request, name):
+    return int(pb_utils.get_input_tensor_by_name(request, name).as_numpy().reshape(-1)[0])
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        # As in the generator: once tritonserver is gone a pb_utils call never returns and
+        # would keep this stub alive, so the thread stops sending when the parent changed.
+        self.parent_pid = os.getppid()
+        self.incoming = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="ceiling-sender", daemon=True)
+        self.thread.start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
+            max_tokens = _scalar(request, "max_tokens")
+            if max_tokens < 1:
+                error = pb_utils.TritonError(
+                    f"ceiling_stream: max_tokens must be >= 1, got {max_tokens}"
+                )
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
+                continue
+            self.incoming.put(_Stream(sender, int(ids.size), max_tokens))
+        return None
+
+    def _run(self):
+        live = []
+        while True:
+            try:
+                item = self.incoming.get(block=not live)
+                while True:
+                    if item is _STOP:
+                        return
+                    live.append(item)
+                    item = self.incoming.get_nowait()
+            except queue.Empty:
+                pass
+            if os.getppid() != self.parent_pid:
+                return
+            for stream in live:
+                self._send_next(stream)
+            live = [s for s in live if s.sent < s.max_tokens]
+
+    def _send_next(self, stream):
+        token = (stream.num_input + 7919 * stream.sent) % VOCAB
+        stream.sent += 1
+        final = stream.sent == stream.max_tokens
+        counts = (stream.num_input, stream.sent, 0, 0)
+        names = ("num_input_tokens", "num_output_tokens", "cached_tokens", "trim_chars")
+        tensors = [
+            pb_utils.Tensor("output_ids", np.asarray([token], dtype=np.int32)),
+            pb_utils.Tensor("prefix_ids", np.asarray(stream.recent, dtype=np.int32)),
+            pb_utils.Tensor("finish_reason", np.array([b"length" if final else b""], dtype=object)),
+        ]
+        tensors += [
+            pb_utils.Tensor(n, np.array([c], dtype=np.int32))
+            for n, c in zip(names, counts, strict=True)
+        ]
+        stream.recent = (stream.recent + [token])[-PREFIX_LEN:]
+        try:
+            stream.sender.send(
+                pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0
+            )
+        except Exception:  # the stream is gone: stop sending to it
+            stream.sent = stream.max_tokens
+
+    def finalize(self):
+        self.incoming.put(_STOP)
+        self.thread.join(5.0)

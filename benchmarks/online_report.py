@@ -1,0 +1,184 @@
+"""What `benchmarks.online` reports: one run's measurements, its markdown tables, and a plain
+summary (JSON-able, what `benchmarks.plots` draws and what a later comparison reads).
+
+Per concurrency level: TTFT, TPOT, chunk gaps (chunk ITL) and tokens per streamed chunk from the
+clients; output tokens/s against the offline engine's on the same prompts (online / offline);
+the generator's responses/s (`tritonllm_responses_total` over the level's wall time) against
+the platform ceiling at the same concurrency (`benchmarks.ceiling`, the ensemble's); and once per
+run, the chunk ITL p50 at concurrency 1 against the offline engine's batch-1 decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks import common
+from benchmarks.ceiling import CeilingLevel
+from benchmarks.common import fmt, percentile
+from benchmarks.streaming_client import LevelResult
+
+
+@dataclass
+class OnlineRun:
+    """Everything one `benchmarks.online` run measured.
+
+    Attributes:
+        results: the served levels, by concurrency.
+        offline: the offline engine's output tokens/s per level (None: not run).
+        loads: per level, `LoadProbe.report`'s columns ({} without a probe).
+        responses_per_s: per level, the generator's responses/s ({} without its metrics).
+        decode_step_s: the offline engine's batch-1 decode step (seconds; None: not run).
+        ceiling: `benchmarks.ceiling.run_ceiling`'s levels (None: not run).
+    """
+
+    results: dict[int, LevelResult]
+    offline: dict[int, float] | None = None
+    loads: dict[int, dict[str, str]] = field(default_factory=dict)
+    responses_per_s: dict[int, float] = field(default_factory=dict)
+    decode_step_s: float | None = None
+    ceiling: dict[str, dict[int, CeilingLevel]] | None = None
+
+    def ceiling_per_s(self, mode: str, c: int) -> float | None:
+        """The ceiling's responses/s of `mode` ("alone", "ensemble") at concurrency `c`."""
+        level = (self.ceiling or {}).get(mode, {}).get(c)
+        return level.responses_per_s if level else None
+
+
+def _ms(values: list[float], q: float) -> float | None:
+    value = percentile(values, q)
+    return None if value is None else value * 1e3
+
+
+def ms_pair(values: list[float]) -> str:
+    """`p50 / p99` of `values` (seconds) in milliseconds; `-` when empty."""
+    p50, p99 = _ms(values, 50), _ms(values, 99)
+    return "-" if p50 is None else f"{p50:,.1f} / {p99:,.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def level_summary(run: OnlineRun, c: int) -> dict[str, Any]:
+    """The numbers of level `c` (times in ms, rates per second; None where not measured)."""
+    res = run.results[c]
+    ok = res.ok
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    gaps = [g for r in ok for g in r.chunk_gaps]
+    offline = (run.offline or {}).get(c)
+    responses = run.responses_per_s.get(c)
+    ceiling = run.ceiling_per_s("ensemble", c)
+    return {
+        "concurrency": c,
+        "requests": len(res.records),
+        "failed": len(res.records) - len(ok),
+        "mean_prompt_tokens": sum(r.prompt_tokens for r in ok) / len(ok) if ok else None,
+        "output_tokens": res.output_tokens,
+        "seconds": res.seconds,
+        "output_tokens_per_s": res.output_tokens_per_s,
+        "offline_tokens_per_s": offline,
+        "online_over_offline": _ratio(res.output_tokens_per_s, offline),
+        "ttft_p50_ms": _ms(ttft, 50),
+        "ttft_p99_ms": _ms(ttft, 99),
+        "tpot_p50_ms": _ms(tpot, 50),
+        "tpot_p99_ms": _ms(tpot, 99),
+        "chunk_gap_p50_ms": _ms(gaps, 50),
+        "chunk_gap_p99_ms": _ms(gaps, 99),
+        "tokens_per_chunk": res.tokens_per_chunk,
+        "generator_responses_per_s": responses,
+        "ceiling_alone_responses_per_s": run.ceiling_per_s("alone", c),
+        "ceiling_ensemble_responses_per_s": ceiling,
+        "generator_over_ceiling": _ratio(responses, ceiling),
+    }
+
+
+def summary(run: OnlineRun) -> dict[str, Any]:
+    """The whole run: `levels` (one `level_summary` each) and the concurrency-1 ITL check
+    (`itl_p50_c1_ms` over `decode_step_b1_ms`)."""
+    levels = [level_summary(run, c) for c in run.results]
+    c1 = next((lv for lv in levels if lv["concurrency"] == 1), None)
+    itl = c1["chunk_gap_p50_ms"] if c1 else None
+    step = run.decode_step_s * 1e3 if run.decode_step_s else None
+    return {
+        "levels": levels,
+        "itl_p50_c1_ms": itl,
+        "decode_step_b1_ms": step,
+        "itl_over_decode_step": _ratio(itl, step),
+    }
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def report(run: OnlineRun) -> str:
+    """The markdown table: one row per concurrency level."""
+    headers = [
+        "concurrency",
+        "requests (failed)",
+        "mean prompt tok",
+        "output tokens",
+        "TTFT p50 / p99 (ms)",
+        "TPOT p50 / p99 (ms)",
+        "chunk ITL p50 / p99 (ms)",
+        "tok/chunk",
+        "output tok/s",
+        "offline engine tok/s",
+        "online / offline",
+        "generator responses/s",
+        "of ceiling",
+    ]
+    rows = []
+    for c, res in run.results.items():
+        ok = res.ok
+        s = level_summary(run, c)
+        rows.append(
+            [
+                str(c),
+                f"{s['requests']} ({s['failed']})",
+                fmt(s["mean_prompt_tokens"], 0),
+                fmt(res.output_tokens),
+                ms_pair([r.ttft for r in ok if r.ttft is not None]),
+                ms_pair([r.tpot for r in ok if r.tpot is not None]),
+                ms_pair([g for r in ok for g in r.chunk_gaps]),
+                fmt(res.tokens_per_chunk, 2),
+                fmt(res.output_tokens_per_s, 0),
+                fmt(s["offline_tokens_per_s"], 0),
+                _pct(s["online_over_offline"]),
+                fmt(s["generator_responses_per_s"], 0),
+                _pct(s["generator_over_ceiling"]),
+            ]
+        )
+    return common.markdown_table(headers, rows)
+
+
+def itl_note(run: OnlineRun) -> str | None:
+    """The note comparing ITL p50 at concurrency 1 with the batch-1 decode step, or None when
+    either was not measured."""
+    s = summary(run)
+    if s["itl_over_decode_step"] is None:
+        return None
+    return (
+        f"ITL p50 at concurrency 1: {s['itl_p50_c1_ms']:.2f} ms = "
+        f"{s['itl_over_decode_step']:.2f}x the batch-1 decode step ({s['decode_step_b1_ms']:.3f} "
+        "ms: the offline engine's step with one 512-token request decoding, after its levels, "
+        "same run)"
+    )
+
+
+def load_report(loads: dict[int, dict[str, str]]) -> str:
+    """Markdown table of the per-level load reports (`LoadProbe.report`); '' without any."""
+    if not loads:
+        return ""
+    keys = sorted(
+        {k for load in loads.values() for k in load}, key=["cpu", "engine", "sender"].index
+    )
+    names = {
+        "cpu": "CPU cores per process",
+        "engine": "generator engine loop",
+        "sender": "generator sender thread",
+    }
+    rows = [[str(c)] + [load.get(k, "-") for k in keys] for c, load in loads.items()]
+    return common.markdown_table(["concurrency"] + [names[k] for k in keys], rows)

@@ -1,0 +1,69 @@
+"""The platform-ceiling benchmark (`benchmarks.ceiling`) against the real tritonserver: its
+models stream exactly what they are asked for, alone and through the ensemble, and each level
+counts responses from every client process. Speeds are never asserted."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from benchmarks import ceiling
+
+
+def test_repository_copy_sets_the_stream_instances(tmp_path):
+    repo = ceiling.repository_copy(3, tmp_path)
+    config = (repo / ceiling.STREAM_MODEL / "config.pbtxt").read_text()
+    assert "instance_group [ { count: 3 kind: KIND_CPU } ]" in config
+    assert sorted(p.name for p in repo.iterdir()) == sorted(
+        p.name for p in ceiling.REPOSITORY.iterdir() if p.name != "__pycache__"
+    )
+    with pytest.raises(ValueError, match="instances"):
+        ceiling.repository_copy(0, tmp_path / "other")
+
+
+async def _one_stream(url: str, model: str, inputs: dict) -> list:
+    from openai_frontend.triton_client import TritonClient
+
+    client = TritonClient(url, model=model)
+    try:
+        stream = await client.stream("probe", inputs)
+        chunks = []
+        while (chunk := await stream.read()) is not None:
+            chunks.append(chunk)
+        return chunks
+    finally:
+        await client.close()
+
+
+def test_ceiling_levels_stream_exact_responses_alone_and_through_the_ensemble(tmp_path):
+    from openai_frontend.triton_client import TritonError
+
+    log = tmp_path / "ceiling-server.log"
+    with ceiling.CeilingServer(instances=2, client_processes=2, log_path=log) as bench:
+        url = bench.server.grpc_url
+        # One stream read by hand: ids counted up, the text of the ensemble's last step.
+        chunks = asyncio.run(
+            _one_stream(url, ceiling.ENSEMBLE_MODEL, {"text_input": "abc", "max_tokens": 5})
+        )
+        assert [c.num_output_tokens for c in chunks] == [1, 2, 3, 4, 5]
+        assert [c.finish_reason for c in chunks] == ["", "", "", "", "length"]
+        assert all(c.num_input_tokens == 3 for c in chunks)
+        assert [c.text for c in chunks] == [str((3 + 7919 * k) % ceiling.VOCAB) for k in range(5)]
+        with pytest.raises(TritonError, match="max_tokens must be >= 1"):
+            asyncio.run(
+                _one_stream(url, ceiling.STREAM_MODEL, {"input_ids": [1, 2], "max_tokens": 0})
+            )
+        for mode in ceiling.MODES:
+            for c in (1, 3):  # 3 clients over 2 client processes
+                level = bench.level(mode, c, tokens=8, seconds=0.5)
+                assert level.errors == (), level.errors
+                assert level.mode == mode and level.concurrency == c
+                assert level.requests >= c and level.responses > 0
+                assert level.responses_per_s == level.responses / 0.5
+                assert 0 < level.client_max_cores <= level.client_cores
+                assert "stub:ceiling_stream" in level.server_cpu
+        with pytest.raises(KeyError, match="mode"):
+            bench.level("nope", 1, 8, 0.5)
+    levels = {"alone": {1: level}, "ensemble": {1: level}}
+    assert ceiling.report(levels).splitlines()[2].startswith("| 1 | ")

@@ -1,0 +1,130 @@
+"""The benchmarks' PNG plots (`benchmarks.plots`) and the online summary they draw from
+(`benchmarks.online_report`), on small synthetic results: no server, no engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import online_report, plots
+from benchmarks.ceiling import CeilingLevel
+from benchmarks.load_probe import LoadProbe, Snapshot
+from benchmarks.streaming_client import LevelResult, RequestRecord
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _level(c: int, gap: float, tokens_per_chunk: int) -> dict:
+    return {
+        "concurrency": c,
+        "output_tokens_per_s": 600.0 * c**0.6,
+        "offline_tokens_per_s": 610.0 * c**0.6,
+        "ttft_p50_ms": 40.0 + c,
+        "ttft_p99_ms": 90.0 + 3 * c,
+        "tpot_p50_ms": gap / tokens_per_chunk,
+        "chunk_gap_p50_ms": gap,
+        "chunk_gap_p99_ms": 2.5 * gap,
+        "tokens_per_chunk": float(tokens_per_chunk),
+        "generator_responses_per_s": 600.0 + c,
+        "ceiling_alone_responses_per_s": 9000.0,
+        "ceiling_ensemble_responses_per_s": None if c == 256 else 7000.0,  # not measured
+    }
+
+
+def _image_size(path) -> tuple[int, int]:
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(path).shape[:2]
+    return width, height
+
+
+def test_online_plots_render_every_figure_and_link_them(tmp_path):
+    summary = {"levels": [_level(1, 1.4, 1), _level(16, 7.5, 4), _level(256, 130.0, 14)]}
+    paths = plots.online_plots(summary, tmp_path / "plots", "online-x")
+    assert [p.name for p in paths] == [
+        "online-x-throughput.png",
+        "online-x-ttft.png",
+        "online-x-chunks.png",
+    ]
+    for path in paths:
+        assert path.read_bytes()[:8] == PNG_MAGIC
+        width, height = _image_size(path)
+        assert width >= 600 and height >= 400
+    links = plots.markdown_images(paths, tmp_path / "BENCHMARKS.md")
+    assert links.splitlines() == [
+        f"![online-x-{kind}](plots/online-x-{kind}.png)"
+        for kind in ("throughput", "ttft", "chunks")
+    ]
+    with pytest.raises(ValueError, match="no levels"):
+        plots.online_plots({"levels": []}, tmp_path, "empty")
+
+
+def test_offline_plot_renders_engine_against_bound(tmp_path):
+    summary = {
+        "model": "qwen3-0.6b",
+        "rows": [
+            {"system": "tritonllm engine (flashinfer)", "output_tokens_per_s": 25_600.0},
+            {"system": "bandwidth bound", "output_tokens_per_s": 37_700.0},
+        ],
+    }
+    path = plots.offline_plot(summary, tmp_path, "offline-x")
+    assert path.name == "offline-x-offline.png" and path.read_bytes()[:8] == PNG_MAGIC
+    assert plots.write_json(summary, tmp_path, "offline-x").read_text().startswith("{")
+
+
+def _record(start: float, chunk_times: list[float], tokens: int) -> RequestRecord:
+    return RequestRecord(
+        max_tokens=tokens,
+        start=start,
+        end=chunk_times[-1],
+        chunk_times=chunk_times,
+        completion_tokens=tokens,
+        prompt_tokens=10,
+    )
+
+
+def _ceiling(mode: str, c: int, responses: int) -> CeilingLevel:
+    return CeilingLevel(mode, c, responses, 10, (), 2.0, 0.5, 0.5, "")
+
+
+def test_summary_relates_each_level_to_offline_ceiling_and_decode_step():
+    """online / offline, generator responses/s over the ensemble ceiling at the same
+    concurrency, and chunk-ITL p50 at concurrency 1 over the batch-1 decode step."""
+    c1 = LevelResult(1, [_record(0.0, [0.05, 0.052, 0.055, 0.059], 4)], seconds=0.1)
+    c4 = LevelResult(4, [_record(0.0, [0.1, 0.2], 6)] * 4, seconds=0.5)
+    run = online_report.OnlineRun(
+        results={1: c1, 4: c4},
+        offline={1: 50.0, 4: 40.0},
+        responses_per_s={1: 40.0, 4: 16.0},
+        decode_step_s=0.002,
+        ceiling={
+            "alone": {1: _ceiling("alone", 1, 20_000), 4: _ceiling("alone", 4, 24_000)},
+            "ensemble": {1: _ceiling("ensemble", 1, 8_000), 4: _ceiling("ensemble", 4, 10_000)},
+        },
+    )
+    s = online_report.summary(run)
+    one, four = s["levels"]
+    assert one["output_tokens_per_s"] == pytest.approx(40.0)  # 4 tokens in 0.1 s
+    assert one["online_over_offline"] == pytest.approx(0.8)
+    assert four["online_over_offline"] == pytest.approx(48.0 / 40.0)
+    assert one["generator_over_ceiling"] == pytest.approx(40.0 / 4_000)  # 8,000 in a 2 s window
+    assert four["ceiling_alone_responses_per_s"] == pytest.approx(12_000)
+    assert one["chunk_gap_p50_ms"] == pytest.approx(3.0)  # gaps 2, 3, 4 ms
+    assert four["tokens_per_chunk"] == pytest.approx(3.0)
+    assert s["decode_step_b1_ms"] == pytest.approx(2.0)
+    assert s["itl_over_decode_step"] == pytest.approx(1.5)
+    table = online_report.report(run)
+    assert "| 1 | 1 (0) |" in table and "| 40 | 1.0% |" in table
+    assert "1.50x the batch-1 decode step" in online_report.itl_note(run)
+    # Without the offline run, the ceiling or the metrics, those cells stay empty.
+    bare = online_report.summary(online_report.OnlineRun(results={1: c1}))
+    assert bare["levels"][0]["generator_over_ceiling"] is None
+    assert bare["itl_over_decode_step"] is None
+    assert online_report.itl_note(online_report.OnlineRun(results={1: c1})) is None
+
+
+def test_load_probe_rates_are_counter_increase_per_second():
+    before = Snapshot(10.0, {}, {"tritonllm_responses_total": 100.0})
+    after = Snapshot(12.0, {}, {"tritonllm_responses_total": 5_100.0, "tritonllm_new": 4.0})
+    rates = LoadProbe.rates(before, after)
+    assert rates == {"tritonllm_responses_total": 2_500.0, "tritonllm_new": 2.0}
+    assert LoadProbe.rates(before, Snapshot(11.0, {}, {})) == {}

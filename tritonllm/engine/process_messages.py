@@ -1,0 +1,44 @@
+"""The messages between `EngineProcess` (the parent) and its engine child process.
+
+Down the command pipe the parent sends lists of commands: `(SUBMIT, request_id, prompt_ids,
+params)`, `(ABORT, request_id)`, `(STOP,)`. Up the result pipe the child first sends
+`(READY, RequestLimits, EngineStats)` or `(FAILED, error and traceback)`, then one step message
+per engine step: `encode_step`'s bytes, the step's outputs, the engine's stats and the loop's
+times.
+
+A step message carries each `RequestOutput` (and the stats and times) as a plain tuple of its
+fields, rebuilt in the parent: unpickling dataclass objects costs several times more, and the
+parent decodes on its receiver thread, which shares the Triton stub's GIL (BENCHMARKS.md,
+"Engine-process transport").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import pickle
+
+from tritonllm.engine.client import LoopTimes
+from tritonllm.engine.engine import EngineStats
+from tritonllm.engine.request import RequestOutput
+
+# Commands (parent → child) and the tags of the child's first message.
+SUBMIT, ABORT, STOP = "submit", "abort", "stop"
+READY, FAILED = "ready", "failed"
+
+# Tuples of the dataclass fields in declaration order, so `Class(*row)` rebuilds them.
+_output_row = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestOutput)))
+_stats_row = operator.attrgetter(*(f.name for f in dataclasses.fields(EngineStats)))
+_times_row = operator.attrgetter(*(f.name for f in dataclasses.fields(LoopTimes)))
+
+
+def encode_step(outputs: list[RequestOutput], stats: EngineStats, times: LoopTimes) -> bytes:
+    """The bytes of one step message (see `decode_step`)."""
+    rows = [_output_row(out) for out in outputs]
+    return pickle.dumps((rows, _stats_row(stats), _times_row(times)), pickle.HIGHEST_PROTOCOL)
+
+
+def decode_step(data: bytes) -> tuple[list[RequestOutput], EngineStats, LoopTimes]:
+    """(outputs, stats, loop times) of a message made by `encode_step`."""
+    rows, stats, times = pickle.loads(data)
+    return [RequestOutput(*row) for row in rows], EngineStats(*stats), LoopTimes(*times)

@@ -1,0 +1,182 @@
+"""Starting, waiting for and stopping the service's processes (tritonserver, the sidecar).
+
+Each server runs in a process group of its own (`start_process_group`), so that
+`stop_process_group` reaches the children it spawns (Triton's Python backend stubs) and a
+terminal's Ctrl-C does not; readiness is an HTTP 200 (`wait_http_ok`); servers bind to loopback
+unless told otherwise (`DEFAULT_BIND_ADDRESS`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+# Where servers listen unless told otherwise: loopback only, so a development machine does not
+# expose an unauthenticated inference API (and Triton's model-control endpoints) to its network.
+DEFAULT_BIND_ADDRESS = "127.0.0.1"
+
+
+def connect_host(bind_address: str) -> str:
+    """The host part of a URL that reaches a server bound to ``bind_address``: loopback for a
+    wildcard (``0.0.0.0``, ``::``, empty), IPv6 literals in brackets, other addresses as is."""
+    if bind_address in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if bind_address == "::":
+        return "[::1]"
+    return f"[{bind_address}]" if ":" in bind_address else bind_address
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1 (racy by nature; fine for tests and local serving)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_process_group(
+    command: Sequence[str],
+    log_path: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.Popen:
+    """Start ``command`` in a new session (its own process group), so that
+    ``stop_process_group`` reaches the children it spawns and a terminal's Ctrl-C does not.
+
+    Args:
+        log_path: file for stdout and stderr (truncated); None inherits this process' streams.
+        env: the full environment (None: this process' environment).
+        cwd: working directory (None: this process').
+    Raises:
+        OSError: the command cannot be executed or the log cannot be opened.
+    """
+    if log_path is None:
+        return subprocess.Popen(command, env=env, cwd=cwd, start_new_session=True)
+    # The child holds its own copy of the descriptor; ours is closed once it is started.
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` still has a live (non-zombie) member."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal is still a member
+        return True
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    # kill(2) also reaches zombies; orphaned ones wait for init to reap them, which can take
+    # seconds, and they hold nothing. Linux: field 3 of /proc/PID/stat is the state, 5 the pgid.
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# Seconds the members of a group whose leader already exited get between SIGTERM and SIGKILL.
+# Nothing coordinates their shutdown any more (Triton's Python backend stubs ignore SIGTERM and
+# wait for their server's word), so waiting the full grace period would only delay the exit.
+ORPHAN_GRACE_S = 2.0
+
+
+def remove_shm_regions(prefix: str, shm_dir: Path = Path("/dev/shm")) -> list[str]:
+    """Unlink the POSIX shared-memory files in ``shm_dir`` whose names start with ``prefix``
+    (call it only when no process uses them any more); returns their names. No-op where
+    ``shm_dir`` does not exist."""
+    if not prefix or not shm_dir.is_dir():
+        return []
+    removed = []
+    for path in shm_dir.glob(f"{prefix}*"):
+        path.unlink(missing_ok=True)
+        removed.append(path.name)
+    return removed
+
+
+def stop_process_group(
+    process: subprocess.Popen | None, timeout_s: float = 20.0, poll_s: float = 0.05
+) -> None:
+    """Stop the whole process group of ``process`` (started by ``start_process_group``) and reap
+    ``process``: SIGTERM to the group, SIGKILL to what is left of it after ``timeout_s`` seconds
+    (``ORPHAN_GRACE_S`` at most when ``process`` had already exited).
+
+    The group is signalled even when ``process`` itself has already exited: a tritonserver that
+    died (a port in use, a crash) leaves its Python backend stubs behind in its group, and they
+    ignore SIGTERM, so only the SIGKILL stops them. No-op when ``process`` is None.
+    """
+    if process is None:
+        return
+    # start_new_session made the leader's pid the group id; Linux keeps that number reserved
+    # while any member lives, so it names this group even after the leader was reaped.
+    pgid = process.pid
+    if process.poll() is not None:
+        if not _group_alive(pgid):
+            return  # stopped before, or exited with no member left: nothing to signal
+        timeout_s = min(timeout_s, ORPHAN_GRACE_S)
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    if process.poll() is None or _group_alive(pgid):
+        _signal_group(pgid, signal.SIGKILL)
+        process.wait()
+        # SIGKILL cannot be ignored; wait briefly so callers see the group gone on return.
+        kill_deadline = time.monotonic() + 5.0
+        while _group_alive(pgid) and time.monotonic() < kill_deadline:
+            time.sleep(poll_s)
+
+
+def wait_http_ok(
+    url: str,
+    timeout_s: float,
+    process: subprocess.Popen | None = None,
+    name: str = "server",
+    poll_s: float = 0.25,
+) -> None:
+    """Poll ``url`` every ``poll_s`` seconds until it answers HTTP 200.
+
+    Raises:
+        RuntimeError: ``process`` (the server behind ``url``) exited first, or no 200 came
+            within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{name} exited early with code {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:  # refused, reset, timed out, or an HTTP error status (503 while loading)
+            pass
+        time.sleep(poll_s)
+    raise RuntimeError(f"{name} not ready after {timeout_s:.0f} s ({url})")
