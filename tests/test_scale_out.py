@@ -256,6 +256,11 @@ def test_replicas_behind_nginx_drain_and_die_without_failing_requests(
             return now - term_at > 2.0 and now - max(ends) > 1.5
 
         _wait(a_went_quiet, 60, "A keeps finishing requests long after its SIGTERM")
+        _wait(  # under load a request takes seconds: let some that started in the drain end
+            lambda: sum(r.started > term_at + 1.0 for r in list(results)) >= 8,
+            120,
+            "no request that started during A's drain has ended",
+        )
         drained_at = time.monotonic()
         snapshot = list(results)
         failed = [r for r in snapshot if not r.ok]
