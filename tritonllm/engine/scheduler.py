@@ -39,6 +39,13 @@ budget):
   the first request that does not fit (FIFO, no overtaking) or at `max_running_requests`; when
   nothing can be admitted the step is a plain decode batch.
 
+Nothing else changes for a decode row in a mixed batch: under overlap scheduling its input id
+is the in-flight step's placeholder, resolved on the device (`FutureMap.resolve`); the rows
+that sample are each prefill row that reaches the end of its prompt, then every decode row, so
+logprobs, penalties, seeds and the n > 1 children are per row as in a decode batch; a decode
+row that stops (EOS, stop ids, max_tokens) is finished when its sample is processed, and only
+the prefill rows' prompts enter the prefix cache then (a decode row's pages do at release).
+
 Without mixed steps (`mixed_steps=False`, for A/B; mini-sglang's policy, one batch kind per
 step): a step is either a prefill/extend batch (at most `max_prefill_tokens` prompt tokens) or
 a decode batch. Prefill is preferred while requests can be admitted, but never twice in a row
