@@ -260,6 +260,12 @@ def run(args: argparse.Namespace) -> OfflineResult:
         warm_up(engine, args.device)
         results[size] = result = run_engine(engine, workload, args.device, args.temperature)
         log(f"engine TP={size}: {result.output_tokens:,} tokens in {result.seconds:.2f} s")
+        stats = engine.stats()  # warm-up included
+        log(
+            f"engine steps: {stats.num_steps:,}, of which {stats.num_prefill_steps:,} "
+            f"prefill/extend ({stats.num_mixed_steps:,} mixed with decode rows), "
+            f"{stats.num_preemptions} preemptions"
+        )
         tensor_parallel.close_engine(engine)
         del engine
         gc.collect()
