@@ -2,7 +2,8 @@
 
 Oracles: the same engine at tensor-parallel size 1 (greedy ids and logprobs, compared honestly
 at near-ties: `tp_helpers`), the unsplit layers on the same weights, and the kernel's process
-table for the ranks' lifetime.
+table for the ranks' lifetime. SmolLM2 (9 query / 3 KV heads, split unevenly) at TP=2 runs in
+`test_tp_triton`, through tritonserver: its ids and logprobs against the same size-1 engine.
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ import pytest
 import torch
 from test_engine_helpers import checkpoint
 from test_engine_thread import TIMEOUT, Collector
-from tp_helpers import assert_same_greedy, reference_runs, run_client
+from tp_helpers import TIE_MARGIN, assert_same_greedy, run_client
 
 from tritonllm.config import EngineConfig
-from tritonllm.distributed import MULTICAST_OFF_ENV, ModelShard, Span
+from tritonllm.distributed import MULTICAST_OFF_ENV
 from tritonllm.engine import EngineProcess, EngineThread, LLMEngine
 from tritonllm.sampling_params import SamplingParams
 
-TIE_MARGIN = 1e-4
 NEW_TOKENS = 24
 
 
@@ -60,8 +60,8 @@ def tiny_tp2(tiny_model_dir):
 
 
 def test_tp2_gives_the_greedy_ids_and_logprobs_of_tp1_on_the_tiny_qwen3(tiny_model_dir, tiny_tp2):
-    """Two waves of prompts (the second reuses cached prefixes), chunked prefill and overlap
-    scheduling: TP=2 equals TP=1 id for id (no near-tie in these runs), logprobs to 1e-4."""
+    """Two waves of prompts (the second reuses cached prefixes), chunked prefill, mixed
+    prefill/decode steps and overlap scheduling: TP=2 equals TP=1 id for id (no near-tie in these runs), logprobs to 1e-4."""
     prompts = _tiny_prompts()
     reference = EngineThread(LLMEngine(_tiny_config(tiny_model_dir, 1)))
     try:
@@ -76,6 +76,7 @@ def test_tp2_gives_the_greedy_ids_and_logprobs_of_tp1_on_the_tiny_qwen3(tiny_mod
         assert compared == len(prompts) * NEW_TOKENS
     stats = tiny_tp2.stats()
     assert stats.num_prefill_steps > 2 and stats.max_batch_size_seen == len(prompts)
+    assert stats.num_mixed_steps > 0  # decode rows rode along in prefill steps
     assert stats.cached_pages > 0 and tiny_tp2.is_alive()
 
 
@@ -92,58 +93,6 @@ def test_every_rank_starts_with_nvlink_multicast_off(tiny_tp2):
     for pid in ranks:
         env = rank_environment(pid)
         assert {key: env.get(key) for key in MULTICAST_OFF_ENV} == MULTICAST_OFF_ENV, pid
-
-
-SMOLLM2_TOKENS = 24
-# Chat prompts for SmolLM2 (its own template, which adds its default system prompt where a chat
-# has none): short and long, one and several turns.
-SMOLLM2_CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Write a short poem about the sea at night."}],
-    [
-        {"role": "system", "content": "You are a pirate. Answer in pirate speak."},
-        {"role": "user", "content": "Where is the treasure buried?"},
-    ],
-    [
-        {"role": "user", "content": "My name is Ada. Remember it."},
-        {"role": "assistant", "content": "Nice to meet you, Ada! I will remember your name."},
-        {"role": "user", "content": "What is my name, and what does it remind you of?"},
-    ],
-    [{"role": "user", "content": "Summarize: " + "Steam power changed industry and cities. " * 12}],
-]
-
-
-def smollm2_config(model_dir) -> EngineConfig:
-    """The SmolLM2 engine of the size-1 reference and of the served TP=2 engine
-    (`test_tp_triton`, through ``TRITONLLM_*``)."""
-    return EngineConfig(model=str(model_dir), device="cpu", page_size=16, num_pages=512)
-
-
-def smollm2_prompts(tokenizer) -> list[list[int]]:
-    from openai_helpers import chat_prompt_ids
-
-    return [chat_prompt_ids(tokenizer, chat) for chat in SMOLLM2_CHATS]
-
-
-def test_tp2_gives_the_greedy_ids_and_logprobs_of_tp1_on_smollm2(smollm2_dir, smollm2_tokenizer):
-    """The trained default model, 9 query / 3 KV heads split unevenly (rank 0: KV heads 0-1 with
-    query heads 0-5, rank 1: KV head 2 with 6-8): TP=2 equals TP=1 up to a float32 near-tie
-    (top-2 margin under 1e-4; at most one sequence reaches one), logprobs to 1e-4."""
-    prompts = smollm2_prompts(smollm2_tokenizer)
-    config = smollm2_config(smollm2_dir)
-    rank0, rank1 = (ModelShard.of(config.model_config, r, 2).heads for r in (0, 1))
-    assert (rank0.q, rank0.kv) == (Span(0, 6), Span(0, 2))
-    assert (rank1.q, rank1.kv) == (Span(6, 9), Span(2, 3))
-    expected = reference_runs(config, tuple(map(tuple, prompts)), SMOLLM2_TOKENS)
-    engine = EngineProcess(dataclasses.replace(config, tensor_parallel_size=2))
-    try:
-        got = run_client(engine, prompts, SMOLLM2_TOKENS)
-    finally:
-        engine.shutdown()
-    compared = assert_same_greedy(
-        expected, [r.ids for r in got], TIE_MARGIN, 1, [r.logprobs for r in got]
-    )
-    assert compared >= (len(prompts) - 1) * SMOLLM2_TOKENS
 
 
 def _pids_named(name: str) -> list[int]:

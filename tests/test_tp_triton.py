@@ -2,8 +2,8 @@
 TRITONLLM_TENSOR_PARALLEL_SIZE=2 on CPU (gloo) serving the default model, SmolLM2-135M-Instruct
 (9 query / 3 KV heads, split unevenly), its engine in two rank processes.
 
-Oracles: the engine at tensor-parallel size 1 on the same checkpoint and settings (greedy ids,
-compared honestly at near-ties: `tp_helpers`), the tokenizer's own decoding for the ensemble's
+Oracles: the engine at tensor-parallel size 1 on the same checkpoint and settings (greedy ids
+and logprobs, compared honestly at near-ties: `tp_helpers`), the tokenizer's own decoding for the ensemble's
 text, the kernel's process table for the ranks.
 """
 
@@ -17,17 +17,18 @@ from pathlib import Path
 
 import pytest
 from test_engine_process import _wait_gone
-from test_tp_engine import (
+from test_tp_engine import rank_environment
+from tp_helpers import (
     SMOLLM2_CHATS,
     SMOLLM2_TOKENS,
     TIE_MARGIN,
-    rank_environment,
+    assert_same_greedy,
+    reference_runs,
     smollm2_config,
     smollm2_prompts,
 )
-from tp_helpers import assert_same_greedy, reference_runs
 
-from tritonllm.distributed import MULTICAST_OFF_ENV
+from tritonllm.distributed import MULTICAST_OFF_ENV, ModelShard, Span
 
 pytest.importorskip("tritonclient.grpc")
 
@@ -68,31 +69,39 @@ def _ranks(pgid: int) -> dict[str, int]:
     return found
 
 
-def test_tp2_server_gives_the_greedy_ids_and_text_of_tp1(tp_server, smollm2_tokenizer):
-    """Chat prompts streamed concurrently from the generator (input_ids in, output_ids out)
-    equal the size-1 engine's greedy ids, and one chat through the `llm` ensemble (template,
-    TP=2 generator, detokenizer) gives their text; both ranks run in their own processes,
-    started with NVLink multicast off."""
+def test_tp2_server_gives_the_greedy_ids_logprobs_and_text_of_tp1(tp_server, smollm2_tokenizer):
+    """SmolLM2's 9 query / 3 KV heads split unevenly (rank 0: KV heads 0-1 with query heads
+    0-5, rank 1: KV head 2 with 6-8). Chat prompts streamed concurrently from the generator
+    (input_ids in, output_ids and their logprobs out) equal the size-1 engine's greedy ids up to
+    a float32 near-tie (top-2 margin under 1e-4; at most one sequence reaches one), logprobs to
+    1e-4; one chat through the `llm` ensemble (template, TP=2 generator, detokenizer) gives
+    their text; both ranks run in their own processes, started with NVLink multicast off."""
     from test_triton_models import Stream
 
+    config = smollm2_config(tp_server.model_path)
+    rank0, rank1 = (ModelShard.of(config.model_config, r, 2).heads for r in (0, 1))
+    assert (rank0.q, rank0.kv) == (Span(0, 6), Span(0, 2))
+    assert (rank1.q, rank1.kv) == (Span(6, 9), Span(2, 3))
     ranks = _ranks(tp_server.process.pid)
     assert set(ranks) == {"tritonllm-engin", "tritonllm-tp1"}, ranks
     for pid in ranks.values():
         env = rank_environment(pid)
         assert {key: env.get(key) for key in MULTICAST_OFF_ENV} == MULTICAST_OFF_ENV
     prompts = smollm2_prompts(smollm2_tokenizer)
-    config = smollm2_config(tp_server.model_path)
-    expected = reference_runs(config, tuple(map(tuple, prompts)), SMOLLM2_TOKENS)
+    expected = reference_runs(config, prompts, SMOLLM2_TOKENS)
     greedy = {"max_tokens": SMOLLM2_TOKENS, "temperature": 0.0, "ignore_eos": True}
     stream = Stream(tp_server.grpc_url)
     try:
-        sent = [stream.send("generator", {"input_ids": p, **greedy}) for p in prompts]
+        sent = [
+            stream.send("generator", {"input_ids": p, "logprobs": 1, **greedy}) for p in prompts
+        ]
         chat = stream.send("llm", {"messages": json.dumps(SMOLLM2_CHATS[0]), **greedy})
         responses = stream.collect(len(sent) + 1)
     finally:
         stream.close()
     got = [[int(t) for r in responses[rid] for t in r["output_ids"]] for rid in sent]
-    compared = assert_same_greedy(expected, got, TIE_MARGIN, 1)
+    logprobs = [[float(v) for r in responses[rid] for v in r["output_logprobs"]] for rid in sent]
+    compared = assert_same_greedy(expected, got, TIE_MARGIN, 1, logprobs)
     assert compared >= (len(prompts) - 1) * SMOLLM2_TOKENS
     # The ensemble's chat is the first prompt: its text is the reference's, up to a near-tie.
     ref = expected[0]

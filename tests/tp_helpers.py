@@ -1,5 +1,5 @@
 """Shared helpers for the tensor-parallel tests (no tests here): greedy runs with their top-2
-logprobs, and the honest comparison of two greedy runs.
+logprobs, the honest comparison of two greedy runs, the SmolLM2 prompts and engine settings.
 
 Ties: two logits closer than the comparison's `margin` may swap their order between two correct
 computations that sum in another order (a row-parallel all-reduce does). The ids of a run are
@@ -10,7 +10,6 @@ continuations are right. Such positions must be rare (`max_ambiguous` sequences 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from test_engine_thread import Collector
@@ -19,6 +18,37 @@ from tritonllm.config import EngineConfig
 from tritonllm.engine import EngineThread, LLMEngine
 from tritonllm.engine.client import EngineClient
 from tritonllm.sampling_params import SamplingParams
+
+TIE_MARGIN = 1e-4  # float32: logits closer than this may swap under another summation order
+SMOLLM2_TOKENS = 24
+# Chat prompts for SmolLM2 (its own template, which adds its default system prompt where a chat
+# has none): short and long, one and several turns.
+SMOLLM2_CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a short poem about the sea at night."}],
+    [
+        {"role": "system", "content": "You are a pirate. Answer in pirate speak."},
+        {"role": "user", "content": "Where is the treasure buried?"},
+    ],
+    [
+        {"role": "user", "content": "My name is Ada. Remember it."},
+        {"role": "assistant", "content": "Nice to meet you, Ada! I will remember your name."},
+        {"role": "user", "content": "What is my name, and what does it remind you of?"},
+    ],
+    [{"role": "user", "content": "Summarize: " + "Steam power changed industry and cities. " * 12}],
+]
+
+
+def smollm2_config(model_dir) -> EngineConfig:
+    """The SmolLM2 engine of the size-1 reference and of the served TP=2 engine
+    (`test_tp_triton`, through ``TRITONLLM_*``)."""
+    return EngineConfig(model=str(model_dir), device="cpu", page_size=16, num_pages=512)
+
+
+def smollm2_prompts(tokenizer) -> list[list[int]]:
+    from openai_helpers import chat_prompt_ids
+
+    return [chat_prompt_ids(tokenizer, chat) for chat in SMOLLM2_CHATS]
 
 
 @dataclass
@@ -59,21 +89,19 @@ def run_client(client: EngineClient, prompts: list[list[int]], max_tokens: int) 
     return runs
 
 
-@functools.cache
 def reference_runs(
-    config: EngineConfig, prompts: tuple[tuple[int, ...], ...], max_tokens: int
-) -> tuple[GreedyRun, ...]:
-    """`run_client` on a size-1 engine of `config` in this process (`EngineThread`), computed
-    once per process for the same arguments (the engine and tritonserver tests share it)."""
+    config: EngineConfig, prompts: list[list[int]], max_tokens: int
+) -> list[GreedyRun]:
+    """`run_client` on a size-1 engine of `config` in this process (`EngineThread`)."""
     engine = EngineThread(LLMEngine(config))
     try:
-        return tuple(run_client(engine, [list(p) for p in prompts], max_tokens))
+        return run_client(engine, prompts, max_tokens)
     finally:
         engine.shutdown()
 
 
 def assert_same_greedy(
-    reference: list[GreedyRun] | tuple[GreedyRun, ...],
+    reference: list[GreedyRun],
     runs: list[list[int]],
     margin: float,
     max_ambiguous: int,
