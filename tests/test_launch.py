@@ -447,34 +447,16 @@ def test_readme_plain_tritonserver_recipe_serves(tiny_model_dir, tmp_path):
         _kill_marked(entry)
 
 
-def test_tensor_parallel_flag_reaches_the_servers_environment(monkeypatch, tmp_path):
-    """``--tensor-parallel-size 2`` becomes ``TRITONLLM_TENSOR_PARALLEL_SIZE=2`` in
-    tritonserver's environment (what the generator reads); without it, nothing is set."""
-    import tritonllm.launch as launch
+def test_tensor_parallel_flag_reaches_the_servers_environment(tmp_path):
+    """``--tensor-parallel-size 2`` becomes ``TRITONLLM_TENSOR_PARALLEL_SIZE=2`` in the
+    environment of every tritonserver the supervisor starts, restarts included (what the
+    generator reads); without it, nothing is set."""
+    from tritonllm.launch import build_supervisor
 
-    seen = []
-
-    class Recorder:
-        def __init__(self, **kwargs):
-            seen.append(kwargs["env"])
-            self.process = None
-
-        def start(self, timeout):
-            raise RuntimeError("recorded")
-
-        def stop(self):
-            pass
-
-    monkeypatch.setattr(launch, "TritonServer", Recorder)
     model = str(tmp_path)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:  # serve() installs its own handlers, and ignores both signals when it returns
-        assert launch.serve(parse_args(["--model", model, "--tensor-parallel-size", "2"])) == 1
-        assert launch.serve(parse_args(["--model", model])) == 1
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    assert seen == [
-        {"TRITONLLM_MODEL": model, "TRITONLLM_TENSOR_PARALLEL_SIZE": "2"},
-        {"TRITONLLM_MODEL": model},
-    ]
+    with_tp = build_supervisor(parse_args(["--tensor-parallel-size", "2"]), model, "m")
+    without = build_supervisor(parse_args([]), model, "m")
+    first, restart = with_tp.new_triton(), with_tp.new_triton()
+    tp = {"TRITONLLM_MODEL": model, "TRITONLLM_TENSOR_PARALLEL_SIZE": "2"}
+    assert first.env == restart.env == tp
+    assert without.new_triton().env == {"TRITONLLM_MODEL": model}
