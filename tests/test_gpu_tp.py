@@ -1,5 +1,6 @@
 """Tensor parallelism on two GPUs (NCCL): greedy parity of TP=2 with TP=1, CUDA graphs and
-overlap scheduling on (the all-reduces captured in the decode graphs).
+overlap scheduling on (the all-reduces captured in the decode graphs), mixed prefill/decode
+steps on.
 
 - bf16, FlashInfer, the Qwen3-0.6B shape (16 query / 8 KV heads: 8 / 4 per rank): TP=2's greedy
   ids equal TP=1's up to the first position whose TP=1 top-2 margin is below bf16 resolution
@@ -38,21 +39,26 @@ F32_GAP = 1e-4
 
 def _tp1_and_tp2(config: EngineConfig, ps: list[list[int]], max_tokens: int):
     """Greedy runs (top-2 logprobs) of `config` at sizes 1 and 2, one engine after the other,
-    each in its own processes (CUDA graphs and overlap scheduling on by default on CUDA)."""
+    each in its own processes (CUDA graphs and overlap scheduling on by default on CUDA), and
+    each size's count of mixed prefill/decode steps."""
     assert config.use_cuda_graph and config.use_overlap_schedule
-    runs = {}
+    runs, mixed = {}, {}
     for size in (1, 2):
         engine = EngineProcess(dataclasses.replace(config, tensor_parallel_size=size))
         try:
             runs[size] = run_client(engine, ps, max_tokens)
-            assert engine.stats().max_batch_size_seen == len(ps)
+            stats = engine.stats()
+            assert stats.max_batch_size_seen == len(ps)
+            mixed[size] = stats.num_mixed_steps
         finally:
             engine.shutdown()
         assert engine._process.exitcode == 0
-    return runs[1], runs[2]
+    return runs[1], runs[2], mixed
 
 
 def test_tp2_bf16_greedy_equals_tp1_until_a_sub_resolution_margin(qwen3_06b):  # noqa: F811
+    """A 256-token step budget chunks the long prompts, so decode rows ride along in their
+    chunks' steps (mixed steps, eager) between the decode graphs' replays."""
     ps = prompts([7, 33, 100, 257, 5, 64, 1, 500], seed=8)
     config = EngineConfig(
         model=qwen3_06b,
@@ -60,9 +66,11 @@ def test_tp2_bf16_greedy_equals_tp1_until_a_sub_resolution_margin(qwen3_06b):  #
         attention_backend="flashinfer",
         num_pages=512,
         cuda_graph_max_bs=16,
+        max_prefill_tokens=256,
     )
-    assert config.torch_dtype == torch.bfloat16
-    reference, got = _tp1_and_tp2(config, ps, 32)
+    assert config.torch_dtype == torch.bfloat16 and config.mixed_steps
+    reference, got, mixed = _tp1_and_tp2(config, ps, 32)
+    assert mixed[1] > 0 and mixed[2] > 0, mixed
     compared = assert_same_greedy(reference, [r.ids for r in got], BF16_GAP, len(ps))
     assert compared >= len(ps) * 32 // 4, f"only {compared} ids before a sub-resolution margin"
 
@@ -104,7 +112,7 @@ def test_tp2_float32_triton_uneven_heads_greedy_equals_tp1():
         page_size=16,
         cuda_graph_max_bs=8,
     )
-    reference, got = _tp1_and_tp2(config, ps, 24)
+    reference, got, _ = _tp1_and_tp2(config, ps, 24)
     compared = assert_same_greedy(
         reference, [r.ids for r in got], F32_GAP, 1, [r.logprobs for r in got], 1e-3
     )
