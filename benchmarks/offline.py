@@ -5,10 +5,9 @@
         [--no-append]
 
 Without `--model` the random-weight `qwen3-0.6b` checkpoint is built into `models/qwen3-0.6b`.
-One table: the engine (all requests submitted at once) at each tensor-parallel size, the
-bandwidth bound of the workload for that many GPUs measured in the same run
-(`benchmarks.bandwidth`, `benchmarks.tensor_parallel`), and Hugging Face `generate` on a subset.
-Methodology: BENCHMARKS.md's header (`benchmarks.common.BENCHMARKS_HEADER`).
+One table: the engine (all requests at once) at each tensor-parallel size, the workload's
+bandwidth bound for that many GPUs measured in the same run (`benchmarks.bandwidth`,
+`benchmarks.tensor_parallel`), HF `generate` on a subset; methodology: BENCHMARKS.md's header.
 """
 
 from __future__ import annotations

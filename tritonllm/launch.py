@@ -48,6 +48,9 @@ from .triton_server import (
     connect_host,
 )
 
+# The child that converts the built-in model: ``python -m tritonllm.default_model --out DIR``.
+DEFAULT_MODEL_BUILDER = ("-m", "tritonllm.default_model")
+
 
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -98,7 +101,7 @@ def resolve_model(model: str | None) -> str:
     """
     if model is None:
         if not is_converted(DEFAULT_MODEL_DIR):
-            command = [sys.executable, "-m", "tritonllm.default_model"]
+            command = [sys.executable, *DEFAULT_MODEL_BUILDER, "--out", str(DEFAULT_MODEL_DIR)]
             if subprocess.run(command, cwd=REPO_ROOT).returncode != 0:
                 raise SystemExit(
                     f"error: could not convert the default model ({' '.join(command)})"
