@@ -66,6 +66,8 @@ class LaunchConfig:
         triton_log: tritonserver's log file (None: a temp file); restarts write
             ``NAME.1.log``, ``NAME.2.log``, ... beside it.
         policy: failure handling, health checks and the drain (``SupervisePolicy``).
+        tensor_parallel_size: ranks the engine splits the model across
+            (``TRITONLLM_TENSOR_PARALLEL_SIZE``; None: the repository's setting, 1).
     """
 
     model: str | None = None
@@ -79,6 +81,7 @@ class LaunchConfig:
     startup_timeout_s: float = 600.0
     triton_log: Path | None = None
     policy: SupervisePolicy = SupervisePolicy()
+    tensor_parallel_size: int | None = None
 
     @property
     def base_url(self) -> str:
@@ -157,10 +160,13 @@ def _triton_factory(cfg: LaunchConfig, model: str):
             log = log.with_name(f"{log.stem}.{starts}{log.suffix or '.log'}")
         starts += 1
         # TRITONLLM_MODEL goes through env (not model_path) so a hub id is not made a path.
+        env = {"TRITONLLM_MODEL": model}
+        if cfg.tensor_parallel_size is not None:
+            env["TRITONLLM_TENSOR_PARALLEL_SIZE"] = str(cfg.tensor_parallel_size)
         return TritonServer(
             model_path=None,
             model_repository=MODEL_REPOSITORY,
-            env={"TRITONLLM_MODEL": model},
+            env=env,
             log_path=log,
             http_port=cfg.http_port,
             grpc_port=cfg.grpc_port,
@@ -259,6 +265,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     p.add_argument("--metrics-port", type=int, default=8002, help="tritonserver metrics port")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds per server")
     p.add_argument("--triton-log", type=Path, default=None, help="tritonserver log file")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, help="ranks (GPUs) per model")
     defaults = SupervisePolicy()
     p.add_argument(
         "--on-failure",
@@ -305,6 +312,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         startup_timeout_s=a.startup_timeout,
         triton_log=a.triton_log,
         policy=policy,
+        tensor_parallel_size=a.tensor_parallel_size,
     )
 
 
