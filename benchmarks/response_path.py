@@ -1,0 +1,348 @@
+"""The generator's response path on CPU, without a GPU or a model: what one response costs.
+
+    python -m benchmarks.response_path [--concurrency 256] [--step-ms 10] [--tokens 128]
+        [--seconds 5] [--budget 2000] [--profile 25] [--against DIR]
+
+A benchmark harness, not a test and not an engine: `SyntheticEngine` (below) stands in for the
+engine front (an `EngineClient`). It "decodes" one token for every live request every
+`--step-ms` and delivers the step's outputs as `EngineProcess`'s receiver thread does (a step
+message decoded with `process_messages.decode_step`, each output routed through a
+`CallbackTable`), so the stub-side cost of the engine's outputs shares the GIL as it does in the
+served generator. The rest is the served code: `GeneratorCore` (sender thread: coalescing,
+pacing, cancellation checks, metrics ticks) and the generator adapter's own `_Sink`,
+`_tensors` and `_Metrics` (`model_repository/generator/1/model.py`, loaded from its file).
+Triton's C++ side is replaced by `_FakeTriton`, a stand-in module for `triton_python_backend_utils`
+whose tensors, responses and metrics only keep what they are given: the numbers are the Python
+cost of the response path, not Triton's IPC (benchmarks/ceiling.py measures that ceiling).
+
+`--concurrency` closed-loop clients keep that many requests of `--tokens` tokens in flight
+(a finished one is replaced by a new one on a client thread, as Triton's execute thread
+would). Reported: responses/s, tokens per response, the sender thread's busy seconds and CPU
+seconds per response, and with `--profile N` the N most expensive functions of the sender
+thread (cProfile, its own time). `--against DIR` runs the same measurement on another checkout
+(e.g. a `git worktree` of main) in alternation with this one, three rounds each, for an A/B in
+one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import importlib.util
+import io
+import json
+import pickle
+import pstats
+import queue
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _FakeTriton(types.ModuleType):
+    """Stand-in for `triton_python_backend_utils` (benchmark only): keeps what it is given."""
+
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+    class Tensor:
+        __slots__ = ("name", "array")
+
+        def __init__(self, name, array):
+            self.name, self.array = name, array
+
+    class InferenceResponse:
+        __slots__ = ("output_tensors", "error")
+
+        def __init__(self, output_tensors, error=None):
+            self.output_tensors, self.error = output_tensors, error
+
+    class TritonError(Exception):
+        pass
+
+    class Logger:
+        @staticmethod
+        def log_warn(message):
+            print(message, file=sys.stderr)
+
+        log_error = log_info = log_warn
+
+    class MetricFamily:
+        GAUGE, COUNTER = 0, 1
+
+        class _Metric:
+            def set(self, value):
+                pass
+
+            def increment(self, value):
+                pass
+
+        def __init__(self, name, description, kind):
+            pass
+
+        def Metric(self, labels=None):  # noqa: N802  (pb_utils' name)
+            return self._Metric()
+
+
+class _Sender:
+    """A Triton response sender's stand-in: counts responses and tensors, reports finals."""
+
+    __slots__ = ("slot", "on_final", "stats")
+
+    def __init__(self, slot, on_final, stats):
+        self.slot, self.on_final, self.stats = slot, on_final, stats
+
+    def send(self, response=None, flags=0):
+        if response is not None:
+            self.stats["responses"] += 1
+            self.stats["tensors"] += len(response.output_tensors)
+        if flags:
+            self.on_final(self.slot)
+
+    def is_cancelled(self):
+        self.stats["cancel_checks"] += 1
+        return False
+
+
+class SyntheticEngine:
+    """Benchmark harness only (an `EngineClient` that computes nothing): every `step_s` each
+    live request gets one token (`(prompt length + 7919 * k) % 151936`, k = 0, 1, ...) until
+    `max_tokens`, delivered from its own thread through a decoded step message."""
+
+    def __init__(self, step_s: float) -> None:
+        from tritonllm.engine.client import LoopTimes
+        from tritonllm.engine.engine import EngineStats
+        from tritonllm.engine.engine_thread import CallbackTable
+
+        self.step_s = step_s
+        self.routes = CallbackTable()
+        self._lock = threading.Lock()
+        self._live: dict[str, list[int]] = {}  # id -> [prompt length, sent, max_tokens]
+        self._aborted: set[str] = set()
+        self._stats = EngineStats(*[0] * len(dataclasses.fields(EngineStats)))
+        self._times = LoopTimes()
+        self._stop = threading.Event()
+        self.outputs = 0
+        self.cpu_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="synthetic-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request_id, prompt_ids, params, callback):
+        self.routes.add(request_id, callback, len(prompt_ids))
+        with self._lock:
+            self._live[request_id] = [len(prompt_ids), 0, params.max_tokens]
+
+    def abort(self, request_id):
+        with self._lock:
+            self._aborted.add(request_id)
+
+    def stats(self):
+        return self._stats
+
+    def loop_times(self):
+        return self._times
+
+    def is_alive(self):
+        return not self._stop.is_set()
+
+    def shutdown(self, timeout=10.0):
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _rows(self) -> list[tuple]:
+        rows = []
+        with self._lock:
+            for request_id, state in list(self._live.items()):
+                num_prompt, sent, limit = state
+                if request_id in self._aborted:
+                    self._aborted.discard(request_id)
+                    del self._live[request_id]
+                    rows.append((request_id, [], True, "abort", num_prompt, sent, 0))
+                    continue
+                token = (num_prompt + 7919 * sent) % 151936
+                state[1] = sent = sent + 1
+                done = sent >= limit
+                if done:
+                    del self._live[request_id]
+                reason = "length" if done else None
+                rows.append((request_id, [token], done, reason, num_prompt, sent, 0))
+        return [(*row, None, None, None, 0, 0, row[2]) for row in rows]
+
+    def _run(self) -> None:
+        from tritonllm.engine.process_messages import decode_step
+
+        cpu0 = time.thread_time()
+        next_step = time.monotonic()
+        while not self._stop.is_set():
+            next_step += self.step_s
+            rows = self._rows()
+            if rows:
+                stats = dataclasses.astuple(self._stats)
+                data = pickle.dumps((rows, stats, dataclasses.astuple(self._times)))
+                outputs, _, _ = decode_step(data)
+                self.outputs += len(outputs)
+                for out in outputs:
+                    self.routes.deliver(out)
+            self.cpu_s = time.thread_time() - cpu0
+            time.sleep(max(0.0, next_step - time.monotonic()))
+
+
+def _adapter():
+    """The generator's `model.py`, imported over `_FakeTriton` (this process only)."""
+    sys.modules["triton_python_backend_utils"] = _FakeTriton("triton_python_backend_utils")
+    path = ROOT / "model_repository" / "generator" / "1" / "model.py"
+    spec = importlib.util.spec_from_file_location("generator_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """One run in this process (this checkout's code); returns its numbers."""
+    from tritonllm.serving.generator_core import GeneratorCore
+
+    model = _adapter()
+    engine = SyntheticEngine(args.step_ms / 1e3)
+    core = GeneratorCore(
+        engine,
+        on_tick=model._Metrics().update,
+        parent_alive=lambda: True,
+        log_warning=print,
+        log_error=print,
+        max_responses_per_s=args.budget,
+    )
+    profile = cProfile.Profile() if args.profile else None
+    if profile is not None:  # the sender thread's calls only
+        streamer = core.streamer
+        for owner, name in (
+            (streamer, "_deliver"),
+            (streamer, "_tick"),
+            (streamer._pacer, "admit"),
+        ):
+            fn = getattr(owner, name)
+
+            def profiled(*a, _fn=fn):
+                profile.enable()
+                try:
+                    return _fn(*a)
+                finally:
+                    profile.disable()
+
+            setattr(owner, name, profiled)
+    core.start()
+    stats = {"responses": 0, "tensors": 0, "cancel_checks": 0}
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+    inputs = {
+        "input_ids": np.arange(512, dtype=np.int32),
+        "max_tokens": np.array([args.tokens], np.int32),
+    }
+    counter = [0]
+
+    def submit(slot):
+        counter[0] += 1
+        sink = model._Sink(_Sender(slot, finished.put, stats))
+        core.execute(f"r{slot}-{counter[0]}", inputs, "", sink)
+
+    for slot in range(args.concurrency):
+        submit(slot)
+    deadline = time.monotonic() + args.warm_s + args.seconds
+    window = None
+    while time.monotonic() < deadline:
+        try:
+            submit(finished.get(timeout=0.05))
+        except queue.Empty:
+            pass
+        if window is None and time.monotonic() >= deadline - args.seconds:
+            window = (time.monotonic(), dict(stats), core.streamer.times(), engine.outputs)
+    end = (time.monotonic(), dict(stats), core.streamer.times(), engine.outputs)
+    engine_cpu = engine.cpu_s
+    core.finalize()
+    wall = end[0] - window[0]
+    responses = end[1]["responses"] - window[1]["responses"]
+    busy = end[2].busy_s - window[2].busy_s
+    cpu = end[2].cpu_s - window[2].cpu_s
+    result = {
+        "responses_per_s": responses / wall,
+        "tokens_per_response": (end[3] - window[3]) / max(responses, 1),
+        "tensors_per_response": (end[1]["tensors"] - window[1]["tensors"]) / max(responses, 1),
+        "cancel_checks_per_s": (end[1]["cancel_checks"] - window[1]["cancel_checks"]) / wall,
+        "sender_busy": busy / wall,
+        "sender_busy_us_per_response": 1e6 * busy / max(responses, 1),
+        "sender_cpu_us_per_response": 1e6 * cpu / max(responses, 1),
+        "engine_outputs_per_s": (end[3] - window[3]) / wall,
+        "engine_cpu_s": engine_cpu,
+    }
+    if profile is not None:
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.profile)
+        result["profile"] = text.getvalue()
+    return result
+
+
+def _row(label: str, r: dict) -> str:
+    return (
+        f"| {label} | {r['responses_per_s']:,.0f} | {r['tokens_per_response']:.2f} | "
+        f"{r['tensors_per_response']:.1f} | {r['cancel_checks_per_s']:,.0f} | "
+        f"{r['sender_busy']:.0%} | {r['sender_busy_us_per_response']:.0f} | "
+        f"{r['sender_cpu_us_per_response']:.0f} |"
+    )
+
+
+HEADER = (
+    "| code | responses/s | tokens/response | tensors/response | is_cancelled/s | sender busy "
+    "| sender busy µs/response | sender CPU µs/response |\n|---|---|---|---|---|---|---|---|"
+)
+
+
+def _child(checkout: Path, argv: list[str]) -> dict:
+    """`measure` in a fresh interpreter on `checkout`'s tritonllm and generator adapter."""
+    command = [sys.executable, "-m", "benchmarks.response_path", "--json", *argv]
+    env = {"PYTHONPATH": str(checkout), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{checkout}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--step-ms", type=float, default=10.0, help="synthetic decode step (ms)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per request")
+    p.add_argument("--seconds", type=float, default=5.0, help="measured window (s)")
+    p.add_argument("--warm-s", type=float, default=1.0)
+    p.add_argument("--budget", type=float, default=2000.0, help="max_responses_per_s (0: none)")
+    p.add_argument("--profile", type=int, default=0, help="print the N costliest functions")
+    p.add_argument("--against", help="another checkout to A/B against (3 rounds each)")
+    p.add_argument("--json", action="store_true", help="print one JSON line (no table)")
+    args = p.parse_args(argv)
+    if args.json:
+        result = measure(args)
+        result.pop("profile", None)
+        print(json.dumps(result))
+        return
+    if args.against:
+        own = [a for a in (argv if argv is not None else sys.argv[1:])]
+        i = own.index("--against")
+        own = own[:i] + own[i + 2 :]
+        print(HEADER)
+        for round_ in range(3):
+            for label, checkout in (("this", ROOT), ("against", Path(args.against))):
+                print(_row(f"{label} #{round_ + 1}", _child(checkout.resolve(), own)), flush=True)
+        return
+    result = measure(args)
+    print(HEADER)
+    print(_row("this", result))
+    if "profile" in result:
+        print(result["profile"])
+
+
+if __name__ == "__main__":
+    main()
