@@ -47,8 +47,28 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Triton's own cost per call (µs), spun on the calling thread with the GIL held; the defaults
+# are `--triton 5000`'s numbers on the 2-core box (2026-12-01, shared and loaded): a tensor
+# built, a send (plus per tensor sent), is_cancelled, a gauge set / counter increment.
+COSTS_US = {"tensor": 10.0, "send": 110.0, "send_tensor": 12.0, "ipc": 25.0}
+
+
+SPUN_S = [0.0]  # seconds spun so far (all on the sender thread)
+
+
+def _spin(us: float) -> None:
+    if us <= 0:
+        return
+    start = time.thread_time()
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
+    SPUN_S[0] += time.thread_time() - start
+
+
 class _FakeTriton(types.ModuleType):
-    """Stand-in for `triton_python_backend_utils` (benchmark only): keeps what it is given."""
+    """Stand-in for `triton_python_backend_utils` (benchmark only): keeps what it is given and
+    spins Triton's measured cost of each call (`COSTS_US`)."""
 
     TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 
@@ -57,6 +77,7 @@ class _FakeTriton(types.ModuleType):
 
         def __init__(self, name, array):
             self.name, self.array = name, array
+            _spin(COSTS_US["tensor"])
 
     class InferenceResponse:
         __slots__ = ("output_tensors", "error")
@@ -79,10 +100,10 @@ class _FakeTriton(types.ModuleType):
 
         class _Metric:
             def set(self, value):
-                pass
+                _spin(COSTS_US["ipc"])
 
             def increment(self, value):
-                pass
+                _spin(COSTS_US["ipc"])
 
         def __init__(self, name, description, kind):
             pass
@@ -100,13 +121,16 @@ class _Sender:
         self.slot, self.on_final, self.stats = slot, on_final, stats
 
     def send(self, response=None, flags=0):
+        tensors = 0 if response is None else len(response.output_tensors)
+        _spin(COSTS_US["send"] + tensors * COSTS_US["send_tensor"])
         if response is not None:
             self.stats["responses"] += 1
-            self.stats["tensors"] += len(response.output_tensors)
+            self.stats["tensors"] += tensors
         if flags:
             self.on_final(self.slot)
 
     def is_cancelled(self):
+        _spin(COSTS_US["ipc"])
         self.stats["cancel_checks"] += 1
         return False
 
@@ -208,6 +232,8 @@ def measure(args: argparse.Namespace) -> dict:
     """One run in this process (this checkout's code); returns its numbers."""
     from tritonllm.serving.generator_core import GeneratorCore
 
+    if args.no_triton_cost:
+        COSTS_US.update(dict.fromkeys(COSTS_US, 0.0))
     model = _adapter()
     engine = SyntheticEngine(args.step_ms / 1e3)
     core = GeneratorCore(
@@ -261,7 +287,9 @@ def measure(args: argparse.Namespace) -> dict:
             pass
         if window is None and time.monotonic() >= deadline - args.seconds:
             window = (time.monotonic(), dict(stats), core.streamer.times(), engine.outputs)
+            spun0 = SPUN_S[0]
     end = (time.monotonic(), dict(stats), core.streamer.times(), engine.outputs)
+    spun = SPUN_S[0] - spun0
     engine_cpu = engine.cpu_s
     core.finalize()
     wall = end[0] - window[0]
@@ -276,6 +304,7 @@ def measure(args: argparse.Namespace) -> dict:
         "sender_busy": busy / wall,
         "sender_busy_us_per_response": 1e6 * busy / max(responses, 1),
         "sender_cpu_us_per_response": 1e6 * cpu / max(responses, 1),
+        "python_us_per_response": 1e6 * (cpu - spun) / max(responses, 1),
         "engine_outputs_per_s": (end[3] - window[3]) / wall,
         "engine_cpu_s": engine_cpu,
     }
@@ -286,18 +315,56 @@ def measure(args: argparse.Namespace) -> dict:
     return result
 
 
+def triton_costs(count: int) -> dict[str, float]:
+    """µs per call of each pb_utils call of the response path, timed inside a real stub
+    (`response_path_repository/rp_costs`; `send_*` include building their tensors).
+
+    Raises:
+        RuntimeError: the server did not start or the request failed.
+    """
+    import tritonclient.grpc as grpcclient
+
+    from tritonllm.triton_server import TritonServer
+
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    received = [0]
+
+    def on_response(result, error):
+        if error is not None:
+            done.put(error)
+            return
+        received[0] += 1
+        report = result.as_numpy("report")
+        if report is not None:
+            done.put(json.loads(report.reshape(-1)[0]))
+
+    with TritonServer(model_repository=ROOT / "benchmarks" / "response_path_repository") as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url.removeprefix("grpc://"))
+        client.start_stream(callback=on_response)
+        tensor = grpcclient.InferInput("count", [1], "INT32")
+        tensor.set_data_from_numpy(np.array([count], np.int32))
+        client.async_stream_infer("rp_costs", [tensor], request_id="costs")
+        result = done.get(timeout=600)
+        client.stop_stream()
+    if not isinstance(result, dict):
+        raise RuntimeError(f"rp_costs failed: {result}")
+    result["responses_received"] = received[0]
+    return result
+
+
 def _row(label: str, r: dict) -> str:
     return (
         f"| {label} | {r['responses_per_s']:,.0f} | {r['tokens_per_response']:.2f} | "
         f"{r['tensors_per_response']:.1f} | {r['cancel_checks_per_s']:,.0f} | "
         f"{r['sender_busy']:.0%} | {r['sender_busy_us_per_response']:.0f} | "
-        f"{r['sender_cpu_us_per_response']:.0f} |"
+        f"{r['sender_cpu_us_per_response']:.0f} | {r['python_us_per_response']:.0f} |"
     )
 
 
 HEADER = (
     "| code | responses/s | tokens/response | tensors/response | is_cancelled/s | sender busy "
-    "| sender busy µs/response | sender CPU µs/response |\n|---|---|---|---|---|---|---|---|"
+    "| sender busy µs/response | sender CPU µs/response | of it Python µs/response |\n"
+    "|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -321,8 +388,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget", type=float, default=2000.0, help="max_responses_per_s (0: none)")
     p.add_argument("--profile", type=int, default=0, help="print the N costliest functions")
     p.add_argument("--against", help="another checkout to A/B against (3 rounds each)")
+    p.add_argument(
+        "--no-triton-cost", action="store_true", help="stand-in calls cost nothing (Python only)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON line (no table)")
+    p.add_argument(
+        "--triton", type=int, metavar="N", help="time each pb_utils call N times in a real stub"
+    )
     args = p.parse_args(argv)
+    if args.triton:
+        costs = triton_costs(args.triton)
+        print("| pb_utils call | µs per call |\n|---|---|")
+        for name, value in costs.items():
+            print(f"| {name} | {value:,.1f} |")
+        return
     if args.json:
         result = measure(args)
         result.pop("profile", None)
