@@ -151,7 +151,8 @@ class TritonPythonModel:
         served_model_dir(params)  # a missing model directory fails the load with how to build it
         config, serving = engine_config(params), serving_config(params)
         engine: EngineClient
-        if serving.use_engine_process(config.device):
+        own_process = serving.use_engine_process(config.device)
+        if own_process:
             engine = EngineProcess(config)  # RuntimeError with the reason fails the load
         else:
             engine = EngineThread(LLMEngine(config))
@@ -162,7 +163,7 @@ class TritonPythonModel:
             log_warning=logger.log_warn,
             log_error=logger.log_error,
             metrics_interval_s=serving.metrics_interval_s,
-            max_responses_per_s=serving.max_responses_per_s,
+            max_responses_per_s=serving.response_budget(own_process),
         ).start()
 
     def execute(self, requests):
