@@ -86,6 +86,17 @@ def test_stream_false_sends_one_chunk_with_all_ids():
     assert (chunk.num_input_tokens, chunk.num_output_tokens, chunk.cached_tokens) == (5, 4, 2)
 
 
+def test_prompt_counts_go_in_a_choices_first_and_final_chunks_only():
+    """num_input_tokens / cached_tokens never change, so only a choice's first and final
+    responses carry them (fewer tensors per response); a one-chunk stream carries them."""
+    state = StreamState()
+    flags = [state.on_output(out("r", [t], t + 1)).with_counts for t in range(4)]
+    flags.append(state.on_output(out("r", [9], 5, "stop")).with_counts)
+    assert flags == [True, False, False, False, True]
+    assert StreamState().on_output(out("r", [1], 1, "length")).with_counts
+    assert StreamState(stream=False).on_output(out("r", [1], 1, "length")).with_counts
+
+
 def test_stream_state_reports_engine_errors():
     failed = RequestOutput("r", [], True, "error", 5, 0, 0, error="engine error: boom")
     assert StreamState().on_output(failed).error == "engine error: boom"

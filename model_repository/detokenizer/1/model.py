@@ -36,9 +36,16 @@ from tritonllm.serving.logprobs import logprob_entries
 from tritonllm.tokenization.detokenizer import Detokenizer
 from tritonllm.triton_config import model_parameters, served_model_dir
 
-PASS_THROUGH = ("finish_reason", "num_input_tokens", "num_output_tokens", "cached_tokens")
-# Optional inputs (sent by the generator only when logprobs were requested): passed through.
-LOGPROB_INPUTS = ("output_logprobs", "top_logprob_ids", "top_logprobs")
+PASS_THROUGH = ("finish_reason", "num_output_tokens")
+# Optional inputs passed through when present: the prompt's counts (in a choice's first and
+# final responses) and the logprobs (only when they were requested).
+OPTIONAL_PASS_THROUGH = (
+    "num_input_tokens",
+    "cached_tokens",
+    "output_logprobs",
+    "top_logprob_ids",
+    "top_logprobs",
+)
 
 
 def _optional(request, name):
@@ -70,14 +77,16 @@ class TritonPythonModel:
         new_ids = array("output_ids").reshape(-1).tolist()
         prefix_ids = array("prefix_ids").reshape(-1).tolist()
         text = self.detokenizer.delta(prefix_ids, new_ids, final)
-        text = apply_trim(text, int(array("trim_chars").reshape(-1)[0]))
+        trim = _optional(request, "trim_chars")
+        if trim is not None:
+            text = apply_trim(text, int(trim.reshape(-1)[0]))
         echo = _optional(request, "echo_text")
         if echo is not None:
             text = _first_text(echo) + text
         shape = passed["finish_reason"].shape
         passed["index"] = np.zeros(shape, np.int32) if index is None else index
         logprobs_json = ""
-        for name in LOGPROB_INPUTS:
+        for name in OPTIONAL_PASS_THROUGH:
             value = _optional(request, name)
             if value is not None:
                 passed[name] = value

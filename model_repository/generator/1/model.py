@@ -43,22 +43,29 @@ from tritonllm.triton_config import (
 )
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-_COUNTS = ("num_input_tokens", "num_output_tokens", "cached_tokens", "trim_chars")
+
+
+def _int32(name, value):
+    return pb_utils.Tensor(name, np.array([value], np.int32))
 
 
 def _tensors(chunk):
     """The ``generator`` outputs of one ``ResponseChunk``; the optional ones only when the
-    chunk carries them (each tensor costs time on the response path, ARCHITECTURE.md)."""
+    chunk carries them (each tensor costs time on the response path, ARCHITECTURE.md): the
+    prompt's counts in a choice's first and final responses, ``trim_chars`` when not 0."""
     tensors = [
         pb_utils.Tensor("output_ids", np.asarray(chunk.output_ids, dtype=np.int32)),
         pb_utils.Tensor("prefix_ids", np.asarray(chunk.prefix_ids, dtype=np.int32)),
         pb_utils.Tensor("finish_reason", np.array([chunk.finish_reason.encode()], dtype=object)),
+        _int32("num_output_tokens", chunk.num_output_tokens),
     ]
-    counts = (chunk.num_input_tokens, chunk.num_output_tokens, chunk.cached_tokens)
-    counts += (chunk.trim_chars,)
-    tensors += [
-        pb_utils.Tensor(n, np.array([c], np.int32)) for n, c in zip(_COUNTS, counts, strict=True)
-    ]
+    if chunk.with_counts:
+        tensors += [
+            _int32("num_input_tokens", chunk.num_input_tokens),
+            _int32("cached_tokens", chunk.cached_tokens),
+        ]
+    if chunk.trim_chars:
+        tensors.append(_int32("trim_chars", chunk.trim_chars))
     if chunk.with_index:
         tensors.append(pb_utils.Tensor("index", np.array([chunk.index], dtype=np.int32)))
     if chunk.num_top is not None:

@@ -44,7 +44,7 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             us = {}
 
-            def timed(name, fn):
+            def timed(name, fn, count=count, us=us):
                 start = time.perf_counter()
                 for k in range(count):
                     fn(k)
@@ -53,13 +53,13 @@ class TritonPythonModel:
             built = _tensors(0)
             timed("tensors_7", _tensors)
             timed("tensors_4", lambda k: _tensors(k, full=False))
-            timed("response_7", lambda k: pb_utils.InferenceResponse(output_tensors=built))
-            timed("send_7", lambda k: sender.send(pb_utils.InferenceResponse(_tensors(k)), 0))
+            timed("response_7", lambda k, t=built: pb_utils.InferenceResponse(output_tensors=t))
+            timed("send_7", lambda k, s=sender: s.send(pb_utils.InferenceResponse(_tensors(k)), 0))
             timed(
                 "send_4",
-                lambda k: sender.send(pb_utils.InferenceResponse(_tensors(k, full=False)), 0),
+                lambda k, s=sender: s.send(pb_utils.InferenceResponse(_tensors(k, full=False)), 0),
             )
-            timed("is_cancelled", lambda k: sender.is_cancelled())
+            timed("is_cancelled", lambda k, s=sender: s.is_cancelled())
             timed("gauge_set", lambda k: self.gauge.set(k))
             timed("counter_increment", lambda k: self.counter.increment(1))
             report = pb_utils.Tensor("report", np.array([json.dumps(us).encode()], dtype=object))
