@@ -315,7 +315,7 @@ def measure(args: argparse.Namespace) -> dict:
     return result
 
 
-def triton_costs(count: int) -> dict[str, float]:
+def triton_costs(count: int, log_path: Path | None = None) -> dict[str, float]:
     """µs per call of each pb_utils call of the response path, timed inside a real stub
     (`response_path_repository/rp_costs`; `send_*` include building their tensors).
 
@@ -338,12 +338,14 @@ def triton_costs(count: int) -> dict[str, float]:
         if report is not None:
             done.put(json.loads(report.reshape(-1)[0]))
 
-    with TritonServer(model_repository=ROOT / "benchmarks" / "response_path_repository") as server:
+    repository = ROOT / "benchmarks" / "response_path_repository"
+    with TritonServer(model_repository=repository, log_path=log_path) as server:
         client = grpcclient.InferenceServerClient(server.grpc_url.removeprefix("grpc://"))
         client.start_stream(callback=on_response)
-        tensor = grpcclient.InferInput("count", [1], "INT32")
-        tensor.set_data_from_numpy(np.array([count], np.int32))
-        client.async_stream_infer("rp_costs", [tensor], request_id="costs")
+        for i, value in enumerate([0] * 4 + [count]):  # 4 held requests for threaded sends
+            tensor = grpcclient.InferInput("count", [1], "INT32")
+            tensor.set_data_from_numpy(np.array([value], np.int32))
+            client.async_stream_infer("rp_costs", [tensor], request_id=f"costs-{i}")
         result = done.get(timeout=600)
         client.stop_stream()
     if not isinstance(result, dict):
@@ -397,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     if args.triton:
-        costs = triton_costs(args.triton)
+        costs = triton_costs(args.triton, Path("/tmp/response_path_triton.log"))
         print("| pb_utils call | µs per call |\n|---|---|")
         for name, value in costs.items():
             print(f"| {name} | {value:,.1f} |")
