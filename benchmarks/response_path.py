@@ -21,7 +21,9 @@ would). Reported: responses/s, tokens per response, the sender thread's busy sec
 seconds per response, and with `--profile N` the N most expensive functions of the sender
 thread (cProfile, its own time). `--against DIR` runs the same measurement on another checkout
 (e.g. a `git worktree` of main) in alternation with this one, three rounds each, for an A/B in
-one run.
+one run. `--sender-threads K --send-sleeps` models several sender threads (Triton's send waits
+for tritonserver without the GIL); then only responses/s compares (the CPU columns count the
+first sender thread only).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # are `--triton 5000`'s numbers on the 2-core box (2026-12-01, shared and loaded): a tensor
 # built, a send (plus per tensor sent), is_cancelled, a gauge set / counter increment.
 COSTS_US = {"tensor": 10.0, "send": 110.0, "send_tensor": 12.0, "ipc": 25.0}
+SEND_RELEASES_GIL = [False]  # --send-sleeps: a send's base cost is slept (GIL released)
 
 
 SPUN_S = [0.0]  # seconds spun so far (all on the sender thread)
@@ -122,7 +125,11 @@ class _Sender:
 
     def send(self, response=None, flags=0):
         tensors = 0 if response is None else len(response.output_tensors)
-        _spin(COSTS_US["send"] + tensors * COSTS_US["send_tensor"])
+        if SEND_RELEASES_GIL[0]:
+            _spin(tensors * COSTS_US["send_tensor"])
+            time.sleep(COSTS_US["send"] * 1e-6)
+        else:
+            _spin(COSTS_US["send"] + tensors * COSTS_US["send_tensor"])
         if response is not None:
             self.stats["responses"] += 1
             self.stats["tensors"] += tensors
@@ -234,6 +241,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     if args.no_triton_cost:
         COSTS_US.update(dict.fromkeys(COSTS_US, 0.0))
+    SEND_RELEASES_GIL[0] = args.send_sleeps
     model = _adapter()
     engine = SyntheticEngine(args.step_ms / 1e3)
     core = GeneratorCore(
@@ -243,6 +251,7 @@ def measure(args: argparse.Namespace) -> dict:
         log_warning=print,
         log_error=print,
         max_responses_per_s=args.budget,
+        sender_threads=args.sender_threads,
     )
     profile = cProfile.Profile() if args.profile else None
     if profile is not None:  # the sender thread's calls only
@@ -304,7 +313,9 @@ def measure(args: argparse.Namespace) -> dict:
         "sender_busy": busy / wall,
         "sender_busy_us_per_response": 1e6 * busy / max(responses, 1),
         "sender_cpu_us_per_response": 1e6 * cpu / max(responses, 1),
-        "python_us_per_response": 1e6 * (cpu - spun) / max(responses, 1),
+        "python_us_per_response": (
+            1e6 * (cpu - spun) / max(responses, 1) if args.sender_threads == 1 else float("nan")
+        ),
         "engine_outputs_per_s": (end[3] - window[3]) / wall,
         "engine_cpu_s": engine_cpu,
     }
@@ -393,6 +404,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--no-triton-cost", action="store_true", help="stand-in calls cost nothing (Python only)"
     )
+    p.add_argument(
+        "--send-sleeps",
+        action="store_true",
+        help="a send's base cost is slept, not spun (Triton's send waits without the GIL)",
+    )
+    p.add_argument("--sender-threads", type=int, default=1, help="GeneratorCore sender_threads")
     p.add_argument("--json", action="store_true", help="print one JSON line (no table)")
     p.add_argument(
         "--triton", type=int, metavar="N", help="time each pb_utils call N times in a real stub"

@@ -394,3 +394,41 @@ def test_cancellation_checks_are_budgeted_over_all_live_requests():
         assert sinks[3].sent[-1] == (None, True) and "r3" in engine.aborted
     finally:
         core.finalize()
+
+
+def test_several_sender_threads_keep_every_stream_exact_and_in_order():
+    """With responses sent from several threads at once, each request's responses still come
+    in order, every id exactly once, the final flag last."""
+    threads = set()
+
+    class ThreadSink(Sink):
+        def send(self, chunk, final) -> None:
+            threads.add(threading.current_thread().name)
+            super().send(chunk, final)
+
+    engine = RecordingEngine()
+    core = GeneratorCore(
+        engine,
+        on_tick=lambda *args: None,
+        parent_alive=lambda: True,
+        log_warning=lambda text: None,
+        log_error=print,
+        sender_threads=4,
+    ).start()
+    try:
+        sinks = {f"r{i}": ThreadSink() for i in range(24)}
+        for key, sink in sinks.items():
+            core.execute(key, {"input_ids": ids(1)}, "", sink)
+        for step in range(30):
+            for key in sinks:
+                reason = "length" if step == 29 else None
+                engine.emit(key, out(key, [step], reason=reason))
+        for sink in sinks.values():
+            sink.wait()
+        eventually(lambda: len(core.requests) == 0)
+        assert len(threads) > 1  # the responses did leave from several threads
+        for sink in sinks.values():
+            assert [f for _, f in sink.sent] == [False] * (len(sink.sent) - 1) + [True]
+            assert [t for chunk, _ in sink.sent for t in chunk.output_ids] == list(range(30))
+    finally:
+        core.finalize()

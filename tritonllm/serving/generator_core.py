@@ -24,6 +24,7 @@ a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -89,6 +90,8 @@ class GeneratorCore:
             response budget (``ResponseStreamer``).
         cancel_check_s: least seconds between two cancellation checks of one request.
         cancel_checks_per_s: most cancellation checks per second over all live requests.
+        sender_threads: threads sending responses at once, each request always from the same
+            one (``ResponseStreamer``'s ``senders``).
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class GeneratorCore:
         max_responses_per_s: float = 0.0,
         cancel_check_s: float = CANCEL_CHECK_S,
         cancel_checks_per_s: float = CANCEL_CHECKS_PER_S,
+        sender_threads: int = 1,
     ) -> None:
         self.engine = engine
         self.requests: RequestTable[_Entry] = RequestTable()
@@ -111,6 +115,7 @@ class GeneratorCore:
         self._cancel_checks_per_s = cancel_checks_per_s
         self._check_every = cancel_check_s  # seconds between two checks of one request
         self._new_tokens = 0  # generated since the last tick
+        self._tokens_lock = threading.Lock()  # _deliver may run on several sender threads
         self._last_cancel_scan = time.monotonic()
         self.streamer = ResponseStreamer(
             self._deliver,
@@ -118,6 +123,7 @@ class GeneratorCore:
             interval_s=metrics_interval_s,
             on_error=log_error,
             max_responses_per_s=max_responses_per_s,
+            senders=sender_threads,
         )
 
     def start(self) -> GeneratorCore:
@@ -190,14 +196,16 @@ class GeneratorCore:
     def _deliver(self, outputs: list[RequestOutput]) -> int:
         """Send the responses of a batch of coalesced outputs; returns how many were sent
         (none once tritonserver is gone). A request whose response cannot be built fails
-        alone, with an internal error; the others' outputs are still delivered."""
+        alone, with an internal error; the others' outputs are still delivered. Safe on
+        several sender threads at once for different requests."""
         if not self._parent_alive():
             return 0
         now = time.monotonic()
         self._pace_cancel_checks()
+        with self._tokens_lock:
+            self._new_tokens += sum(len(output.new_token_ids) for output in outputs)
         sent = 0
         for output in outputs:
-            self._new_tokens += len(output.new_token_ids)
             key = output.request_id
             entry = self.requests.get(key)
             if entry is None:
@@ -287,7 +295,8 @@ class GeneratorCore:
             for key, entry in self.requests.items():
                 if not entry.cancelled and self._cancelled(entry, now):
                     self._cancel(key, entry)
-        new_tokens, self._new_tokens = self._new_tokens, 0
+        with self._tokens_lock:
+            new_tokens, self._new_tokens = self._new_tokens, 0
         self._on_tick(
             self.engine.stats(), new_tokens, self.engine.loop_times(), self.streamer.times()
         )

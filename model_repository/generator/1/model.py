@@ -171,6 +171,7 @@ class TritonPythonModel:
             log_error=logger.log_error,
             metrics_interval_s=serving.metrics_interval_s,
             max_responses_per_s=serving.response_budget(own_process),
+            sender_threads=serving.sender_threads,
         ).start()
 
     def execute(self, requests):
