@@ -333,7 +333,7 @@ def notes(args: argparse.Namespace) -> list[str]:
     """The section notes of a ceiling run with `args` (`add_arguments`' flags)."""
     return [
         f"ceiling: {args.ceiling_instances} instance(s) of ceiling_stream (one sender thread "
-        "each, the generator's 7 tensors per one-token response), alone and as the middle step "
+        "each, the generator's tensors per one-token response: 4, 6 in a stream's first and last), alone and as the middle step "
         f"of ceiling_llm (shaped like llm); closed-loop gRPC streams of {args.ceiling_tokens} "
         f"responses from {args.ceiling_client_processes} client processes (at most); responses "
         f"counted in a {args.ceiling_seconds:g} s window after {WARM_S:g} s of warm-up",

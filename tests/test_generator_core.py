@@ -102,7 +102,8 @@ def core():
         log_warning=lambda text: None,
         log_error=print,
         metrics_interval_s=0.01,
-        cancel_check_s=0.0,
+        cancel_check_s=0.0,  # every output asks (no budget): the checks' effects are tested
+        cancel_checks_per_s=float("inf"),
     ).start()
     yield core
     core.finalize()
@@ -352,3 +353,82 @@ def test_cancel_watch_needs_no_abort_for_a_final_response_and_forgets_stale_ids(
     clock.now = 25.0  # "lost" never sent its final response here
     assert not watch.should_abort("other", False, lambda: False)
     assert len(watch) == 1  # only "other" is left
+
+
+def test_cancellation_checks_are_budgeted_over_all_live_requests():
+    """Each check is an IPC round trip on the sender thread: with many live requests every one
+    is asked less often, so the checks per second stay under the budget; a cancelled client
+    is still found and aborted."""
+
+    class CountingSink(Sink):
+        calls = 0
+
+        def is_cancelled(self) -> bool:
+            CountingSink.calls += 1
+            return self.cancelled
+
+    engine = RecordingEngine()
+    core = GeneratorCore(
+        engine,
+        on_tick=lambda *args: None,
+        parent_alive=lambda: True,
+        log_warning=lambda text: None,
+        log_error=print,
+        metrics_interval_s=0.01,
+        cancel_check_s=0.0,
+        cancel_checks_per_s=100.0,
+    ).start()
+    try:
+        sinks = [CountingSink() for _ in range(50)]  # each asked at most every 0.5 s
+        for i, sink in enumerate(sinks):
+            core.execute(f"r{i}", {"input_ids": ids(1)}, "", sink)
+        start = time.monotonic()
+        while time.monotonic() - start < 1.0:
+            for i in range(50):
+                engine.emit(f"r{i}", out(f"r{i}", [7]))
+            time.sleep(0.01)
+        elapsed = time.monotonic() - start
+        assert 0 < CountingSink.calls <= 100.0 * elapsed + 50  # + one first check each
+        sinks[3].cancelled = True
+        sinks[3].wait()
+        assert sinks[3].sent[-1] == (None, True) and "r3" in engine.aborted
+    finally:
+        core.finalize()
+
+
+def test_several_sender_threads_keep_every_stream_exact_and_in_order():
+    """With responses sent from several threads at once, each request's responses still come
+    in order, every id exactly once, the final flag last."""
+    threads = set()
+
+    class ThreadSink(Sink):
+        def send(self, chunk, final) -> None:
+            threads.add(threading.current_thread().name)
+            super().send(chunk, final)
+
+    engine = RecordingEngine()
+    core = GeneratorCore(
+        engine,
+        on_tick=lambda *args: None,
+        parent_alive=lambda: True,
+        log_warning=lambda text: None,
+        log_error=print,
+        sender_threads=4,
+    ).start()
+    try:
+        sinks = {f"r{i}": ThreadSink() for i in range(24)}
+        for key, sink in sinks.items():
+            core.execute(key, {"input_ids": ids(1)}, "", sink)
+        for step in range(30):
+            for key in sinks:
+                reason = "length" if step == 29 else None
+                engine.emit(key, out(key, [step], reason=reason))
+        for sink in sinks.values():
+            sink.wait()
+        eventually(lambda: len(core.requests) == 0)
+        assert len(threads) > 1  # the responses did leave from several threads
+        for sink in sinks.values():
+            assert [f for _, f in sink.sent] == [False] * (len(sink.sent) - 1) + [True]
+            assert [t for chunk, _ in sink.sent for t in chunk.output_ids] == list(range(30))
+    finally:
+        core.finalize()

@@ -69,7 +69,13 @@ def test_engine_config_rejects_bad_values():
 
 def test_serving_config_interval():
     assert serving_config({}, {}).metrics_interval_s == 0.05
-    assert serving_config({"max_responses_per_s": "10"}, {}).max_responses_per_s == 10.0
+    assert serving_config({"max_responses_per_s": "10"}, {}).response_budget(True) == 10.0
+    default = serving_config({}, {})
+    assert (default.response_budget(True), default.response_budget(False)) == (8000.0, 2000.0)
+    assert default.sender_threads == 1
+    assert serving_config({}, {"TRITONLLM_SENDER_THREADS": "4"}).sender_threads == 4
+    with pytest.raises(ValueError, match="sender_threads"):
+        serving_config({"sender_threads": "0"}, {})
     assert serving_config({}, {"TRITONLLM_METRICS_INTERVAL_MS": "20"}).metrics_interval_s == 0.02
 
 
@@ -113,7 +119,7 @@ def test_every_engine_field_is_documented():
 
     for field in fields(EngineConfig):
         assert f"TRITONLLM_{field.name.upper()}" in module.__doc__, field.name
-    for name in ("METRICS_INTERVAL_MS", "MAX_RESPONSES_PER_S", "ENGINE_PROCESS"):
+    for name in ("METRICS_INTERVAL_MS", "MAX_RESPONSES_PER_S", "ENGINE_PROCESS", "SENDER_THREADS"):
         assert f"TRITONLLM_{name}" in module.__doc__, name
 
 

@@ -86,6 +86,17 @@ def test_stream_false_sends_one_chunk_with_all_ids():
     assert (chunk.num_input_tokens, chunk.num_output_tokens, chunk.cached_tokens) == (5, 4, 2)
 
 
+def test_prompt_counts_go_in_a_choices_first_and_final_chunks_only():
+    """num_input_tokens / cached_tokens never change, so only a choice's first and final
+    responses carry them (fewer tensors per response); a one-chunk stream carries them."""
+    state = StreamState()
+    flags = [state.on_output(out("r", [t], t + 1)).with_counts for t in range(4)]
+    flags.append(state.on_output(out("r", [9], 5, "stop")).with_counts)
+    assert flags == [True, False, False, False, True]
+    assert StreamState().on_output(out("r", [1], 1, "length")).with_counts
+    assert StreamState(stream=False).on_output(out("r", [1], 1, "length")).with_counts
+
+
 def test_stream_state_reports_engine_errors():
     failed = RequestOutput("r", [], True, "error", 5, 0, 0, error="engine error: boom")
     assert StreamState().on_output(failed).error == "engine error: boom"
@@ -239,6 +250,40 @@ def test_pacer_holds_tokens_until_the_request_is_due_and_never_delays_the_final(
     (final,) = pacer.admit([out("b", [6], 2, "stop")], 0.11)
     assert final.finished and final.new_token_ids == [6]
     assert pacer.next_due() is None
+
+
+def test_pacer_releases_every_token_once_in_order_over_many_passes():
+    """Outputs held over many sender passes come out merged, each id exactly once and in
+    order, a request's final output never held; whatever the arrival pattern."""
+    import random
+
+    from tritonllm.serving.pacer import ResponsePacer
+
+    rng = random.Random(0)
+    pacer = ResponsePacer(max_responses_per_s=200.0)
+    lengths = {f"r{i}": rng.randint(1, 40) for i in range(12)}
+    made = dict.fromkeys(lengths, 0)
+    sent: dict[str, list[int]] = {rid: [] for rid in lengths}
+    now, longest = 0.0, 0
+    while any(made[r] < n for r, n in lengths.items()) or pacer.next_due() is not None:
+        batch = []
+        for rid, n in lengths.items():
+            if made[rid] < n and rng.random() < 0.7:
+                made[rid] += 1
+                reason = "length" if made[rid] == n else None
+                batch.append(out(rid, [made[rid]], made[rid], reason))
+        released = pacer.admit(batch, now)
+        finals = {o.request_id for o in batch if o.finished}
+        assert finals <= {o.request_id for o in released if o.finished}  # never held
+        longest = max([longest, *(len(o.new_token_ids) for o in released)])
+        for o in released:
+            sent[o.request_id] += o.new_token_ids
+            assert o.num_output_tokens == len(sent[o.request_id])  # the last counts
+            if o.finished:
+                assert sent[o.request_id] == list(range(1, lengths[o.request_id] + 1))
+        now += 0.004
+    assert all(ids == list(range(1, lengths[r] + 1)) for r, ids in sent.items())
+    assert longest > 3  # tokens were held and coalesced
 
 
 def test_pacer_disabled_sends_everything():

@@ -32,7 +32,12 @@ is a field of ``EngineConfig``; each can be set by the environment variable
 ``TRITONLLM_METRICS_INTERVAL_MS``      generator: most ms between custom-metric updates (50)
 ``TRITONLLM_MAX_RESPONSES_PER_S``      generator: response budget shared by all streaming
                                        requests; under load several tokens go per response
-                                       (``serving/pacer.py``); 0 disables pacing (2000)
+                                       (``serving/pacer.py``); 0 disables pacing
+                                       (default: 8000 with the engine in its own process,
+                                       2000 with it on the stub's thread, whose GIL the
+                                       response path shares)
+``TRITONLLM_SENDER_THREADS``           generator: threads sending responses at once, each
+                                       request from one of them (1)
 ``TRITONLLM_ENGINE_PROCESS``           generator: ``true``: run the engine in its own process
                                        (``engine/engine_process.py``: a GIL of its own),
                                        ``false``: on a thread of the Python stub; default: a
@@ -84,7 +89,10 @@ class ServingConfig:
     Attributes:
         metrics_interval_s: most seconds between two updates of the ``tritonllm_*`` metrics
             while requests run (they are also updated at once after a request finishes).
-        max_responses_per_s: response budget of ``tritonllm.serving.pacer.ResponsePacer``.
+        max_responses_per_s: response budget of ``tritonllm.serving.pacer.ResponsePacer``;
+            None: by where the engine runs (``response_budget``).
+        sender_threads: threads of the generator that send responses at once (each request
+            always from the same one; ``serving.response_streamer``).
         engine_process: run the engine in a child process (``EngineProcess``) rather than on a
             thread of the generator's Python stub (``EngineThread``); None: a process when the
             engine's device is CUDA (the stub's GIL bounds a fast GPU engine, ARCHITECTURE.md
@@ -93,8 +101,18 @@ class ServingConfig:
     """
 
     metrics_interval_s: float = 0.05
-    max_responses_per_s: float = 2000.0
+    max_responses_per_s: float | None = None
     engine_process: bool | None = None
+    sender_threads: int = 1
+
+    def response_budget(self, engine_process: bool) -> float:
+        """The pacer's budget (responses/s): ``max_responses_per_s`` when set, else 8000 with
+        the engine in its own process (about Triton's ceiling for one decoupled Python model,
+        ARCHITECTURE.md "Platform facts": pacing only spreads what the path can carry) and
+        2000 with the engine on the stub's thread (responses then take the engine's GIL)."""
+        if self.max_responses_per_s is not None:
+            return self.max_responses_per_s
+        return 8000.0 if engine_process else 2000.0
 
     def use_engine_process(self, device: str, tensor_parallel_size: int = 1) -> bool:
         """Whether the generator runs an engine on ``device`` (``cpu``, ``cuda``, ``cuda:N``)
@@ -233,10 +251,12 @@ def serving_config(
     params: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None
 ) -> ServingConfig:
     """The generator's ``ServingConfig`` (``TRITONLLM_METRICS_INTERVAL_MS``,
-    ``TRITONLLM_MAX_RESPONSES_PER_S``, ``TRITONLLM_ENGINE_PROCESS``).
+    ``TRITONLLM_MAX_RESPONSES_PER_S``, ``TRITONLLM_ENGINE_PROCESS``,
+    ``TRITONLLM_SENDER_THREADS``).
 
     Raises:
-        ValueError: a value that is not a number (a boolean for ``engine_process``).
+        ValueError: a value that is not a number (a boolean for ``engine_process``), or
+            ``sender_threads`` < 1.
     """
     env = os.environ if env is None else env
     kwargs: dict[str, Any] = {}
@@ -246,6 +266,11 @@ def serving_config(
     budget = _setting("max_responses_per_s", params or {}, env)
     if budget is not None:
         kwargs["max_responses_per_s"] = _parse(budget, "float", "max_responses_per_s")
+    threads = _setting("sender_threads", params or {}, env)
+    if threads is not None:
+        kwargs["sender_threads"] = _parse(threads, "int", "sender_threads")
+        if kwargs["sender_threads"] < 1:
+            raise ValueError(f"setting 'sender_threads' must be >= 1, got {threads!r}")
     process = _setting("engine_process", params or {}, env)
     if process is not None:
         kwargs["engine_process"] = _parse(process, "bool | None", "engine_process")

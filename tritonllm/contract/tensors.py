@@ -122,10 +122,12 @@ GENERATOR_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("output_ids", "INT32", (-1,)),
     TensorSpec("prefix_ids", "INT32", (-1,)),
     TensorSpec("finish_reason", "BYTES"),
-    TensorSpec("num_input_tokens", "INT32"),
+    # Only in a choice's first and final responses (each tensor costs time on the response
+    # path): the prompt's counts do not change.
+    _opt("num_input_tokens", "INT32"),
     TensorSpec("num_output_tokens", "INT32"),
-    TensorSpec("cached_tokens", "INT32"),
-    TensorSpec("trim_chars", "INT32"),
+    _opt("cached_tokens", "INT32"),
+    _opt("trim_chars", "INT32"),  # only when not 0 (a matched stop string, in a final response)
     _opt("index", "INT32"),  # only when n > 1
     _opt("output_logprobs", "FP32", (-1,)),  # only with logprobs, this and the next two
     _opt("top_logprob_ids", "INT32", (-1,)),
@@ -154,9 +156,9 @@ GENERATOR = ModelSpec(
 LLM_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("text_output", "BYTES"),
     TensorSpec("finish_reason", "BYTES"),
-    TensorSpec("num_input_tokens", "INT32"),
+    _opt("num_input_tokens", "INT32"),  # in a choice's first and final responses only
     TensorSpec("num_output_tokens", "INT32"),
-    TensorSpec("cached_tokens", "INT32"),
+    _opt("cached_tokens", "INT32"),  # in a choice's first and final responses only
     TensorSpec("index", "INT32"),
     _opt("output_logprobs", "FP32", (-1,)),
     _opt("top_logprob_ids", "INT32", (-1,)),

@@ -17,21 +17,26 @@ if TYPE_CHECKING:
     from tritonllm.engine.request import RequestOutput
 
 
-def _concat(first: list | None, second: list | None) -> list | None:
-    """Per-token lists of two outputs joined; None only when neither has one (a final abort
-    output carries no ids and no logprobs even when logprobs were requested)."""
-    if first is None and second is None:
+def _joined(outputs: list[RequestOutput], field: str) -> list | None:
+    """The per-token lists ``field`` of ``outputs`` joined; None only when none has one (a final
+    abort output carries no ids and no logprobs even when logprobs were requested)."""
+    parts = [getattr(output, field) for output in outputs]
+    if all(part is None for part in parts):
         return None
-    return list(first or []) + list(second or [])
+    return [item for part in parts if part is not None for item in part]
 
 
-def _merged(previous: RequestOutput, output: RequestOutput) -> RequestOutput:
-    """``output`` with ``previous``'s ids and logprobs in front of its own."""
+def merged(outputs: list[RequestOutput]) -> RequestOutput:
+    """The last of ``outputs`` (one request's choice, in engine order) with all their ids and
+    logprobs, in order: one ``replace`` per response, not one per merged output (the sender
+    thread's cost)."""
+    if len(outputs) == 1:
+        return outputs[0]
     return replace(
-        output,
-        new_token_ids=list(previous.new_token_ids) + list(output.new_token_ids),
-        logprobs=_concat(previous.logprobs, output.logprobs),
-        top_logprobs=_concat(previous.top_logprobs, output.top_logprobs),
+        outputs[-1],
+        new_token_ids=_joined(outputs, "new_token_ids") or [],
+        logprobs=_joined(outputs, "logprobs"),
+        top_logprobs=_joined(outputs, "top_logprobs"),
     )
 
 
@@ -48,14 +53,14 @@ def coalesce(outputs: Iterable[RequestOutput]) -> list[RequestOutput]:
         merged outputs'; ``finished``, ``finish_reason`` and the token counts are those of the
         last one. Outputs that arrive after a request's finished output are dropped (stale).
     """
-    merged: dict[tuple[str, int], RequestOutput] = {}
+    groups: dict[tuple[str, int], list[RequestOutput]] = {}
     for output in outputs:
         key = (output.request_id, output.index)
-        previous = merged.pop(key, None)
-        if previous is None:
-            merged[key] = output
-        elif not previous.finished:
-            merged[key] = _merged(previous, output)
-        else:
-            merged[key] = previous  # stale: an output after the finished one is dropped
-    return list(merged.values())
+        group = groups.pop(key, None)
+        if group is None:
+            group = [output]
+        elif not group[-1].finished:
+            group.append(output)
+        # else stale: an output after the finished one is dropped
+        groups[key] = group
+    return [merged(group) for group in groups.values()]

@@ -14,8 +14,9 @@ a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept 
 - choices: a request's responses carry each output's ``index``; the final flag comes with the
   engine's ``request_finished`` output (the engine counts live choices; nothing here does);
 - cancellation: a request whose client cancelled (``ResponseSink.is_cancelled``, asked at most
-  every ``cancel_check_s`` per request: an IPC round trip each), or whose stream is gone, is
-  aborted in the engine and gets its final flag at once;
+  every ``cancel_check_s`` per request and at most ``cancel_checks_per_s`` times a second over
+  all of them: an IPC round trip each), or whose stream is gone, is aborted in the engine and
+  gets its final flag at once;
 - errors: every error response is in the contract's wire form (``contract.errors``): a
   ``RequestError`` keeps its code; anything else is ``engine_unavailable`` while the engine
   does not run, else ``internal_error``.
@@ -23,6 +24,7 @@ a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,8 +41,12 @@ from tritonllm.serving.request_table import RequestTable
 from tritonllm.serving.response_streamer import ResponseStreamer
 from tritonllm.serving.stream_state import ResponseChunk, StreamState
 
-# How often a live request's client is asked whether it cancelled (seconds).
+# How often a live request's client is asked whether it cancelled (seconds), and the most such
+# checks per second over all live requests (each is an IPC round trip on the sender thread; with
+# 256 requests each is then asked every 1.3 s). Through the ensemble they never fire (the
+# detokenizer's CancelWatch turns a cancelled stream into an abort, ARCHITECTURE.md).
 CANCEL_CHECK_S = 0.2
+CANCEL_CHECKS_PER_S = 200.0
 
 
 class ResponseSink(Protocol):
@@ -83,6 +89,9 @@ class GeneratorCore:
         metrics_interval_s, max_responses_per_s: the sender thread's tick interval and
             response budget (``ResponseStreamer``).
         cancel_check_s: least seconds between two cancellation checks of one request.
+        cancel_checks_per_s: most cancellation checks per second over all live requests.
+        sender_threads: threads sending responses at once, each request always from the same
+            one (``ResponseStreamer``'s ``senders``).
     """
 
     def __init__(
@@ -95,13 +104,18 @@ class GeneratorCore:
         metrics_interval_s: float = 0.05,
         max_responses_per_s: float = 0.0,
         cancel_check_s: float = CANCEL_CHECK_S,
+        cancel_checks_per_s: float = CANCEL_CHECKS_PER_S,
+        sender_threads: int = 1,
     ) -> None:
         self.engine = engine
         self.requests: RequestTable[_Entry] = RequestTable()
         self._on_tick, self._parent_alive = on_tick, parent_alive
         self._warn, self._log_error = log_warning, log_error
         self._cancel_check_s = cancel_check_s
+        self._cancel_checks_per_s = cancel_checks_per_s
+        self._check_every = cancel_check_s  # seconds between two checks of one request
         self._new_tokens = 0  # generated since the last tick
+        self._tokens_lock = threading.Lock()  # _deliver may run on several sender threads
         self._last_cancel_scan = time.monotonic()
         self.streamer = ResponseStreamer(
             self._deliver,
@@ -109,6 +123,7 @@ class GeneratorCore:
             interval_s=metrics_interval_s,
             on_error=log_error,
             max_responses_per_s=max_responses_per_s,
+            senders=sender_threads,
         )
 
     def start(self) -> GeneratorCore:
@@ -181,13 +196,16 @@ class GeneratorCore:
     def _deliver(self, outputs: list[RequestOutput]) -> int:
         """Send the responses of a batch of coalesced outputs; returns how many were sent
         (none once tritonserver is gone). A request whose response cannot be built fails
-        alone, with an internal error; the others' outputs are still delivered."""
+        alone, with an internal error; the others' outputs are still delivered. Safe on
+        several sender threads at once for different requests."""
         if not self._parent_alive():
             return 0
         now = time.monotonic()
+        self._pace_cancel_checks()
+        with self._tokens_lock:
+            self._new_tokens += sum(len(output.new_token_ids) for output in outputs)
         sent = 0
         for output in outputs:
-            self._new_tokens += len(output.new_token_ids)
             key = output.request_id
             entry = self.requests.get(key)
             if entry is None:
@@ -246,9 +264,13 @@ class GeneratorCore:
                 self._cancel(key, entry)
             return False
 
+    def _pace_cancel_checks(self) -> None:
+        live = len(self.requests)
+        self._check_every = max(self._cancel_check_s, live / self._cancel_checks_per_s)
+
     def _cancelled(self, entry: _Entry, now: float) -> bool:
-        """Whether the client cancelled; asked at most every ``cancel_check_s`` per request."""
-        if now - entry.checked_at < self._cancel_check_s:
+        """Whether the client cancelled; asked at most every ``_check_every`` per request."""
+        if now - entry.checked_at < self._check_every:
             return False
         entry.checked_at = now
         return entry.sink.is_cancelled()
@@ -269,10 +291,12 @@ class GeneratorCore:
         if now - self._last_cancel_scan >= self._cancel_check_s:
             # Requests that send nothing for a while (waiting for admission) are checked here.
             self._last_cancel_scan = now
+            self._pace_cancel_checks()
             for key, entry in self.requests.items():
                 if not entry.cancelled and self._cancelled(entry, now):
                     self._cancel(key, entry)
-        new_tokens, self._new_tokens = self._new_tokens, 0
+        with self._tokens_lock:
+            new_tokens, self._new_tokens = self._new_tokens, 0
         self._on_tick(
             self.engine.stats(), new_tokens, self.engine.loop_times(), self.streamer.times()
         )

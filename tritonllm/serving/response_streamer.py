@@ -6,6 +6,11 @@ that piled up while it was busy become one response), paces it (``ResponsePacer`
 responses per second under load) and hands the batch to ``deliver``; ``tick`` runs at most
 every ``interval_s`` seconds and at once after a batch that finished a request (metrics,
 cancellation checks).
+
+With ``senders`` > 1 the batch is split by request id over that many sender threads, which call
+``deliver`` at the same time (each request always on the same one, so its responses keep their
+order) while the sender waits for all of them: Triton's ``send`` waits for tritonserver without
+the GIL, so responses to different requests overlap (``benchmarks/response_path.py --triton``).
 """
 
 from __future__ import annotations
@@ -52,6 +57,10 @@ class ResponseStreamer:
         on_error: called with a traceback string when ``deliver`` or ``tick`` raises (the
             thread keeps running).
         max_responses_per_s: the ``ResponsePacer`` budget; 0 sends every output at once.
+        senders: threads that call ``deliver`` (see the module docstring); ``deliver`` must
+            then be safe to call from several threads at once for different requests.
+    Raises:
+        ValueError: ``senders`` < 1.
     """
 
     def __init__(
@@ -61,7 +70,10 @@ class ResponseStreamer:
         interval_s: float = 0.05,
         on_error: Callable[[str], None] | None = None,
         max_responses_per_s: float = 0.0,
+        senders: int = 1,
     ) -> None:
+        if senders < 1:
+            raise ValueError(f"senders must be >= 1, got {senders}")
         self._deliver = deliver
         self._tick = tick
         self._interval_s = interval_s
@@ -70,8 +82,11 @@ class ResponseStreamer:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._times = SenderTimes()
         self._thread = threading.Thread(target=self._run, name="tritonllm-sender", daemon=True)
+        self._pool = [_Sender(self._call, self._deliver, i) for i in range(senders - 1)]
 
     def start(self) -> ResponseStreamer:
+        for sender in self._pool:
+            sender.thread.start()
         self._thread.start()
         return self
 
@@ -87,6 +102,8 @@ class ResponseStreamer:
         """Deliver what is queued, then end the thread."""
         self._queue.put(_STOP)
         self._thread.join(timeout)
+        for sender in self._pool:
+            sender.jobs.put(None)
 
     def _drain(self, timeout: float) -> tuple[list[Any], bool]:
         batch: list[Any] = []
@@ -107,6 +124,24 @@ class ResponseStreamer:
             self._on_error(traceback.format_exc())
             return _FAILED
 
+    def _send(self, merged: list[Any]) -> int:
+        """``deliver`` the batch (split over the sender threads); the responses it sent."""
+        if not self._pool:
+            shards = [merged]
+        else:
+            shards = [[] for _ in range(len(self._pool) + 1)]
+            for output in merged:
+                shards[hash(output.request_id) % len(shards)].append(output)
+        results: queue.SimpleQueue = queue.SimpleQueue()
+        waiting = 0
+        for sender, shard in zip(self._pool, shards[1:], strict=True):
+            if shard:
+                sender.jobs.put((shard, results))
+                waiting += 1
+        counts = [_count(self._call(self._deliver, shards[0]), shards[0])] if shards[0] else []
+        counts += [results.get() for _ in range(waiting)]
+        return sum(counts)
+
     def _run(self) -> None:
         next_tick = time.monotonic()
         cpu0 = time.thread_time()
@@ -119,9 +154,7 @@ class ResponseStreamer:
             start = time.monotonic()
             merged = self._pacer.admit(outputs, start)
             if merged:
-                sent = self._call(self._deliver, merged)
-                if sent is not _FAILED:
-                    responses += len(merged) if sent is None else sent
+                responses += self._send(merged)
             now = time.monotonic()
             if now >= next_tick or any(o.finished for o in merged):
                 self._call(self._tick)
@@ -131,3 +164,25 @@ class ResponseStreamer:
             self._times = SenderTimes(busy, time.thread_time() - cpu0, responses)
             if stopping:
                 return
+
+
+def _count(sent: Any, shard: list[Any]) -> int:
+    """Responses a ``deliver`` call reported (None: one per output; failed: none)."""
+    if sent is _FAILED:
+        return 0
+    return len(shard) if sent is None else sent
+
+
+class _Sender:
+    """One extra sender thread: ``deliver``s the shards it is given, reports their counts."""
+
+    def __init__(self, call: Callable[..., Any], deliver: Callable[..., Any], i: int) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._call, self._deliver = call, deliver
+        self.thread = threading.Thread(target=self._run, name=f"tritonllm-sender-{i + 1}")
+        self.thread.daemon = True
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            shard, results = job
+            results.put(_count(self._call(self._deliver, shard), shard))

@@ -41,6 +41,8 @@ class ResponseChunk:
             response when the client asked for it), else None.
         request_key: the generator's key of the request when it differs from the Triton
             request id (sent as output ``request_key``), else None.
+        with_counts: the choice's first or final response: ``num_input_tokens`` and
+            ``cached_tokens`` are sent (they never change in between).
     """
 
     output_ids: list[int]
@@ -59,6 +61,7 @@ class ResponseChunk:
     num_top: int | None = None
     echo_text: str | None = None
     request_key: str | None = None
+    with_counts: bool = True
 
 
 @dataclass
@@ -85,6 +88,7 @@ class StreamState:
     _pending: list[int] = field(default_factory=list)
     _pending_logprobs: list[float] | None = None
     _pending_top: list[dict[int, float]] | None = None
+    _counted: bool = False  # a chunk with the prompt's counts went out
 
     def on_output(self, output: RequestOutput) -> ResponseChunk | None:
         """The chunk to send for ``output`` (a ``RequestOutput``), or None if nothing is due."""
@@ -105,6 +109,7 @@ class StreamState:
             prefix = self._recent
             self._recent = (self._recent + new_ids)[-PREFIX_LEN:]
         echo, self.echo_text = self.echo_text, None
+        with_counts, self._counted = not self._counted or bool(output.finished), True
         return ResponseChunk(
             output_ids=new_ids,
             prefix_ids=list(prefix),
@@ -124,4 +129,5 @@ class StreamState:
             num_top=self.num_top,
             echo_text=echo,
             request_key=self.request_key,
+            with_counts=with_counts,
         )

@@ -159,14 +159,17 @@ class OutputState:
 
     def __init__(self) -> None:
         self._cumulative: dict[int, float] = {}
+        self._num_input = np.zeros((1, 1), np.int32)  # llm sends it in a choice's first response
 
     def outputs(self, llm: Mapping[str, np.ndarray], return_log_probs: bool) -> dict[str, Any]:
         """TensorRT-LLM outputs (batch dimension 1) of one ``llm`` response's outputs."""
         index = int(np.asarray(llm["index"]).reshape(-1)[0]) if "index" in llm else 0
+        if "num_input_tokens" in llm:
+            self._num_input = _int32(llm, "num_input_tokens")
         out = {
             "text_output": np.asarray(llm["text_output"], dtype=np.object_).reshape(1, 1),
             "finish_reason": np.asarray(llm["finish_reason"], dtype=np.object_).reshape(1, 1),
-            "num_input_tokens": _int32(llm, "num_input_tokens"),
+            "num_input_tokens": self._num_input,
             "num_output_tokens": _int32(llm, "num_output_tokens"),
             "sequence_index": np.array([[index]], dtype=np.int32),
             "batch_index": np.array([[0]], dtype=np.int32),

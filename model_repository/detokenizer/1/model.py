@@ -36,14 +36,22 @@ from tritonllm.serving.logprobs import logprob_entries
 from tritonllm.tokenization.detokenizer import Detokenizer
 from tritonllm.triton_config import model_parameters, served_model_dir
 
-PASS_THROUGH = ("finish_reason", "num_input_tokens", "num_output_tokens", "cached_tokens")
-# Optional inputs (sent by the generator only when logprobs were requested): passed through.
-LOGPROB_INPUTS = ("output_logprobs", "top_logprob_ids", "top_logprobs")
+PASS_THROUGH = ("finish_reason", "num_output_tokens")
+# Optional inputs passed through when present: the prompt's counts (in a choice's first and
+# final responses) and the logprobs (only when they were requested).
+OPTIONAL_PASS_THROUGH = (
+    "num_input_tokens",
+    "cached_tokens",
+    "output_logprobs",
+    "top_logprob_ids",
+    "top_logprobs",
+)
 
 
-def _optional(request, name):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()
+def _inputs(request):
+    """``{name: array}`` of the request's inputs, read in one pass (each
+    ``get_input_tensor_by_name`` walks every input again: a cost per response)."""
+    return {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
 
 
 def _first_text(array):
@@ -60,27 +68,26 @@ class TritonPythonModel:
         self.logger = pb_utils.Logger
 
     def _response(self, request):
-        def array(name):
-            return pb_utils.get_input_tensor_by_name(request, name).as_numpy()
-
-        passed = {name: array(name) for name in PASS_THROUGH}
+        inputs = _inputs(request)
+        passed = {name: inputs[name] for name in PASS_THROUGH}
         final = passed["finish_reason"].reshape(-1)[0] != b""
-        index = _optional(request, "index")
-        self._watch_cancellation(request, final and index is None)
-        new_ids = array("output_ids").reshape(-1).tolist()
-        prefix_ids = array("prefix_ids").reshape(-1).tolist()
+        index = inputs.get("index")
+        self._watch_cancellation(request, inputs.get("request_key"), final and index is None)
+        new_ids = inputs["output_ids"].reshape(-1).tolist()
+        prefix_ids = inputs["prefix_ids"].reshape(-1).tolist()
         text = self.detokenizer.delta(prefix_ids, new_ids, final)
-        text = apply_trim(text, int(array("trim_chars").reshape(-1)[0]))
-        echo = _optional(request, "echo_text")
+        trim = inputs.get("trim_chars")
+        if trim is not None:
+            text = apply_trim(text, int(trim.reshape(-1)[0]))
+        echo = inputs.get("echo_text")
         if echo is not None:
             text = _first_text(echo) + text
         shape = passed["finish_reason"].shape
         passed["index"] = np.zeros(shape, np.int32) if index is None else index
         logprobs_json = ""
-        for name in LOGPROB_INPUTS:
-            value = _optional(request, name)
-            if value is not None:
-                passed[name] = value
+        for name in OPTIONAL_PASS_THROUGH:
+            if name in inputs:
+                passed[name] = inputs[name]
         if "output_logprobs" in passed and passed["output_logprobs"].size:
             entries = logprob_entries(
                 self.detokenizer.logprob_token_bytes,
@@ -98,9 +105,9 @@ class TritonPythonModel:
         outputs += [pb_utils.Tensor(name, value) for name, value in passed.items()]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
-    def _watch_cancellation(self, request, final):
-        """Abort the generation in the generator when its client cancelled (module doc)."""
-        key = _optional(request, "request_key")
+    def _watch_cancellation(self, request, key, final):
+        """Abort the generation in the generator when its client cancelled (module doc);
+        ``key``: the ``request_key`` input (None when absent)."""
         request_id = request.request_id() if key is None else _first_text(key)
         if not self.cancel_watch.should_abort(request_id, final, request.is_cancelled):
             return

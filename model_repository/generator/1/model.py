@@ -43,22 +43,29 @@ from tritonllm.triton_config import (
 )
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-_COUNTS = ("num_input_tokens", "num_output_tokens", "cached_tokens", "trim_chars")
+
+
+def _int32(name, value):
+    return pb_utils.Tensor(name, np.array([value], np.int32))
 
 
 def _tensors(chunk):
     """The ``generator`` outputs of one ``ResponseChunk``; the optional ones only when the
-    chunk carries them (each tensor costs time on the response path, ARCHITECTURE.md)."""
+    chunk carries them (each tensor costs time on the response path, ARCHITECTURE.md): the
+    prompt's counts in a choice's first and final responses, ``trim_chars`` when not 0."""
     tensors = [
         pb_utils.Tensor("output_ids", np.asarray(chunk.output_ids, dtype=np.int32)),
         pb_utils.Tensor("prefix_ids", np.asarray(chunk.prefix_ids, dtype=np.int32)),
         pb_utils.Tensor("finish_reason", np.array([chunk.finish_reason.encode()], dtype=object)),
+        _int32("num_output_tokens", chunk.num_output_tokens),
     ]
-    counts = (chunk.num_input_tokens, chunk.num_output_tokens, chunk.cached_tokens)
-    counts += (chunk.trim_chars,)
-    tensors += [
-        pb_utils.Tensor(n, np.array([c], np.int32)) for n, c in zip(_COUNTS, counts, strict=True)
-    ]
+    if chunk.with_counts:
+        tensors += [
+            _int32("num_input_tokens", chunk.num_input_tokens),
+            _int32("cached_tokens", chunk.cached_tokens),
+        ]
+    if chunk.trim_chars:
+        tensors.append(_int32("trim_chars", chunk.trim_chars))
     if chunk.with_index:
         tensors.append(pb_utils.Tensor("index", np.array([chunk.index], dtype=np.int32)))
     if chunk.num_top is not None:
@@ -151,7 +158,8 @@ class TritonPythonModel:
         served_model_dir(params)  # a missing model directory fails the load with how to build it
         config, serving = engine_config(params), serving_config(params)
         engine: EngineClient
-        if serving.use_engine_process(config.device, config.tensor_parallel_size):
+        own_process = serving.use_engine_process(config.device, config.tensor_parallel_size)
+        if own_process:
             engine = EngineProcess(config)  # RuntimeError with the reason fails the load
         else:
             engine = EngineThread(LLMEngine(config))
@@ -162,7 +170,8 @@ class TritonPythonModel:
             log_warning=logger.log_warn,
             log_error=logger.log_error,
             metrics_interval_s=serving.metrics_interval_s,
-            max_responses_per_s=serving.max_responses_per_s,
+            max_responses_per_s=serving.response_budget(own_process),
+            sender_threads=serving.sender_threads,
         ).start()
 
     def execute(self, requests):

@@ -5,7 +5,8 @@
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-PASS_THROUGH = ("finish_reason", "num_input_tokens", "num_output_tokens", "cached_tokens")
+PASS_THROUGH = ("finish_reason", "num_output_tokens")
+OPTIONAL = ("num_input_tokens", "cached_tokens")  # first and last responses only
 
 
 class TritonPythonModel:
@@ -16,7 +17,12 @@ class TritonPythonModel:
         passed = {name: array(name) for name in PASS_THROUGH}
         new_ids = array("output_ids").reshape(-1).tolist()
         array("prefix_ids").reshape(-1).tolist()  # read as the detokenizer reads its context
-        trim = int(array("trim_chars").reshape(-1)[0])
+        for name in OPTIONAL:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                passed[name] = tensor.as_numpy()
+        trim_tensor = pb_utils.get_input_tensor_by_name(request, "trim_chars")
+        trim = 0 if trim_tensor is None else int(trim_tensor.as_numpy().reshape(-1)[0])
         text = " ".join(str(i) for i in new_ids)
         text = text[: len(text) - trim] if trim else text
         batch_shape = passed["finish_reason"].shape  # [1] (no batch dimension)

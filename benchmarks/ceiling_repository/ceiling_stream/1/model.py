@@ -3,8 +3,9 @@
 ``execute`` only hands each request to the sender thread. The thread sends one response to each
 live request in turn (round robin) with the tensors the generator sends per response (n = 1, no
 logprobs): ``output_ids`` [1], ``prefix_ids`` (up to 8 ids sent before), ``finish_reason``
-(``""``; ``"length"`` with the last one, which carries the final flag), ``num_input_tokens``,
-``num_output_tokens``, ``cached_tokens`` (0) and ``trim_chars`` (0). Nothing else runs: the
+(``""``; ``"length"`` with the last one, which carries the final flag), ``num_output_tokens``,
+and in the first and last responses only ``num_input_tokens`` and ``cached_tokens`` (0);
+``trim_chars`` (0) is left out as the generator leaves it out. Nothing else runs: the
 responses per second it reaches are Triton's own limit for one Python model instance whose
 responses all leave from one thread, as the generator's do.
 """
@@ -84,8 +85,11 @@ class TritonPythonModel:
         token = (stream.num_input + 7919 * stream.sent) % VOCAB
         stream.sent += 1
         final = stream.sent == stream.max_tokens
-        counts = (stream.num_input, stream.sent, 0, 0)
-        names = ("num_input_tokens", "num_output_tokens", "cached_tokens", "trim_chars")
+        if stream.sent == 1 or final:
+            counts = (stream.num_input, stream.sent, 0)
+            names = ("num_input_tokens", "num_output_tokens", "cached_tokens")
+        else:
+            counts, names = (stream.sent,), ("num_output_tokens",)
         tensors = [
             pb_utils.Tensor("output_ids", np.asarray([token], dtype=np.int32)),
             pb_utils.Tensor("prefix_ids", np.asarray(stream.recent, dtype=np.int32)),
