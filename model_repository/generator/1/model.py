@@ -163,7 +163,14 @@ class TritonPythonModel:
             log_error=logger.log_error,
             metrics_interval_s=serving.metrics_interval_s,
             max_responses_per_s=serving.max_responses_per_s,
+            control_secret=serving.control_secret,
+            max_live_requests=config.max_running_requests + serving.max_waiting_requests,
         ).start()
+        if serving.control_secret is None:
+            logger.log_warn(
+                "generator: TRITONLLM_CONTROL_SECRET is not set: any Triton client that knows a"
+                " request id can abort it (README, Security)"
+            )
 
     def execute(self, requests):
         for request in requests:
