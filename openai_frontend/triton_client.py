@@ -115,7 +115,8 @@ _INT_FORMATS = {"INT32": "<i", "INT64": "<q", "UINT32": "<I", "UINT64": "<Q"}
 _Outputs = dict[str, tuple[str, bytes]]
 
 
-def _first_text(outputs: _Outputs, name: str) -> str:
+def first_text(outputs: _Outputs, name: str) -> str:
+    """The first element of BYTES output ``name`` as text ("" when absent or empty)."""
     raw = outputs[name][1] if name in outputs else b""
     if len(raw) < _BYTES_LEN.size:
         return ""
@@ -149,13 +150,13 @@ def parse_chunk(response: service_pb2.ModelInferResponse) -> LLMChunk:
         for o, raw in zip(response.outputs, response.raw_output_contents, strict=True)
     }
     return LLMChunk(
-        text=_first_text(outputs, "text_output"),
-        finish_reason=_first_text(outputs, "finish_reason"),
+        text=first_text(outputs, "text_output"),
+        finish_reason=first_text(outputs, "finish_reason"),
         num_input_tokens=_first_int(outputs, "num_input_tokens"),
         num_output_tokens=_first_int(outputs, "num_output_tokens"),
         cached_tokens=_first_int(outputs, "cached_tokens"),
         index=_first_int(outputs, "index"),
-        logprobs_json=_first_text(outputs, "logprobs_json"),
+        logprobs_json=first_text(outputs, "logprobs_json"),
     )
 
 
@@ -257,10 +258,19 @@ class TritonClient:
         url: ``host:port`` of Triton's gRPC endpoint.
         model: the ensemble to generate with (``llm``).
         generator_model: the decoupled model that takes ``abort_request_id`` (``generator``).
+        control_secret: sent with every abort (the generator requires the server's
+            ``TRITONLLM_CONTROL_SECRET`` when it has one); None sends none.
     """
 
-    def __init__(self, url: str, model: str = "llm", generator_model: str = "generator") -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str = "llm",
+        generator_model: str = "generator",
+        control_secret: str | None = None,
+    ) -> None:
         self.url, self.model, self.generator_model = url, model, generator_model
+        self._control_secret = control_secret
         options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
         self._channel = grpc.aio.insecure_channel(url, options=options)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
@@ -302,6 +312,20 @@ class TritonClient:
                 t.name: InputSpec(t.datatype, tuple(t.shape)) for t in meta.inputs
             }
         return self._specs[model]
+
+    async def infer(
+        self, model: str, request_id: str, inputs: Mapping[str, InputValue], timeout: float = 10.0
+    ) -> _Outputs:
+        """One request to a model that is not decoupled; its outputs by name, as
+        ``(datatype, raw bytes)``. Raises: TritonError (``unavailable`` when unreachable)."""
+        request = await self._request(model, request_id, inputs)
+        try:
+            response = await self._stub.ModelInfer(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            unavailable = exc.code() != grpc.StatusCode.INVALID_ARGUMENT
+            raise TritonError(exc.details() or str(exc.code()), unavailable) from exc
+        outputs = zip(response.outputs, response.raw_output_contents, strict=True)
+        return {o.name: (o.datatype, raw) for o, raw in outputs}
 
     async def _request(self, model: str, request_id: str, inputs: Mapping[str, InputValue]) -> Any:
         specs = await self.input_specs(model)
@@ -347,8 +371,12 @@ class TritonClient:
 
     async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
         """Ask the generator to abort ``request_id`` now and free its KV pages (its control
-        request ``abort_request_id``); True when it acknowledged within ``timeout`` s."""
-        return await self._control(f"abort-{request_id}", {"abort_request_id": request_id}, timeout)
+        request ``abort_request_id``, with the control secret); True when it acknowledged
+        within ``timeout`` s."""
+        inputs: dict[str, InputValue] = {"abort_request_id": request_id}
+        if self._control_secret is not None:
+            inputs["control_secret"] = self._control_secret
+        return await self._control(f"abort-{request_id}", inputs, timeout)
 
     async def finish(
         self, stream: ResponseStream, abort_request_id: str | None = None, timeout: float = 5.0
@@ -357,20 +385,14 @@ class TritonClient:
         request id) in the generator when given; only a stream that has not ended after
         ``timeout`` s is cancelled.
 
-        A cancelled ``llm`` stream does stop its generation (the detokenizer sees the
-        cancellation at the generator's next response and aborts it, ARCHITECTURE.md
-        "Platform facts"), but the explicit abort is kept:
-
-        - a non-streamed backend request (``stream`` false) sends nothing before its end, so
-          nothing in Triton can see its cancellation until it has run to completion;
-        - the abort ends the generation within milliseconds, a cancellation only at the next
-          response (and its check, at most every 0.5 s per request);
-        - a stream cancelled after its final response, while other requests run, can leave
-          that request unreleased by the gRPC endpoint (Triton 2.51): its model then never
-          unloads.
-
-        The abort brings the generator's final response (finish_reason ``"abort"``) within
-        milliseconds, and the stream then ends by itself.
+        A cancelled ``llm`` stream does stop its generation (the detokenizer aborts it at the
+        generator's next response, ARCHITECTURE.md "Platform facts"), but the explicit abort
+        is kept: a non-streamed backend request sends nothing before its end, so nothing in
+        Triton sees its cancellation until then; the abort ends a generation within
+        milliseconds, a cancellation only at its next response (checked at most every 0.5 s);
+        and a stream cancelled after its final response while others run can leave it
+        unreleased by the gRPC endpoint (Triton 2.51: its model then never unloads). The
+        abort brings the final response (finish_reason ``"abort"``) and the stream ends.
         """
         if abort_request_id is not None and not stream.finished:
             # Read while the abort is on its way, so the responses sent meanwhile never pile up.
