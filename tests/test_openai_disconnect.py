@@ -162,7 +162,9 @@ def test_server_shuts_down_with_nothing_in_flight_after_disconnects(tiny_model_d
     sidecar = None
     try:
         model = Path(tiny_model_dir).name
-        sidecar, base_url = start_sidecar(server.grpc_url, model, tmp_path / "sidecar.log")
+        sidecar, base_url = start_sidecar(
+            server.grpc_url, model, tmp_path / "sidecar.log", control_secret=server.control_secret
+        )
         # The sidecar's /health sent llm one probe generation before it answered 200.
         before = _inference_counts(server.http_url, "llm")
         completed: list[int] = []

@@ -11,9 +11,10 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from ..errors import OpenAIError
+from ..errors import OpenAIError, unsupported
 from ..generation import Choice, Generation, to_openai_error
 from ..protocol import SamplingFields
+from ..security import request_cache_salt, tenant_of
 from ..triton_client import InputSpec, InputValue, TritonClient, TritonError
 
 T = TypeVar("T")
@@ -27,11 +28,13 @@ CLIENT_CLOSED_REQUEST = 499
 class ServerState:
     """Per-app state: the shared Triton client, the served model name, how long a generation
     may go without a response (seconds; None: no limit) and the generations in flight
-    (``live``: started, not yet closed)."""
+    (``live``: started, not yet closed); ``cache_salt_from_api_key``: each API key's requests
+    get their tenant's prefix-cache salt (``security.py``)."""
 
     client: TritonClient
     model_name: str
     stream_idle_timeout_s: float | None = None
+    cache_salt_from_api_key: bool = False
     live: set[Generation] = field(default_factory=set)
 
     async def abort_all(self, timeout: float = 5.0) -> None:
@@ -112,6 +115,12 @@ async def start_generation(
     check_model(state, body.model)
     specs = await state.input_specs(prompt_param)
     inputs = build_inputs(body, specs, body.stream or body.n > 1)
+    tenant = tenant_of(request.scope) if state.cache_salt_from_api_key else None
+    salt = request_cache_salt(tenant, body.cache_salt)
+    if salt is not None:
+        if "cache_salt" not in specs:
+            raise unsupported("cache_salt")
+        inputs["cache_salt"] = salt
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     gen = Generation(
         state.client,

@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jinja2.exceptions import TemplateError
+
 from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
 from tritonllm.tokenization.control_tokens import guard_for
 
@@ -171,9 +173,19 @@ def _render_marked(
                 "enable_thinking is not supported: the model's chat template has no such option",
             )
         options["enable_thinking"] = enable_thinking
-    return tokenizer.apply_chat_template(
-        guard_for(tokenizer).mark(cleaned), tokenize=False, add_generation_prompt=True, **options
-    )
+    try:
+        return tokenizer.apply_chat_template(
+            guard_for(tokenizer).mark(cleaned),
+            tokenize=False,
+            add_generation_prompt=True,
+            **options,
+        )
+    except TemplateError as exc:
+        # The template's own raise_exception(...) (a plain TemplateError) says what the model
+        # refuses; any other (the sandbox's SecurityError, an undefined name) is internal text.
+        own = type(exc) is TemplateError
+        reason = str(exc) if own else "the model's chat template could not render these messages"
+        raise RequestError(ErrorCode.INVALID_VALUE, "messages", reason) from None
 
 
 def render_prompt(
