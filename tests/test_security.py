@@ -1,7 +1,7 @@
 """Issue 18's holes, each tried against the real tritonserver and sidecar (issue 15 item 4 too).
 
 One locked-down service for the whole module: tritonserver (restricted APIs, control secret,
-private shared memory; at most 1 running + 1 waiting request) and the sidecar in front of it
+private shared memory; one request at a time: 1 running, 0 waiting) and the sidecar in front of it
 with two API keys (two tenants), the prefix cache salted per key, CORS for one origin and a 1 s
 header timeout. Each test's docstring names the hole it closes; each fails on the code before
 issue 18 (the API was open, the regions 0644, any abort matched, the cache shared, the queue
@@ -44,7 +44,7 @@ def service(tiny_model_dir, tmp_path_factory):
     env = {
         **SERVER_ENV,
         "TRITONLLM_MAX_RUNNING_REQUESTS": "1",
-        "TRITONLLM_MAX_WAITING_REQUESTS": "1",
+        "TRITONLLM_MAX_WAITING_REQUESTS": "0",
     }
     server = TritonServer(model_path=tiny_model_dir, env=env, log_path=logs / "tritonserver.log")
     name = Path(tiny_model_dir).name
@@ -83,8 +83,10 @@ def _strings(*values: bytes) -> np.ndarray:
     return np.array(list(values), dtype=np.object_)
 
 
-def _generator_call(url: str, inputs: dict[str, np.ndarray], request_id: str = "") -> list:
-    """(result, error) pairs of one streamed generator request, until its final response."""
+def _generator_call(
+    url: str, inputs: dict[str, np.ndarray], request_id: str = "", model: str = "generator"
+) -> list:
+    """(result, error) pairs of one streamed request to ``model``, until its final response."""
     import queue
 
     results: queue.Queue = queue.Queue()
@@ -97,7 +99,7 @@ def _generator_call(url: str, inputs: dict[str, np.ndarray], request_id: str = "
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)
     client.async_stream_infer(
-        "generator", tensors, request_id=request_id, enable_empty_final_response=True
+        model, tensors, request_id=request_id, enable_empty_final_response=True
     )
     out = []
     try:
@@ -379,31 +381,30 @@ def test_cors_allows_only_the_configured_origin(service):
 
 def test_full_queue_answers_429_with_retry_after(service):
     """Hole: the waiting queue was unbounded (744 queued at 1,000 concurrent requests, never a
-    429). This server admits 1 running + 1 waiting request."""
+    429). This server admits 1 request at a time (1 running + 0 waiting)."""
     _, root, name = service
     body = {
         "model": name,
         "messages": [{"role": "user", "content": "Go on"}],
-        "max_tokens": 400,
+        "max_tokens": 300,
         "ignore_eos": True,
         "stream": True,
     }
     with httpx.Client(timeout=60, headers=_auth()) as client:
-        streams = []
-        try:
-            for _ in range(2):
-                stream = client.stream("POST", f"{root}/v1/chat/completions", json=body)
-                response = stream.__enter__()
-                streams.append(stream)
-                assert response.status_code == 200
-                next(response.iter_lines())  # started: live in the generator
-            refused = client.post(f"{root}/v1/chat/completions", json={**body, "stream": False})
-        finally:
-            for stream in streams:
-                stream.__exit__(None, None, None)
+        with client.stream("POST", f"{root}/v1/chat/completions", json=body) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()
+            next(lines)  # started: live in the generator
+            refused = client.post(
+                f"{root}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1}
+            )
+            rest = [line for line in lines if line]
     assert refused.status_code == 429, refused.text
     assert refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert rest[-1] == "data: [DONE]"  # the admitted one went on to its end
+    chunks = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
 
 
 def test_max_tokens_times_n_is_capped(service):
@@ -419,7 +420,7 @@ def test_giant_prompts_are_refused_without_tokenizing(service):
     refused it, stalling every other request. Now a body over 4 MiB gets a 413 unread, and a
     prompt under it that cannot fit the context in characters is refused before tokenizing
     (tokenizing 3 MiB takes seconds here: a refusal well under a second never tokenized)."""
-    _, root, name = service
+    server, root, name = service
     with httpx.Client(timeout=60, headers=_auth()) as client:
 
         def small() -> float:
@@ -473,7 +474,15 @@ def test_giant_prompts_are_refused_without_tokenizing(service):
             stop.set()
             for thread in attackers:
                 thread.join()
+    # Straight to Triton, the tokenizer model refuses it before tokenizing too.
+    start = time.perf_counter()
+    (_, error), *_ = _generator_call(
+        server.grpc_url, {"text_input": _strings(b"ab " * (1 << 20))}, model="llm"
+    )
+    direct = time.perf_counter() - start
+    assert _error_code(error) == "context_length_exceeded"
     assert min(refusals) < 0.1, refusals  # the issue's bound, fastest of three
+    assert direct < 1.0, direct
     assert max(bigs) < 1.0, bigs
     # Others keep their latency (generous: the attack shares this 2-core machine's CPU).
     assert min(during) < baseline * 3 + 0.5, (baseline, during)
@@ -501,27 +510,24 @@ def test_detokenizer_refuses_negative_ids(service):
     of the id table)."""
     server, _, _ = service
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    inputs = []
     values = {
-        "output_ids": np.array([[-1]], np.int32),
-        "prefix_ids": np.array([[]], np.int32).reshape(1, 0),
-        "trim_chars": np.array([[0]], np.int32),
+        "output_ids": np.array([-1], np.int32),
+        "prefix_ids": np.array([], np.int32),
+        "finish_reason": _strings(b""),
+        **{
+            k: np.array([0], np.int32)
+            for k in ("num_input_tokens", "num_output_tokens", "cached_tokens", "trim_chars")
+        },
     }
+    inputs = []
     for key, array in values.items():
-        tensor = grpcclient.InferInput(key, list(array.shape), "INT32")
+        dtype = "BYTES" if array.dtype == np.object_ else "INT32"
+        tensor = grpcclient.InferInput(key, list(array.shape), dtype)
         tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    for key in ("finish_reason",):
-        tensor = grpcclient.InferInput(key, [1, 1], "BYTES")
-        tensor.set_data_from_numpy(np.array([[b""]], dtype=np.object_))
-        inputs.append(tensor)
-    for key in ("num_input_tokens", "num_output_tokens", "cached_tokens"):
-        tensor = grpcclient.InferInput(key, [1, 1], "INT32")
-        tensor.set_data_from_numpy(np.array([[0]], np.int32))
         inputs.append(tensor)
     with pytest.raises(InferenceServerException) as caught:
         client.infer("detokenizer", inputs)
-    assert "invalid_value" in caught.value.message()
+    assert _error_code(caught.value) == "invalid_value"
 
 
 # --- 7. Error bodies and the OpenAPI document -----------------------------------------------------
