@@ -62,9 +62,9 @@ def _fix_operation(path: str, operation: dict[str, Any]) -> None:
     responses = operation.setdefault("responses", {})
     responses.pop("422", None)
     if path.startswith("/health"):  # its own body, {"status": ...}, also with 503
-        for status, what in (("200", "healthy"), ("503", "unhealthy or draining")):
+        for code, what in (("200", "healthy"), ("503", "unhealthy or draining")):
             content = {"application/json": {"schema": _HEALTH_SCHEMA}}
-            responses[status] = {"description": what, "content": content}
+            responses[code] = {"description": what, "content": content}
         return
     for status in _error_statuses(path, "requestBody" in operation):
         responses[str(status)] = {

@@ -142,7 +142,7 @@ def header_timeout_protocol(timeout_s: float) -> Any:
             if waiting and not self.transport.is_closing():
                 self.transport.close()
 
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._arm()
 

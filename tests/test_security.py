@@ -573,3 +573,25 @@ def test_schemathesis_finds_no_undocumented_status_or_5xx(service, tmp_path):
     run = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert _chat(root, name, "Hi", max_tokens=2).status_code == 200
+
+
+def test_launcher_keeps_secrets_off_command_lines(monkeypatch):
+    """API keys and the control secret reach the sidecar in its environment (readable by its
+    own user only), never on a command line (``ps`` shows those to every local user); every
+    tritonserver restart keeps the sidecar's control secret."""
+    from tritonllm.launch import build_supervisor, parse_args
+
+    monkeypatch.setenv("TRITONLLM_API_KEY", "k-one, k-two")
+    monkeypatch.delenv("TRITONLLM_CONTROL_SECRET", raising=False)
+    cfg = parse_args(["--cache-salt-from-api-key", f"--cors-allow-origin={ORIGIN}"])
+    assert cfg.api_keys == ("k-one", "k-two") and "k-one" not in repr(cfg)
+    supervisor = build_supervisor(cfg, "/models/m", "m")
+    command = " ".join(supervisor.sidecar_command)
+    env = supervisor.sidecar_env or {}
+    secret = env["TRITONLLM_CONTROL_SECRET"]
+    assert len(secret) == 64 and env["TRITONLLM_API_KEY"] == "k-one,k-two"
+    assert "k-one" not in command and secret not in command
+    assert "--cache-salt-from-api-key" in command and ORIGIN in command
+    first, restarted = supervisor.new_triton(), supervisor.new_triton()
+    assert first.control_secret == restarted.control_secret == secret
+    assert first.admin_key != secret

@@ -274,9 +274,10 @@ def serve(cfg: LaunchConfig) -> int:
 
 
 def _banner(cfg: LaunchConfig, model_name: str) -> str:
+    auth = '-H "Authorization: Bearer $TRITONLLM_API_KEY" ' if cfg.api_keys else ""
     return (
         f"OpenAI base URL: {cfg.base_url}\n"
-        f"try: curl {cfg.base_url}/chat/completions -H 'Content-Type: application/json' "
+        f"try: curl {cfg.base_url}/chat/completions -H 'Content-Type: application/json' {auth}"
         f'-d \'{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hello"}}], '
         f'"max_tokens": 32}}\'\n'
         "Ctrl-C stops both servers (SIGTERM drains first)."

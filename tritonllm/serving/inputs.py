@@ -12,7 +12,7 @@ three places, merged by field name (``tritonllm.contract.tensors.SAMPLING_INPUTS
 
 A field given in more than one place must have the same value everywhere; anything unknown is
 refused by name, never ignored. Sizes are checked before any conversion
-(``contract.limits``: ``MAX_PROMPT_TOKENS`` ids, ``MAX_STOP_STRINGS`` stop strings,
+(``contract.limits``: ``MAX_PROMPT_TOKENS`` ids, 64 times the stop-string limits,
 ``MAX_STOP_TOKEN_IDS``, ``MAX_PARAMETERS_BYTES`` of JSON, ``MAX_PROMPT_BYTES`` of echo text), so
 an oversized input costs no more than its refusal.
 """
@@ -35,13 +35,16 @@ _TYPES = {"INT32": int, "INT64": int, "FP32": float, "BOOL": bool, "BYTES": str}
 _KINDS: dict[str, tuple[bool, type]] = {
     spec.name: (spec.dims == (-1,), _TYPES[spec.dtype]) for spec in tensors.SAMPLING_INPUTS
 }
-# Most elements of an input (counted before conversion) and most bytes of a string input.
+# Most elements of an input (counted before conversion) and most bytes of a string input:
+# coarse bounds on the conversion's cost; `SamplingParams` then holds the values to their
+# exact limits (MAX_STOP_STRINGS, with its own message).
 _MAX_ELEMENTS = {
     "input_ids": limits.MAX_PROMPT_TOKENS,
-    "stop": limits.MAX_STOP_STRINGS,
+    "stop": 64 * limits.MAX_STOP_STRINGS,
     "stop_token_ids": limits.MAX_STOP_TOKEN_IDS,
 }
 _MAX_BYTES = {
+    "stop": 64 * limits.MAX_STOP_STRINGS * limits.MAX_STOP_STRING_CHARS,
     "sampling_parameters": limits.MAX_PARAMETERS_BYTES,
     "echo_text": limits.MAX_PROMPT_BYTES,
     "cache_salt": limits.MAX_CACHE_SALT_CHARS * 4,  # UTF-8: at most 4 bytes a character
