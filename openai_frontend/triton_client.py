@@ -1,15 +1,12 @@
 """How a request reaches Triton: gRPC streams to the ``llm`` ensemble and aborts to ``generator``.
 
-Built on ``grpc.aio`` with tritonclient's protobuf service (``tritonclient.grpc.service_pb2*``);
-responses are read straight from their raw output bytes (once per streamed chunk, so without
-building numpy arrays). The raw stub is used rather than
-``tritonclient.grpc.aio.InferenceServerClient.stream_infer`` because every stream here sets the
-reserved request parameter ``triton_enable_empty_final_response``: the empty final response marks
-the end of a decoupled request (the generator answers an abort with exactly that), and that
-client offers no way to set reserved parameters. Tensor shapes and datatypes come from the
-model's metadata (``[1]`` or ``[1, 1]`` scalars, as the served config declares them). Every
-stream is read to its end; one whose client went away is ended by an abort to the generator
-rather than by cancelling it (``TritonClient.finish`` says why).
+``grpc.aio`` with tritonclient's protobuf service (``tritonclient.grpc.service_pb2*``); responses
+are read straight from their raw output bytes (no numpy arrays per chunk). The raw stub, not
+``tritonclient.grpc.aio.InferenceServerClient.stream_infer``, because every stream sets the
+reserved parameter ``triton_enable_empty_final_response`` (the empty final response ends a
+decoupled request; the generator answers an abort with exactly that), which that client cannot.
+Shapes and datatypes come from the model's metadata. Every stream is read to its end; one whose
+client went away is ended by an abort to the generator (``TritonClient.finish`` says why).
 """
 
 from __future__ import annotations
@@ -102,10 +99,8 @@ def encode_tensor(name: str, value: InputValue, spec: InputSpec) -> tuple[Any, b
         if dtype is None:
             raise TritonError(f"input {name}: unsupported datatype {spec.datatype}")
         raw = np.array(flat, dtype=dtype).reshape(dims).tobytes()
-    tensor = service_pb2.ModelInferRequest.InferInputTensor(
-        name=name, datatype=spec.datatype, shape=dims
-    )
-    return tensor, raw
+    proto = service_pb2.ModelInferRequest.InferInputTensor
+    return proto(name=name, datatype=spec.datatype, shape=dims), raw
 
 
 # A BYTES element is a 4-byte little-endian length, then the bytes; integer outputs are
@@ -257,20 +252,15 @@ class TritonClient:
     Args:
         url: ``host:port`` of Triton's gRPC endpoint.
         model: the ensemble to generate with (``llm``).
-        generator_model: the decoupled model that takes ``abort_request_id`` (``generator``).
-        control_secret: sent with every abort (the generator requires the server's
-            ``TRITONLLM_CONTROL_SECRET`` when it has one); None sends none.
+        generator: the decoupled model that takes ``abort_request_id`` (``generator``).
+        secret: the server's ``TRITONLLM_CONTROL_SECRET``, sent with every abort.
     """
 
     def __init__(
-        self,
-        url: str,
-        model: str = "llm",
-        generator_model: str = "generator",
-        control_secret: str | None = None,
+        self, url: str, model: str = "llm", generator: str = "generator", secret: str | None = None
     ) -> None:
-        self.url, self.model, self.generator_model = url, model, generator_model
-        self._control_secret = control_secret
+        self.url, self.model, self.generator_model = url, model, generator
+        self._control_secret = secret
         options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
         self._channel = grpc.aio.insecure_channel(url, options=options)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
@@ -316,16 +306,16 @@ class TritonClient:
     async def infer(
         self, model: str, request_id: str, inputs: Mapping[str, InputValue], timeout: float = 10.0
     ) -> _Outputs:
-        """One request to a model that is not decoupled; its outputs by name, as
-        ``(datatype, raw bytes)``. Raises: TritonError (``unavailable`` when unreachable)."""
+        """One request to a model that is not decoupled: its outputs by name, as ``(datatype,
+        raw bytes)``. Raises: TritonError (``unavailable`` when unreachable)."""
         request = await self._request(model, request_id, inputs)
         try:
             response = await self._stub.ModelInfer(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             unavailable = exc.code() != grpc.StatusCode.INVALID_ARGUMENT
             raise TritonError(exc.details() or str(exc.code()), unavailable) from exc
-        outputs = zip(response.outputs, response.raw_output_contents, strict=True)
-        return {o.name: (o.datatype, raw) for o, raw in outputs}
+        pairs = zip(response.outputs, response.raw_output_contents, strict=True)
+        return {o.name: (o.datatype, raw) for o, raw in pairs}
 
     async def _request(self, model: str, request_id: str, inputs: Mapping[str, InputValue]) -> Any:
         specs = await self.input_specs(model)
@@ -343,8 +333,7 @@ class TritonClient:
         """Send one request to the ensemble on its own gRPC stream.
 
         Args:
-            request_id: the Triton request id (the OpenAI completion id); the generator keys
-                aborts by it.
+            request_id: the Triton request id (the OpenAI completion id; aborts name it).
             inputs: ensemble input name → value; only inputs the client was given.
         Raises:
             TritonError: unknown input, Triton unreachable.
@@ -370,12 +359,10 @@ class TritonClient:
         return answered
 
     async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
-        """Ask the generator to abort ``request_id`` now and free its KV pages (its control
-        request ``abort_request_id``, with the control secret); True when it acknowledged
-        within ``timeout`` s."""
-        inputs: dict[str, InputValue] = {"abort_request_id": request_id}
-        if self._control_secret is not None:
-            inputs["control_secret"] = self._control_secret
+        """Ask the generator to abort ``request_id`` now and free its KV pages (control request
+        ``abort_request_id`` + the secret); True when acknowledged within ``timeout`` s."""
+        secret = {} if self._control_secret is None else {"control_secret": self._control_secret}
+        inputs: dict[str, InputValue] = {"abort_request_id": request_id, **secret}
         return await self._control(f"abort-{request_id}", inputs, timeout)
 
     async def finish(
@@ -385,14 +372,11 @@ class TritonClient:
         request id) in the generator when given; only a stream that has not ended after
         ``timeout`` s is cancelled.
 
-        A cancelled ``llm`` stream does stop its generation (the detokenizer aborts it at the
-        generator's next response, ARCHITECTURE.md "Platform facts"), but the explicit abort
-        is kept: a non-streamed backend request sends nothing before its end, so nothing in
-        Triton sees its cancellation until then; the abort ends a generation within
-        milliseconds, a cancellation only at its next response (checked at most every 0.5 s);
-        and a stream cancelled after its final response while others run can leave it
-        unreleased by the gRPC endpoint (Triton 2.51: its model then never unloads). The
-        abort brings the final response (finish_reason ``"abort"``) and the stream ends.
+        A cancelled ``llm`` stream stops its generation too (ARCHITECTURE.md "Platform
+        facts"), but the abort is kept: a non-streamed backend request shows no cancellation
+        before its end; an abort acts within milliseconds, a cancellation at the next response;
+        and a stream cancelled after its final response can stay unreleased by the gRPC
+        endpoint (Triton 2.51). The abort brings the final response (``"abort"``).
         """
         if abort_request_id is not None and not stream.finished:
             # Read while the abort is on its way, so the responses sent meanwhile never pile up.
