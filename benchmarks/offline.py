@@ -4,9 +4,8 @@
         [--attention-backend flashinfer] [--hf-subset 16] [--no-append]
 
 Without `--model` the random-weight `qwen3-0.6b` checkpoint is built into `models/qwen3-0.6b`.
-One table: the engine (all requests submitted at once), the bandwidth bound of the workload
-measured in the same run (`benchmarks.bandwidth`), and Hugging Face `generate` on a subset.
-Methodology: BENCHMARKS.md's header (`benchmarks.common.BENCHMARKS_HEADER`).
+One table: the engine (all requests at once), the workload's bandwidth bound measured in the same
+run (`benchmarks.bandwidth`), HF `generate` on a subset; methodology: BENCHMARKS.md's header.
 """
 
 from __future__ import annotations

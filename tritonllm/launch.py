@@ -56,6 +56,8 @@ from .triton_server import (
     connect_host,
 )
 
+# The child that converts the built-in model: ``python -m tritonllm.default_model --out DIR``.
+DEFAULT_MODEL_BUILDER = ("-m", "tritonllm.default_model")
 # The sidecar's API keys (comma-separated), read by the launcher and passed on in the
 # sidecar's environment (openai_frontend.security.API_KEY_ENV).
 API_KEY_ENV = "TRITONLLM_API_KEY"
@@ -113,7 +115,7 @@ def resolve_model(model: str | None) -> str:
     """
     if model is None:
         if not is_converted(DEFAULT_MODEL_DIR):
-            command = [sys.executable, "-m", "tritonllm.default_model"]
+            command = [sys.executable, *DEFAULT_MODEL_BUILDER, "--out", str(DEFAULT_MODEL_DIR)]
             if subprocess.run(command, cwd=REPO_ROOT).returncode != 0:
                 raise SystemExit(
                     f"error: could not convert the default model ({' '.join(command)})"
