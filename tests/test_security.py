@@ -570,8 +570,10 @@ def test_schemathesis_finds_no_undocumented_status_or_5xx(service, tmp_path):
         "--phases=examples,fuzzing",
         "--exclude-path-regex=^/health",
     ]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    # In tmp_path: schemathesis keeps a cache directory (.schemathesis/) where it runs.
+    run = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    print(run.stdout[-3000:])  # the run's summary (pytest -s shows it)
     assert _chat(root, name, "Hi", max_tokens=2).status_code == 200
 
 
