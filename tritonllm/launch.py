@@ -27,11 +27,9 @@ on loopback only unless told otherwise: ``--host 0.0.0.0`` (or ``TRITONLLM_HOST=
 exposes the OpenAI API to the network, ``--triton-host 0.0.0.0`` (or
 ``TRITONLLM_TRITON_HOST=0.0.0.0``) tritonserver's.
 
-Security (README, "Security"): ``--api-key`` (or ``TRITONLLM_API_KEY``, comma-separated for
-several tenants) makes the OpenAI API require ``Authorization: Bearer KEY``; the key reaches the
-sidecar in its environment, never on a command line. Each start generates tritonserver's admin
-key (its restricted APIs) and the control secret the generator requires of aborts, which only
-tritonserver and the sidecar get.
+Security (README): ``--api-key`` / ``TRITONLLM_API_KEY`` (comma-separated: several tenants)
+reaches the sidecar in its environment, never on a command line, as does the control secret
+the generator requires of aborts (generated per launcher start, like tritonserver's admin key).
 """
 
 from __future__ import annotations
@@ -80,6 +78,8 @@ class LaunchConfig:
         api_keys: the OpenAI API's keys (none: no authentication).
         cache_salt_from_api_key: a prefix cache of its own per API key.
         cors_origins: browser origins allowed to call the OpenAI API (none: CORS off).
+        tensor_parallel_size: ranks the engine splits the model across
+            (``TRITONLLM_TENSOR_PARALLEL_SIZE``; None: the repository's setting, 1).
     """
 
     model: str | None = None
@@ -96,6 +96,7 @@ class LaunchConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     cache_salt_from_api_key: bool = False
     cors_origins: tuple[str, ...] = ()
+    tensor_parallel_size: int | None = None
 
     @property
     def base_url(self) -> str:
@@ -161,12 +162,9 @@ def sidecar_env(api_keys: tuple[str, ...], control_secret: str) -> dict[str, str
     """The sidecar's environment: this one with its API keys (``TRITONLLM_API_KEY``; none:
     removed) and the control secret (``TRITONLLM_CONTROL_SECRET``). A process' environment is
     readable by its own user only (/proc/PID/environ), unlike its command line."""
-    env = dict(os.environ)
-    env.pop(API_KEY_ENV, None)
-    if api_keys:
-        env[API_KEY_ENV] = ",".join(api_keys)
-    env[CONTROL_SECRET_ENV] = control_secret
-    return env
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    env.update({API_KEY_ENV: ",".join(api_keys)} if api_keys else {})
+    return {**env, CONTROL_SECRET_ENV: control_secret}
 
 
 class _Stop(Exception):
@@ -193,10 +191,13 @@ def _triton_factory(cfg: LaunchConfig, model: str, control_secret: str):
             log = log.with_name(f"{log.stem}.{starts}{log.suffix or '.log'}")
         starts += 1
         # TRITONLLM_MODEL goes through env (not model_path) so a hub id is not made a path.
+        env = {"TRITONLLM_MODEL": model}
+        if cfg.tensor_parallel_size is not None:
+            env["TRITONLLM_TENSOR_PARALLEL_SIZE"] = str(cfg.tensor_parallel_size)
         return TritonServer(
             model_path=None,
             model_repository=MODEL_REPOSITORY,
-            env={"TRITONLLM_MODEL": model},
+            env=env,
             log_path=log,
             http_port=cfg.http_port,
             grpc_port=cfg.grpc_port,
@@ -312,6 +313,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     p.add_argument("--metrics-port", type=int, default=8002, help="tritonserver metrics port")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds per server")
     p.add_argument("--triton-log", type=Path, default=None, help="tritonserver log file")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, help="ranks (GPUs) per model")
     defaults = SupervisePolicy()
     p.add_argument(
         "--on-failure",
@@ -384,6 +386,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         api_keys=api_keys,
         cache_salt_from_api_key=a.cache_salt_from_api_key,
         cors_origins=tuple(a.cors_allow_origin),
+        tensor_parallel_size=a.tensor_parallel_size,
     )
 
 
