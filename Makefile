@@ -14,6 +14,10 @@ CHAT_ARGS ?=
 # Extra launcher flags for `make serve`, e.g. SERVE_ARGS="--port 9001 --host 0.0.0.0"
 # (python -m tritonllm.launch --help lists them).
 SERVE_ARGS ?=
+# The OpenAI API's key(s) for `make serve` (comma-separated for several tenants; empty: none).
+# Passed in the launcher's environment (TRITONLLM_API_KEY), never on its command line; an exported
+# TRITONLLM_API_KEY works too and keeps the key out of make's own command line.
+API_KEY ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup serve chat test test-gpu lint format tiny-model default-model bench-offline \
@@ -34,7 +38,7 @@ setup: $(VENV)/.installed
 # `exec`: the launcher replaces the recipe's shell, so the SIGTERM that make forwards to its child
 # (from `kill`, `timeout`, a supervisor) reaches the launcher, which stops both servers.
 serve: setup
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH exec $(PY) -m tritonllm.launch $(if $(MODEL),--model "$(MODEL)",) $(SERVE_ARGS)
+	$(if $(API_KEY),TRITONLLM_API_KEY="$(API_KEY)",) PATH=$(CURDIR)/$(VENV)/bin:$$PATH exec $(PY) -m tritonllm.launch $(if $(MODEL),--model "$(MODEL)",) $(SERVE_ARGS)
 
 # A terminal chat with the service at CHAT_ARGS' --url (default http://127.0.0.1:9000/v1);
 # when none answers there, it starts one (MODEL, or the default model) and stops it on exit.

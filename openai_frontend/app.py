@@ -13,14 +13,24 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import chat_page, health
 from .drain import DrainGate, DrainState, server_class
 from .errors import OpenAIError, install_error_handlers
+from .openapi import install_openapi
 from .routes import chat, completions, models
 from .routes.common import ServerState
+from .security import (
+    API_KEY_ENV,
+    CONTROL_SECRET_ENV,
+    DEFAULT_HEADER_TIMEOUT_S,
+    ApiKeyAuth,
+    header_timeout_protocol,
+    parse_api_keys,
+)
 from .triton_client import TritonClient
 
 # Largest request body accepted (bytes). Far above any prompt a 128k-token context can take, and
@@ -113,6 +123,10 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     stream_idle_timeout_s: float | None = DEFAULT_STREAM_IDLE_TIMEOUT_S,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    api_keys: tuple[str, ...] = (),
+    cors_origins: tuple[str, ...] = (),
+    cache_salt_from_api_key: bool = False,
+    control_secret: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app in front of the Triton ensemble at ``triton_url`` (gRPC).
 
@@ -126,14 +140,27 @@ def create_app(
             generator's stub process died; None: no limit.
         drain_timeout_s: seconds SIGTERM lets the generations in flight finish, new requests
             getting 503 meanwhile (0: abort them at once; ``drain.py``).
+        api_keys: when any, every route but ``/health`` and ``/`` needs one of them as
+            ``Authorization: Bearer <key>`` (``security.ApiKeyAuth``); each key is a tenant.
+        cors_origins: browser origins allowed to call the API (CORS); none: no CORS headers.
+        cache_salt_from_api_key: each tenant gets its own prefix cache (``security.py``).
+        control_secret: the generator's control secret, sent with every abort (the server's
+            ``TRITONLLM_CONTROL_SECRET``).
+    Raises:
+        ValueError: ``cache_salt_from_api_key`` without ``api_keys``.
     """
+    if cache_salt_from_api_key and not api_keys:
+        raise ValueError("cache_salt_from_api_key needs API keys")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The gRPC channel binds to the running event loop, so it is made here, not at import.
-        client = TritonClient(triton_url, triton_model, generator_model)
+        client = TritonClient(triton_url, triton_model, generator_model, control_secret)
         app.state.server = state = ServerState(
-            client=client, model_name=model_name, stream_idle_timeout_s=stream_idle_timeout_s
+            client=client,
+            model_name=model_name,
+            stream_idle_timeout_s=stream_idle_timeout_s,
+            cache_salt_from_api_key=cache_salt_from_api_key,
         )
         app.state.health = health.HealthMonitor(client, state.live)
         watch = health.BackendWatch(app.state.health)
@@ -147,9 +174,19 @@ def create_app(
     app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
     app.state.server = None  # the lifespan sets it (the gRPC channel needs the running loop)
     install_error_handlers(app)
+    install_openapi(app)
 
     app.state.drain = DrainState(timeout_s=drain_timeout_s)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    if api_keys:  # before the body is read; after CORS, so a browser can read a 401
+        app.add_middleware(ApiKeyAuth, api_keys=api_keys)
+    if cors_origins:  # answers preflights (which carry no key) itself
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.add_middleware(DrainGate, state=app.state.drain)  # outermost: refuses before reading
     for router in (chat.router, completions.router, models.router, health.router, chat_page.router):
         app.include_router(router)
@@ -197,6 +234,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds SIGTERM lets requests in flight finish while new ones get 503 "
         "(0: abort them at once, as SIGINT does)",
     )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help=f"an API key clients must send as 'Authorization: Bearer KEY' (repeat, or "
+        f"comma-separate, for several tenants; default: ${API_KEY_ENV}, which keeps the keys "
+        "off the command line; none: no authentication)",
+    )
+    p.add_argument(
+        "--cache-salt-from-api-key",
+        action="store_true",
+        help="give each API key its own prefix cache (no KV pages or cached_tokens shared "
+        "across keys)",
+    )
+    p.add_argument(
+        "--cors-allow-origin",
+        action="append",
+        default=[],
+        help="a browser origin allowed to call the API, e.g. https://chat.example.com "
+        "(repeat for several; none: CORS off)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a connection may take to send a request's headers (idle connections "
+        "and half-sent requests are closed after it)",
+    )
     return p.parse_args(argv)
 
 
@@ -207,6 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
     name = args.model_name or default_model_name(args.model)
+    keys = parse_api_keys(",".join(args.api_key or [os.environ.get(API_KEY_ENV, "")]))
+    if args.cache_salt_from_api_key and not keys:
+        raise SystemExit("error: --cache-salt-from-api-key needs --api-key")
     app = create_app(
         args.triton_url,
         name,
@@ -214,6 +282,13 @@ def main(argv: list[str] | None = None) -> None:
         max_request_bytes=args.max_request_bytes,
         stream_idle_timeout_s=args.stream_idle_timeout or None,
         drain_timeout_s=args.drain_timeout,
+        api_keys=keys,
+        cors_origins=tuple(args.cors_allow_origin),
+        cache_salt_from_api_key=args.cache_salt_from_api_key,
+        control_secret=os.environ.get(CONTROL_SECRET_ENV, "").strip() or None,
     )
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    protocol = header_timeout_protocol(args.header_timeout)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, http=protocol
+    )
     server_class()(config, app).run()

@@ -28,9 +28,17 @@ OPENAI_STATUS: dict[ErrorCode, tuple[int, str, str | None]] = {
     ErrorCode.MISSING_INPUT: (400, "invalid_request_error", "missing_required_parameter"),
     ErrorCode.UNSUPPORTED_PARAMETER: (400, "invalid_request_error", "unsupported_parameter"),
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error", "context_length_exceeded"),
+    # Only the service's own parts send control requests: a refusal is the sidecar's fault.
+    ErrorCode.PERMISSION_DENIED: (500, "server_error", None),
     ErrorCode.INTERNAL_ERROR: (500, "server_error", None),
     ErrorCode.ENGINE_UNAVAILABLE: (503, "server_error", "service_unavailable"),
+    ErrorCode.SERVER_OVERLOADED: (429, "rate_limit_error", "rate_limit_exceeded"),
 }
+# Seconds a 429 (the generator's queue is full) asks the client to wait (``Retry-After``).
+RETRY_AFTER_S = 1
+# The messages of server faults: their details (exception text, addresses) go to the log only.
+INTERNAL_MESSAGE = "internal server error"
+UNAVAILABLE_MESSAGE = "the model backend is unavailable; retry later"
 # Backend parameter names that are another field in the OpenAI request (the prompt's own name,
 # "messages" or "prompt", is filled in per endpoint).
 _PROMPT_PARAMS = {"prompt", "text_input", "input_ids"}
@@ -45,6 +53,7 @@ class OpenAIError(Exception):
         type: OpenAI error type (``invalid_request_error``, ``server_error``, ...).
         param: the request field at fault, if any.
         code: machine-readable code (``model_not_found``, ``context_length_exceeded``, ...).
+        headers: extra response headers (``Retry-After`` of a 429).
     """
 
     def __init__(
@@ -54,8 +63,10 @@ class OpenAIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = dict(headers or {})
         self.message, self.status, self.type, self.param, self.code = (
             message,
             status,
@@ -78,7 +89,7 @@ class OpenAIError(Exception):
     def response(self) -> JSONResponse:
         """``body()`` with ``status`` as the HTTP status (ASCII-escaped JSON, so a message that
         quotes client text with lone surrogates still renders)."""
-        return _AsciiJSONResponse(self.body(), status_code=self.status)
+        return _AsciiJSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 class _AsciiJSONResponse(JSONResponse):
@@ -97,6 +108,7 @@ def unsupported(param: str, what: str | None = None) -> OpenAIError:
 
 def from_backend(error: WireError, prompt_param: str) -> OpenAIError:
     """The OpenAI error of a backend error, by its code alone (never its message's wording).
+    A server fault's message (exception text) is logged, not returned.
 
     Args:
         error: the decoded wire error.
@@ -110,6 +122,13 @@ def from_backend(error: WireError, prompt_param: str) -> OpenAIError:
             param = prompt_param
         elif param == "logprobs" and prompt_param == "messages":
             param = "top_logprobs"  # chat's name for the count
+    if status == 429:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        return OpenAIError(error.message, status, kind, code=code, headers=headers)
+    if status >= 500:
+        log.warning("backend error %s: %s", error.code.value, error.message)
+        message = UNAVAILABLE_MESSAGE if status == 503 else INTERNAL_MESSAGE
+        return OpenAIError(message, status, kind, code=code)
     return OpenAIError(error.message, status, kind, param=param, code=code)
 
 
@@ -199,6 +218,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return OpenAIError(
-            f"internal server error: {exc}", status=500, type="server_error"
-        ).response()
+        return OpenAIError(INTERNAL_MESSAGE, status=500, type="server_error").response()

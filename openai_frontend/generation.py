@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -24,9 +25,11 @@ from typing import Any
 
 from tritonllm.contract.errors import decode_error
 
-from .errors import OpenAIError, from_backend
+from .errors import INTERNAL_MESSAGE, UNAVAILABLE_MESSAGE, OpenAIError, from_backend
 from .protocol import PromptTokensDetails, Usage
 from .triton_client import InputValue, LLMChunk, ResponseStream, TritonClient, TritonError
+
+log = logging.getLogger(__name__)
 
 
 def to_openai_error(exc: TritonError, prompt_param: str) -> OpenAIError:
@@ -37,13 +40,13 @@ def to_openai_error(exc: TritonError, prompt_param: str) -> OpenAIError:
     any other error is Triton's own (a stub that died, a model not ready, a cancelled step) ->
     500. No message text is searched: a client's own text can never change the class.
     """
-    if exc.unavailable:
-        return OpenAIError(
-            f"backend unavailable: {exc.message}", 503, "server_error", code="service_unavailable"
-        )
+    if exc.unavailable:  # the details (the internal gRPC address) go to the log only
+        log.warning("backend unavailable: %s", exc.message)
+        return OpenAIError(UNAVAILABLE_MESSAGE, 503, "server_error", code="service_unavailable")
     wire = decode_error(exc.message)
     if wire is None:
-        return OpenAIError(f"backend error: {exc.message}", 500, "server_error")
+        log.warning("backend error: %s", exc.message)
+        return OpenAIError(INTERNAL_MESSAGE, 500, "server_error")
     return from_backend(wire, prompt_param)
 
 

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from tritonllm.contract.errors import ErrorCode, decode_error
+
 from .errors import OpenAIError
 from .generation import Generation
 from .triton_client import InputValue, TritonClient, TritonError
@@ -47,6 +49,14 @@ log = logging.getLogger(__name__)
 # is in Triton's logs and statistics.
 PROBE_INPUTS: dict[str, InputValue] = {"text_input": "health", "max_tokens": 1, "temperature": 0.0}
 PROBE_ID_PREFIX = "health-"
+
+
+def _overloaded(exc: TritonError) -> bool:
+    """Whether ``exc`` is the generator's full-queue refusal (``server_overloaded``): the
+    service works, so a probe refused that way passes (a 503 would get the server restarted
+    for being busy)."""
+    wire = None if exc.unavailable else decode_error(exc.message)
+    return wire is not None and wire.code is ErrorCode.SERVER_OVERLOADED
 
 
 @dataclass(frozen=True)
@@ -142,7 +152,11 @@ class HealthMonitor:
         try:
             stream = await self.client.stream(request_id, PROBE_INPUTS)
         except TritonError as exc:
-            return f"probe not sent: {exc.message}", not exc.unavailable
+            return (
+                None
+                if _overloaded(exc)
+                else (f"probe not sent: {exc.message}", not exc.unavailable)
+            )
 
         async def read_all() -> None:
             while await stream.read() is not None:
@@ -151,6 +165,8 @@ class HealthMonitor:
         try:
             await asyncio.wait_for(read_all(), self.probe_timeout_s)
         except TritonError as exc:
+            if _overloaded(exc):  # the whole pipeline answered: busy, not broken
+                return None
             return f"generation failed: {exc.message}", not exc.unavailable
         except asyncio.TimeoutError:
             self.client.close_soon(stream, request_id)

@@ -84,6 +84,10 @@ class SamplingFields(_Lenient):
         default=None, **limits.REPETITION_PENALTY.field_bounds()
     )
     min_tokens: StrictInt | None = Field(default=None, **limits.MIN_TOKENS.field_bounds())
+    # vLLM's prefix-cache namespace: prompts share cached KV pages only within one salt.
+    cache_salt: str | None = Field(
+        default=None, min_length=1, max_length=limits.MAX_CACHE_SALT_CHARS
+    )
 
     @property
     def include_usage(self) -> bool:

@@ -1,15 +1,12 @@
 """How a request reaches Triton: gRPC streams to the ``llm`` ensemble and aborts to ``generator``.
 
-Built on ``grpc.aio`` with tritonclient's protobuf service (``tritonclient.grpc.service_pb2*``);
-responses are read straight from their raw output bytes (once per streamed chunk, so without
-building numpy arrays). The raw stub is used rather than
-``tritonclient.grpc.aio.InferenceServerClient.stream_infer`` because every stream here sets the
-reserved request parameter ``triton_enable_empty_final_response``: the empty final response marks
-the end of a decoupled request (the generator answers an abort with exactly that), and that
-client offers no way to set reserved parameters. Tensor shapes and datatypes come from the
-model's metadata (``[1]`` or ``[1, 1]`` scalars, as the served config declares them). Every
-stream is read to its end; one whose client went away is ended by an abort to the generator
-rather than by cancelling it (``TritonClient.finish`` says why).
+``grpc.aio`` with tritonclient's protobuf service (``tritonclient.grpc.service_pb2*``); responses
+are read straight from their raw output bytes (no numpy arrays per chunk). The raw stub, not
+``tritonclient.grpc.aio.InferenceServerClient.stream_infer``, because every stream sets the
+reserved parameter ``triton_enable_empty_final_response`` (the empty final response ends a
+decoupled request; the generator answers an abort with exactly that), which that client cannot.
+Shapes and datatypes come from the model's metadata. Every stream is read to its end; one whose
+client went away is ended by an abort to the generator (``TritonClient.finish`` says why).
 """
 
 from __future__ import annotations
@@ -102,10 +99,8 @@ def encode_tensor(name: str, value: InputValue, spec: InputSpec) -> tuple[Any, b
         if dtype is None:
             raise TritonError(f"input {name}: unsupported datatype {spec.datatype}")
         raw = np.array(flat, dtype=dtype).reshape(dims).tobytes()
-    tensor = service_pb2.ModelInferRequest.InferInputTensor(
-        name=name, datatype=spec.datatype, shape=dims
-    )
-    return tensor, raw
+    proto = service_pb2.ModelInferRequest.InferInputTensor
+    return proto(name=name, datatype=spec.datatype, shape=dims), raw
 
 
 # A BYTES element is a 4-byte little-endian length, then the bytes; integer outputs are
@@ -115,7 +110,8 @@ _INT_FORMATS = {"INT32": "<i", "INT64": "<q", "UINT32": "<I", "UINT64": "<Q"}
 _Outputs = dict[str, tuple[str, bytes]]
 
 
-def _first_text(outputs: _Outputs, name: str) -> str:
+def first_text(outputs: _Outputs, name: str) -> str:
+    """The first element of BYTES output ``name`` as text ("" when absent or empty)."""
     raw = outputs[name][1] if name in outputs else b""
     if len(raw) < _BYTES_LEN.size:
         return ""
@@ -149,13 +145,13 @@ def parse_chunk(response: service_pb2.ModelInferResponse) -> LLMChunk:
         for o, raw in zip(response.outputs, response.raw_output_contents, strict=True)
     }
     return LLMChunk(
-        text=_first_text(outputs, "text_output"),
-        finish_reason=_first_text(outputs, "finish_reason"),
+        text=first_text(outputs, "text_output"),
+        finish_reason=first_text(outputs, "finish_reason"),
         num_input_tokens=_first_int(outputs, "num_input_tokens"),
         num_output_tokens=_first_int(outputs, "num_output_tokens"),
         cached_tokens=_first_int(outputs, "cached_tokens"),
         index=_first_int(outputs, "index"),
-        logprobs_json=_first_text(outputs, "logprobs_json"),
+        logprobs_json=first_text(outputs, "logprobs_json"),
     )
 
 
@@ -256,11 +252,15 @@ class TritonClient:
     Args:
         url: ``host:port`` of Triton's gRPC endpoint.
         model: the ensemble to generate with (``llm``).
-        generator_model: the decoupled model that takes ``abort_request_id`` (``generator``).
+        generator: the decoupled model that takes ``abort_request_id`` (``generator``).
+        secret: the server's ``TRITONLLM_CONTROL_SECRET``, sent with every abort.
     """
 
-    def __init__(self, url: str, model: str = "llm", generator_model: str = "generator") -> None:
-        self.url, self.model, self.generator_model = url, model, generator_model
+    def __init__(
+        self, url: str, model: str = "llm", generator: str = "generator", secret: str | None = None
+    ) -> None:
+        self.url, self.model, self.generator_model = url, model, generator
+        self._control_secret = secret
         options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
         self._channel = grpc.aio.insecure_channel(url, options=options)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
@@ -303,6 +303,20 @@ class TritonClient:
             }
         return self._specs[model]
 
+    async def infer(
+        self, model: str, request_id: str, inputs: Mapping[str, InputValue], timeout: float = 10.0
+    ) -> _Outputs:
+        """One request to a model that is not decoupled: its outputs by name, as ``(datatype,
+        raw bytes)``. Raises: TritonError (``unavailable`` when unreachable)."""
+        request = await self._request(model, request_id, inputs)
+        try:
+            response = await self._stub.ModelInfer(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            unavailable = exc.code() != grpc.StatusCode.INVALID_ARGUMENT
+            raise TritonError(exc.details() or str(exc.code()), unavailable) from exc
+        pairs = zip(response.outputs, response.raw_output_contents, strict=True)
+        return {o.name: (o.datatype, raw) for o, raw in pairs}
+
     async def _request(self, model: str, request_id: str, inputs: Mapping[str, InputValue]) -> Any:
         specs = await self.input_specs(model)
         request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
@@ -319,8 +333,7 @@ class TritonClient:
         """Send one request to the ensemble on its own gRPC stream.
 
         Args:
-            request_id: the Triton request id (the OpenAI completion id); the generator keys
-                aborts by it.
+            request_id: the Triton request id (the OpenAI completion id; aborts name it).
             inputs: ensemble input name → value; only inputs the client was given.
         Raises:
             TritonError: unknown input, Triton unreachable.
@@ -346,9 +359,11 @@ class TritonClient:
         return answered
 
     async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
-        """Ask the generator to abort ``request_id`` now and free its KV pages (its control
-        request ``abort_request_id``); True when it acknowledged within ``timeout`` s."""
-        return await self._control(f"abort-{request_id}", {"abort_request_id": request_id}, timeout)
+        """Ask the generator to abort ``request_id`` now and free its KV pages (control request
+        ``abort_request_id`` + the secret); True when acknowledged within ``timeout`` s."""
+        secret = {} if self._control_secret is None else {"control_secret": self._control_secret}
+        inputs: dict[str, InputValue] = {"abort_request_id": request_id, **secret}
+        return await self._control(f"abort-{request_id}", inputs, timeout)
 
     async def finish(
         self, stream: ResponseStream, abort_request_id: str | None = None, timeout: float = 5.0
@@ -357,20 +372,11 @@ class TritonClient:
         request id) in the generator when given; only a stream that has not ended after
         ``timeout`` s is cancelled.
 
-        A cancelled ``llm`` stream does stop its generation (the detokenizer sees the
-        cancellation at the generator's next response and aborts it, ARCHITECTURE.md
-        "Platform facts"), but the explicit abort is kept:
-
-        - a non-streamed backend request (``stream`` false) sends nothing before its end, so
-          nothing in Triton can see its cancellation until it has run to completion;
-        - the abort ends the generation within milliseconds, a cancellation only at the next
-          response (and its check, at most every 0.5 s per request);
-        - a stream cancelled after its final response, while other requests run, can leave
-          that request unreleased by the gRPC endpoint (Triton 2.51): its model then never
-          unloads.
-
-        The abort brings the generator's final response (finish_reason ``"abort"``) within
-        milliseconds, and the stream then ends by itself.
+        A cancelled ``llm`` stream stops its generation too (ARCHITECTURE.md "Platform
+        facts"), but the abort is kept: a non-streamed backend request shows no cancellation
+        before its end; an abort acts within milliseconds, a cancellation at the next response;
+        and a stream cancelled after its final response can stay unreleased by the gRPC
+        endpoint (Triton 2.51). The abort brings the final response (``"abort"``).
         """
         if abort_request_id is not None and not stream.finished:
             # Read while the abort is on its way, so the responses sent meanwhile never pile up.

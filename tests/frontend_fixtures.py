@@ -45,8 +45,19 @@ class Sidecar:
         return self.log_path.read_text(errors="replace")[-n_chars:]
 
 
-def start_sidecar(grpc_url: str, model_name: str, log_path: Path, timeout_s: float = 60.0):
+def start_sidecar(
+    grpc_url: str,
+    model_name: str,
+    log_path: Path,
+    timeout_s: float = 60.0,
+    control_secret: str | None = None,
+    extra_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+):
     """Start the sidecar on a free port and wait until ``/health`` answers 200.
+
+    ``control_secret``: the server's (``TritonServer.control_secret``), for the sidecar's
+    aborts; ``extra_args``: more sidecar flags; ``env``: more environment variables.
 
     Raises:
         RuntimeError: it exited or was not healthy within ``timeout_s`` seconds.
@@ -62,10 +73,19 @@ def start_sidecar(grpc_url: str, model_name: str, log_path: Path, timeout_s: flo
         f"--model-name={model_name}",
         f"--port={port}",
         "--log-level=info",
+        *extra_args,
     ]
+    environment = {**os.environ, **(env or {})}
+    if control_secret is not None:
+        environment["TRITONLLM_CONTROL_SECRET"] = control_secret
     log = open(log_path, "wb")  # noqa: SIM115 (kept open for the process' lifetime)
     process = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        cmd,
+        cwd=REPO_ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=environment,
     )
     deadline = time.monotonic() + timeout_s
     url = f"http://127.0.0.1:{port}/health"
@@ -99,7 +119,12 @@ def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
 def sidecar(triton_server, tiny_model_dir, tmp_path_factory):
     """The OpenAI sidecar (a real process) serving the tiny model through ``triton_server``."""
     log_path = tmp_path_factory.mktemp("logs") / "sidecar.log"
-    process, base_url = start_sidecar(triton_server.grpc_url, Path(tiny_model_dir).name, log_path)
+    process, base_url = start_sidecar(
+        triton_server.grpc_url,
+        Path(tiny_model_dir).name,
+        log_path,
+        control_secret=triton_server.control_secret,
+    )
     running = Sidecar(
         process, base_url, Path(tiny_model_dir).name, triton_server.metrics_url, log_path
     )

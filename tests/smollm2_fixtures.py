@@ -50,7 +50,11 @@ def smollm2_service(smollm2_dir, tmp_path_factory) -> Sidecar:
     try:
         server.start(timeout=START_TIMEOUT_S)
         process, base_url = start_sidecar(
-            server.grpc_url, DEFAULT_MODEL_NAME, logs / "sidecar.log", START_TIMEOUT_S
+            server.grpc_url,
+            DEFAULT_MODEL_NAME,
+            logs / "sidecar.log",
+            START_TIMEOUT_S,
+            control_secret=server.control_secret,
         )
     except RuntimeError:
         server.stop()

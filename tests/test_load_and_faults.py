@@ -410,7 +410,12 @@ def test_a_sigkilled_sidecar_leaves_no_generation_running(triton_server, tmp_pat
     reach the generator through the ensemble; then it passes, and the xfail branch goes."""
     from frontend_fixtures import start_sidecar
 
-    process, base_url = start_sidecar(triton_server.grpc_url, "tiny", tmp_path / "sidecar.log")
+    process, base_url = start_sidecar(
+        triton_server.grpc_url,
+        "tiny",
+        tmp_path / "sidecar.log",
+        control_secret=triton_server.control_secret,
+    )
     metrics = triton_server.metrics_url
     tokens_before = _counter(metrics, "tritonllm_generated_tokens_total")
     # Long enough not to finish on its own within the 5 s the test gives the stop; short

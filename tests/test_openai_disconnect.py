@@ -23,26 +23,28 @@ LONG = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
 MESSAGES = [{"role": "user", "content": "Write a very long story."}]
 
 
-def _inference_counts(http_url: str, model: str) -> tuple[int, int]:
-    """``(success, fail)`` of ``model``'s inference statistics (Triton's HTTP endpoint).
+def _inference_counts(server, model: str) -> tuple[int, int]:
+    """``(success, fail)`` of ``model``'s inference statistics (Triton's HTTP endpoint; a
+    restricted API: the request carries the server's admin key).
 
     An ensemble counts a success only when it releases the request (its last step finished);
     an ensemble request that failed counts a failure when its error response is sent, released
     or not.
     """
-    url = f"http://{http_url}/v2/models/{model}/stats"
-    with urllib.request.urlopen(url, timeout=5) as response:
+    url = f"http://{server.http_url}/v2/models/{model}/stats"
+    request = urllib.request.Request(url, headers=server.admin_headers)
+    with urllib.request.urlopen(request, timeout=5) as response:
         (stats,) = json.loads(response.read())["model_stats"]
     counts = stats["inference_stats"]
     return counts["success"]["count"], counts["fail"]["count"]
 
 
-def _wait_for_counts(http_url: str, model: str, want: tuple[int, int], timeout_s: float):
+def _wait_for_counts(server, model: str, want: tuple[int, int], timeout_s: float):
     deadline = time.monotonic() + timeout_s
-    counts = _inference_counts(http_url, model)
+    counts = _inference_counts(server, model)
     while counts != want and time.monotonic() < deadline:
         time.sleep(0.05)
-        counts = _inference_counts(http_url, model)
+        counts = _inference_counts(server, model)
     return counts
 
 
@@ -92,14 +94,14 @@ def test_non_stream_client_timeout_aborts_the_generation(sidecar, triton_server)
     """A non-streaming client that gives up (read timeout) also frees the generator, and its
     ``llm`` request completes in Triton."""
     body = {"model": sidecar.model_name, "messages": MESSAGES, **LONG}
-    success, fail = _inference_counts(triton_server.http_url, "llm")
+    success, fail = _inference_counts(triton_server, "llm")
 
     try:
         httpx.post(f"{sidecar.base_url}/chat/completions", json=body, timeout=1.0)
         raise AssertionError("2000 tokens should take longer than the 1 s client timeout")
     except httpx.ReadTimeout:
         pass
-    counts = _wait_for_counts(triton_server.http_url, "llm", (success + 1, fail), timeout_s=5.0)
+    counts = _wait_for_counts(triton_server, "llm", (success + 1, fail), timeout_s=5.0)
     assert counts == (success + 1, fail), f"llm (success, fail): {counts}, was {(success, fail)}"
     _assert_aborted_then_serving(sidecar)
 
@@ -126,10 +128,9 @@ def test_disconnected_stream_ends_its_llm_request(sidecar, triton_server, endpoi
 
     A cancelled ensemble request instead fails (Triton 2.51's ensemble then never releases it:
     an inference in flight until shutdown)."""
-    http_url = triton_server.http_url
-    success, fail = _inference_counts(http_url, "llm")
+    success, fail = _inference_counts(triton_server, "llm")
     _disconnect(sidecar.base_url, sidecar.model_name, endpoint, n=n)
-    counts = _wait_for_counts(http_url, "llm", (success + 1, fail), timeout_s=5.0)
+    counts = _wait_for_counts(triton_server, "llm", (success + 1, fail), timeout_s=5.0)
     assert counts == (success + 1, fail), f"llm (success, fail): {counts}, was {(success, fail)}"
     assert engine_idle(wait_for_gauges(sidecar.metrics_url, engine_idle, timeout_s=2.0))
 
@@ -162,9 +163,11 @@ def test_server_shuts_down_with_nothing_in_flight_after_disconnects(tiny_model_d
     sidecar = None
     try:
         model = Path(tiny_model_dir).name
-        sidecar, base_url = start_sidecar(server.grpc_url, model, tmp_path / "sidecar.log")
+        sidecar, base_url = start_sidecar(
+            server.grpc_url, model, tmp_path / "sidecar.log", control_secret=server.control_secret
+        )
         # The sidecar's /health sent llm one probe generation before it answered 200.
-        before = _inference_counts(server.http_url, "llm")
+        before = _inference_counts(server, "llm")
         completed: list[int] = []
         background = threading.Thread(
             target=lambda: completed.append(_read_all(base_url, model, max_tokens=800))
@@ -176,7 +179,7 @@ def test_server_shuts_down_with_nothing_in_flight_after_disconnects(tiny_model_d
         background.join(timeout=120)
         # The background stream completes too.
         want = (before[0] + len(disconnects) + 1, before[1])
-        counts = _wait_for_counts(server.http_url, "llm", want, timeout_s=5.0)
+        counts = _wait_for_counts(server, "llm", want, timeout_s=5.0)
     finally:
         if sidecar is not None:
             stop_process(sidecar)

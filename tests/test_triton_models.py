@@ -224,7 +224,9 @@ def test_abort_control_request_frees_kv_at_once(triton_server, stream, tokenizer
 
     control = Stream(triton_server.grpc_url)
     try:
-        control.send("generator", {"abort_request_id": rid})
+        control.send(
+            "generator", {"abort_request_id": rid, "control_secret": triton_server.control_secret}
+        )
         assert control.collect()  # one empty final response
     finally:
         control.close()
@@ -249,7 +251,9 @@ def test_abort_that_arrives_before_its_request_ends_it(triton_server, stream):
     rid = f"early-{uuid.uuid4().hex}"
     control = Stream(triton_server.grpc_url)
     try:
-        control.send("generator", {"abort_request_id": rid})
+        control.send(
+            "generator", {"abort_request_id": rid, "control_secret": triton_server.control_secret}
+        )
         control.collect()
     finally:
         control.close()

@@ -25,22 +25,28 @@ tritonserver's HTTP, gRPC and metrics endpoints on ``--triton-host`` (default 12
 ``--http-port`` / ``--grpc-port`` / ``--metrics-port`` (8000 / 8001 / 8002). Everything listens
 on loopback only unless told otherwise: ``--host 0.0.0.0`` (or ``TRITONLLM_HOST=0.0.0.0``)
 exposes the OpenAI API to the network, ``--triton-host 0.0.0.0`` (or
-``TRITONLLM_TRITON_HOST=0.0.0.0``) tritonserver's. Neither endpoint has authentication.
+``TRITONLLM_TRITON_HOST=0.0.0.0``) tritonserver's.
+
+Security (README): ``--api-key`` / ``TRITONLLM_API_KEY`` (comma-separated: several tenants)
+reaches the sidecar in its environment, never on a command line, as does the control secret
+the generator requires of aborts (generated per launcher start, like tritonserver's admin key).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .default_model import DEFAULT_MODEL_DIR, is_converted
 from .supervisor import FAILURE_POLICIES, SupervisePolicy, Supervisor
 from .triton_server import (
+    CONTROL_SECRET_ENV,
     DEFAULT_BIND_ADDRESS,
     MODEL_REPOSITORY,
     REPO_ROOT,
@@ -50,6 +56,9 @@ from .triton_server import (
 
 # The child that converts the built-in model: ``python -m tritonllm.default_model --out DIR``.
 DEFAULT_MODEL_BUILDER = ("-m", "tritonllm.default_model")
+# The sidecar's API keys (comma-separated), read by the launcher and passed on in the
+# sidecar's environment (openai_frontend.security.API_KEY_ENV).
+API_KEY_ENV = "TRITONLLM_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,9 @@ class LaunchConfig:
         triton_log: tritonserver's log file (None: a temp file); restarts write
             ``NAME.1.log``, ``NAME.2.log``, ... beside it.
         policy: failure handling, health checks and the drain (``SupervisePolicy``).
+        api_keys: the OpenAI API's keys (none: no authentication).
+        cache_salt_from_api_key: a prefix cache of its own per API key.
+        cors_origins: browser origins allowed to call the OpenAI API (none: CORS off).
         tensor_parallel_size: ranks the engine splits the model across
             (``TRITONLLM_TENSOR_PARALLEL_SIZE``; None: the repository's setting, 1).
     """
@@ -81,6 +93,9 @@ class LaunchConfig:
     startup_timeout_s: float = 600.0
     triton_log: Path | None = None
     policy: SupervisePolicy = SupervisePolicy()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    cache_salt_from_api_key: bool = False
+    cors_origins: tuple[str, ...] = ()
     tensor_parallel_size: int | None = None
 
     @property
@@ -125,16 +140,31 @@ def sidecar_command(
     host: str = "127.0.0.1",
     model_name: str | None = None,
     drain_timeout_s: float | None = None,
+    cache_salt_from_api_key: bool = False,
+    cors_origins: tuple[str, ...] = (),
 ) -> list[str]:
     """The command line of the OpenAI sidecar (``python -m openai_frontend``): it calls the
     tritonserver gRPC endpoint ``grpc_url`` (``HOST:PORT``) and listens on ``host`` / ``port``;
-    ``model_name`` / ``drain_timeout_s`` None leave the sidecar's defaults."""
+    ``model_name`` / ``drain_timeout_s`` None leave the sidecar's defaults. Secrets (API keys,
+    the control secret) are never on it: ``sidecar_env``."""
     command = [sys.executable, "-m", "openai_frontend", f"--triton-url={grpc_url}"]
     if model_name is not None:
         command.append(f"--model-name={model_name}")
     if drain_timeout_s is not None:
         command.append(f"--drain-timeout={drain_timeout_s:g}")
+    if cache_salt_from_api_key:
+        command.append("--cache-salt-from-api-key")
+    command += [f"--cors-allow-origin={origin}" for origin in cors_origins]
     return command + [f"--host={host}", f"--port={port}"]
+
+
+def sidecar_env(api_keys: tuple[str, ...], control_secret: str) -> dict[str, str]:
+    """The sidecar's environment: this one with its API keys (``TRITONLLM_API_KEY``; none:
+    removed) and the control secret (``TRITONLLM_CONTROL_SECRET``). A process' environment is
+    readable by its own user only (/proc/PID/environ), unlike its command line."""
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    env.update({API_KEY_ENV: ",".join(api_keys)} if api_keys else {})
+    return {**env, CONTROL_SECRET_ENV: control_secret}
 
 
 class _Stop(Exception):
@@ -149,8 +179,9 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _Stop(graceful=signum == signal.SIGTERM)
 
 
-def _triton_factory(cfg: LaunchConfig, model: str):
-    """A function that makes the ``TritonServer`` of each (re)start: same ports, its own log."""
+def _triton_factory(cfg: LaunchConfig, model: str, control_secret: str):
+    """A function that makes the ``TritonServer`` of each (re)start: same ports and control
+    secret (the sidecar keeps its own across tritonserver restarts), its own log."""
     starts = 0
 
     def new_triton() -> TritonServer:
@@ -172,6 +203,7 @@ def _triton_factory(cfg: LaunchConfig, model: str):
             grpc_port=cfg.grpc_port,
             metrics_port=cfg.metrics_port,
             bind_address=cfg.triton_host,
+            control_secret=control_secret,
         )
 
     return new_triton
@@ -183,10 +215,25 @@ def build_supervisor(cfg: LaunchConfig, model: str, model_name: str) -> Supervis
     ``sidecar_command`` are the two command lines (``docker/`` and ``deploy/`` run them
     through this launcher; their tests read them here)."""
     grpc_url = f"{connect_host(cfg.triton_host)}:{cfg.grpc_port}"
-    command = sidecar_command(grpc_url, cfg.port, cfg.host, model_name, cfg.policy.drain_timeout_s)
+    command = sidecar_command(
+        grpc_url,
+        cfg.port,
+        cfg.host,
+        model_name,
+        cfg.policy.drain_timeout_s,
+        cfg.cache_salt_from_api_key,
+        cfg.cors_origins,
+    )
     health = cfg.base_url.removesuffix("/v1") + "/health"
+    control_secret = os.environ.get(CONTROL_SECRET_ENV, "").strip() or secrets.token_hex(32)
     return Supervisor(
-        _triton_factory(cfg, model), command, health, cfg.policy, cfg.startup_timeout_s, REPO_ROOT
+        _triton_factory(cfg, model, control_secret),
+        command,
+        health,
+        cfg.policy,
+        cfg.startup_timeout_s,
+        REPO_ROOT,
+        sidecar_env(cfg.api_keys, control_secret),
     )
 
 
@@ -230,9 +277,10 @@ def serve(cfg: LaunchConfig) -> int:
 
 
 def _banner(cfg: LaunchConfig, model_name: str) -> str:
+    auth = '-H "Authorization: Bearer $TRITONLLM_API_KEY" ' if cfg.api_keys else ""
     return (
         f"OpenAI base URL: {cfg.base_url}\n"
-        f"try: curl {cfg.base_url}/chat/completions -H 'Content-Type: application/json' "
+        f"try: curl {cfg.base_url}/chat/completions -H 'Content-Type: application/json' {auth}"
         f'-d \'{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hello"}}], '
         f'"max_tokens": 32}}\'\n'
         "Ctrl-C stops both servers (SIGTERM drains first)."
@@ -293,7 +341,30 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         default=defaults.drain_timeout_s,
         help="seconds SIGTERM lets requests in flight finish (new ones get 503)",
     )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help=f"an API key of the OpenAI API (repeat for several tenants; default: "
+        f"${API_KEY_ENV}, comma-separated, which keeps keys off the command line other local "
+        "users can read; none: no authentication)",
+    )
+    p.add_argument(
+        "--cache-salt-from-api-key",
+        action="store_true",
+        help="a prefix cache of its own per API key (tenants share no KV pages)",
+    )
+    p.add_argument(
+        "--cors-allow-origin",
+        action="append",
+        default=[],
+        help="a browser origin allowed to call the OpenAI API (repeat; none: CORS off)",
+    )
     a = p.parse_args(argv)
+    keys = ",".join(a.api_key or [os.environ.get(API_KEY_ENV, "")])
+    api_keys = tuple(k.strip() for k in keys.split(",") if k.strip())
+    if a.cache_salt_from_api_key and not api_keys:
+        p.error("--cache-salt-from-api-key needs --api-key (or $TRITONLLM_API_KEY)")
     policy = SupervisePolicy(
         on_failure=a.on_failure,
         health_interval_s=a.health_interval,
@@ -312,6 +383,9 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         startup_timeout_s=a.startup_timeout,
         triton_log=a.triton_log,
         policy=policy,
+        api_keys=api_keys,
+        cache_salt_from_api_key=a.cache_salt_from_api_key,
+        cors_origins=tuple(a.cors_allow_origin),
         tensor_parallel_size=a.tensor_parallel_size,
     )
 

@@ -8,7 +8,9 @@ unless told otherwise (`DEFAULT_BIND_ADDRESS`).
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -116,6 +118,58 @@ def remove_shm_regions(prefix: str, shm_dir: Path = Path("/dev/shm")) -> list[st
         path.unlink(missing_ok=True)
         removed.append(path.name)
     return removed
+
+
+def private_shm_command(command: Sequence[str], size_bytes: int) -> list[str] | None:
+    """``command`` run with a /dev/shm of its own, or None where this host cannot give one.
+
+    The command runs in a new mount namespace (``unshare --mount``; as a non-root user inside a
+    user namespace that maps it to root, ``--map-root-user``, where the kernel allows that) over
+    a fresh tmpfs at /dev/shm of at most ``size_bytes``, mode 0700: its processes and their
+    children see only their own shared memory, no other user (or process outside) can open it,
+    and the kernel frees it when the last of them exits. Triton's Python backend creates its
+    regions with mode 0644 whatever the umask, so this is what makes them private.
+    """
+    if not _private_shm_available():
+        return None
+    return [*_unshare_prefix(), "sh", "-c", _MOUNT_SHM.format(size=size_bytes), "sh", *command]
+
+
+_MOUNT_SHM = 'mount -t tmpfs -o size={size},mode=0700 tritonllm-shm /dev/shm && exec "$@"'
+
+
+def _unshare_prefix() -> list[str]:
+    root = os.geteuid() == 0
+    return ["unshare", "--mount", *([] if root else ["--map-root-user"]), "--propagation=private"]
+
+
+@functools.cache
+def _private_shm_available() -> bool:
+    """Whether ``private_shm_command`` works here (tried once per process: 10-20 ms)."""
+    if shutil.which("unshare") is None or not Path("/dev/shm").is_dir():
+        return False
+    probe = [*_unshare_prefix(), "sh", "-c", _MOUNT_SHM.format(size=1 << 20), "sh", "true"]
+    try:
+        result = subprocess.run(probe, capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return result.returncode == 0
+
+
+def restrict_shm_regions(prefix: str, shm_dir: Path = Path("/dev/shm")) -> list[str]:
+    """Make the shared-memory files in ``shm_dir`` whose names start with ``prefix`` readable
+    by their owner only (0600); returns their names. The fallback where no private /dev/shm
+    can be made: it closes the files to users who have not opened them yet."""
+    if not prefix or not shm_dir.is_dir():
+        return []
+    changed = []
+    for path in shm_dir.glob(f"{prefix}*"):
+        try:
+            path.chmod(0o600)
+        except OSError:
+            continue
+        changed.append(path.name)
+    return changed
 
 
 def stop_process_group(

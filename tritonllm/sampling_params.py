@@ -49,6 +49,9 @@ class SamplingParams:
             alternatives (log_softmax of the processed logits / temperature; temperature 1 for
             greedy).
         n: completions per prompt, 1..16; the engine reports each under its `index`.
+        cache_salt: the prefix-cache namespace of the request (vLLM's ``cache_salt``): its
+            prompt shares cached KV pages only with requests of the same salt (None or "": the
+            shared namespace; `engine.prefix_cache`). At most MAX_CACHE_SALT_CHARS characters.
     Raises:
         RequestError: (code ``invalid_value``) a field out of its range or of the wrong type;
             the error names the field, its allowed range and (shortened) the value given.
@@ -69,6 +72,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     n: int = 1
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable.
@@ -128,6 +132,16 @@ class SamplingParams:
             self.logprobs,
         )
         _check(_in(self.n, limits.N, int), "n", limits.N.describe(), self.n)
+        _check(
+            self.cache_salt is None
+            or (
+                isinstance(self.cache_salt, str)
+                and len(self.cache_salt) <= limits.MAX_CACHE_SALT_CHARS
+            ),
+            "cache_salt",
+            f"a string of at most {limits.MAX_CACHE_SALT_CHARS} characters",
+            self.cache_salt,
+        )
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a boolean", self.ignore_eos)
         _check(
             all(t >= 0 for t in self.stop_token_ids),

@@ -30,7 +30,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +141,7 @@ class Supervisor:
         policy: the ``SupervisePolicy``.
         startup_timeout_s: seconds each start may take to become healthy.
         cwd: the sidecar's working directory.
+        sidecar_env: the sidecar's whole environment (None: this process').
     """
 
     def __init__(
@@ -151,8 +152,10 @@ class Supervisor:
         policy: SupervisePolicy,
         startup_timeout_s: float,
         cwd: Path | None = None,
+        sidecar_env: Mapping[str, str] | None = None,
     ) -> None:
         self.new_triton, self.sidecar_command = new_triton, sidecar_command
+        self.sidecar_env = sidecar_env
         self.health_url, self.policy, self.startup_timeout_s = health_url, policy, startup_timeout_s
         self.cwd = cwd
         self.triton: TritonServer | None = None
@@ -175,7 +178,7 @@ class Supervisor:
 
     def start_sidecar(self) -> None:
         """Start the sidecar (its own process group)."""
-        self.sidecar = start_process_group(self.sidecar_command, cwd=self.cwd)
+        self.sidecar = start_process_group(self.sidecar_command, env=self.sidecar_env, cwd=self.cwd)
         log(f"sidecar pid {self.sidecar.pid}")
 
     def wait_healthy(self) -> None:

@@ -38,6 +38,14 @@ is a field of ``EngineConfig``; each can be set by the environment variable
                                        response path shares)
 ``TRITONLLM_SENDER_THREADS``           generator: threads sending responses at once, each
                                        request from one of them (1)
+``TRITONLLM_MAX_WAITING_REQUESTS``     generator: requests that may wait beyond the
+                                       ``max_running_requests`` running ones; more get
+                                       ``server_overloaded`` (the sidecar's 429) (256)
+``TRITONLLM_CONTROL_SECRET``           the secret an abort control request must carry (the
+                                       launcher generates one per start); environment only,
+                                       never a parameter (the model config is readable
+                                       through Triton's model-config API); unset: aborts are
+                                       not authenticated
 ``TRITONLLM_ENGINE_PROCESS``           generator: ``true``: run the engine in its own process
                                        (``engine/engine_process.py``: a GIL of its own),
                                        ``false``: on a thread of the Python stub; default: a
@@ -72,6 +80,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +88,7 @@ from tritonllm.default_model import BUILD_HINT, DEFAULT_MODEL_DIR, DEFAULT_MODEL
 from tritonllm.triton_server import REPO_ROOT
 
 ENV_PREFIX = "TRITONLLM_"
+CONTROL_SECRET_ENV = ENV_PREFIX + "CONTROL_SECRET"
 DEFAULT_MODEL = DEFAULT_MODEL_RELPATH
 
 
@@ -98,12 +108,18 @@ class ServingConfig:
             engine's device is CUDA (the stub's GIL bounds a fast GPU engine, ARCHITECTURE.md
             "Platform facts"), the thread otherwise; a tensor-parallel engine always runs in
             processes. See ``use_engine_process``.
+        max_waiting_requests: requests that may wait for admission beyond the engine's
+            ``max_running_requests``; a request beyond both is refused (``server_overloaded``).
+        control_secret: what the generator's abort control requests must carry and what the
+            models' own aborts send (None: aborts are not authenticated).
     """
 
     metrics_interval_s: float = 0.05
     max_responses_per_s: float | None = None
     engine_process: bool | None = None
     sender_threads: int = 1
+    max_waiting_requests: int = 256
+    control_secret: str | None = dataclass_field(default=None, repr=False)
 
     def response_budget(self, engine_process: bool) -> float:
         """The pacer's budget (responses/s): ``max_responses_per_s`` when set, else 8000 with
@@ -252,7 +268,8 @@ def serving_config(
 ) -> ServingConfig:
     """The generator's ``ServingConfig`` (``TRITONLLM_METRICS_INTERVAL_MS``,
     ``TRITONLLM_MAX_RESPONSES_PER_S``, ``TRITONLLM_ENGINE_PROCESS``,
-    ``TRITONLLM_SENDER_THREADS``).
+    ``TRITONLLM_SENDER_THREADS``, ``TRITONLLM_MAX_WAITING_REQUESTS``; ``TRITONLLM_CONTROL_SECRET``
+    from the environment only).
 
     Raises:
         ValueError: a value that is not a number (a boolean for ``engine_process``), or
@@ -274,4 +291,10 @@ def serving_config(
     process = _setting("engine_process", params or {}, env)
     if process is not None:
         kwargs["engine_process"] = _parse(process, "bool | None", "engine_process")
+    waiting = _setting("max_waiting_requests", params or {}, env)
+    if waiting is not None:
+        kwargs["max_waiting_requests"] = _parse(waiting, "int", "max_waiting_requests")
+    secret = env.get(CONTROL_SECRET_ENV, "").strip()
+    if secret:
+        kwargs["control_secret"] = secret
     return ServingConfig(**kwargs)

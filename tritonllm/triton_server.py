@@ -4,12 +4,20 @@ Where the binary comes from is `tritonllm.triton_install`; how its process group
 stopped is `tritonllm.processes`. The names of both modules that callers use (launch, tests,
 benchmarks) are importable from here too. ``python -m tritonllm.triton_server --print-env``
 prints the shell exports that run the same server by hand.
+
+Locked down by default (README, "Security"): Triton's non-inference APIs (`RESTRICTED_APIS`:
+shared memory, logging, trace, model repository, statistics, model config) answer only requests
+that carry the server's admin key (`admin_headers`, generated per start), the generator takes
+aborts only with the control secret (`control_secret`, generated per start, passed in the
+environment, never on a command line), and the Python backend's shared memory lives in a
+private, bounded /dev/shm (`processes.private_shm_command`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -20,7 +28,9 @@ from tritonllm.processes import (
     DEFAULT_BIND_ADDRESS,
     connect_host,
     free_port,
+    private_shm_command,
     remove_shm_regions,
+    restrict_shm_regions,
     start_process_group,
     stop_process_group,
     wait_http_ok,
@@ -32,6 +42,41 @@ MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 
 # Lines of a tritonserver log that say why something failed.
 _ERROR_LINE = re.compile(r"error|exception|failed to load|traceback", re.IGNORECASE)
+
+# Triton's APIs that no client of the service needs (the sidecar uses health, metadata and
+# inference): open only to requests that carry the admin key. Shared memory would let a client
+# map the Python backend's IPC regions (another request's data); logging and trace change the
+# server; the model repository loads and unloads; statistics and model config tell what others
+# run (request counts and timings, the model's path).
+RESTRICTED_APIS = (
+    "shared-memory",
+    "logging",
+    "trace",
+    "model-repository",
+    "statistics",
+    "model-config",
+)
+# The HTTP header of the admin key; Triton's gRPC endpoint reads it from the metadata key
+# "triton-grpc-protocol-" + this.
+ADMIN_HEADER = "tritonllm-admin-key"
+# Launcher settings from the environment: an operator's own admin key and control secret
+# (otherwise both are generated per start).
+ADMIN_KEY_ENV = "TRITONLLM_ADMIN_KEY"
+CONTROL_SECRET_ENV = "TRITONLLM_CONTROL_SECRET"
+# The Python backend's shared memory: each stub's region starts at 1 MiB and grows by 1 MiB
+# steps (the backend's defaults: the regions of every test and benchmark workload stayed at
+# 1 MiB; a prompt of a few MiB grows its stub's region to about three times its size, and a
+# region never shrinks). The private /dev/shm bounds them all together: 256 MiB holds the
+# largest requests the limits let through (README, "Security"); a request that needs more
+# fails alone (Triton: "Failed to increase the shared memory pool size").
+SHM_DEFAULT_BYTES = 1 << 20
+SHM_GROWTH_BYTES = 1 << 20
+SHM_LIMIT_BYTES = 256 << 20
+
+
+def _setting_or_new(name: str) -> str:
+    return os.environ.get(name, "").strip() or secrets.token_hex(32)
+
 
 __all__ = [
     "DEFAULT_BIND_ADDRESS",
@@ -64,6 +109,14 @@ class TritonServer:
         http_port, grpc_port, metrics_port: TCP ports (default: free ones).
         bind_address: the address all three endpoints listen on (tritonserver's own default is
             ``0.0.0.0``; this one is loopback only). ``0.0.0.0`` exposes them to the network.
+        admin_key: the key of Triton's restricted APIs (`RESTRICTED_APIS`; default
+            ``$TRITONLLM_ADMIN_KEY`` or a new random one). It is on tritonserver's command line,
+            which other local users can read (README, "Security").
+        control_secret: the secret the generator requires of aborts (default
+            ``$TRITONLLM_CONTROL_SECRET`` or a new random one), passed to the server in its
+            environment (``TRITONLLM_CONTROL_SECRET``); the sidecar needs the same.
+        private_shm: run the server with a /dev/shm of its own (`SHM_LIMIT_BYTES`); None: where
+            the host allows it, else its Python-backend regions are made 0600 once it is ready.
     """
 
     model_path: Path | str | None = None
@@ -74,7 +127,22 @@ class TritonServer:
     grpc_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
     bind_address: str = DEFAULT_BIND_ADDRESS
+    admin_key: str = field(default_factory=lambda: _setting_or_new(ADMIN_KEY_ENV), repr=False)
+    control_secret: str = field(
+        default_factory=lambda: _setting_or_new(CONTROL_SECRET_ENV), repr=False
+    )
+    private_shm: bool | None = None
     process: subprocess.Popen | None = None
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """The HTTP headers of a request to a restricted API (tritonclient's ``headers=``)."""
+        return {ADMIN_HEADER: self.admin_key}
+
+    @property
+    def grpc_admin_headers(self) -> dict[str, str]:
+        """The gRPC metadata of a request to a restricted API (tritonclient's ``headers=``)."""
+        return {f"triton-grpc-protocol-{ADMIN_HEADER}": self.admin_key}
 
     @property
     def grpc_url(self) -> str:
@@ -102,7 +170,10 @@ class TritonServer:
 
     def command(self, install: TritonInstall) -> list[str]:
         """The ``tritonserver`` command line (HTTP, gRPC and metrics on ``bind_address``, metrics
-        on, verbose logging off)."""
+        on, verbose logging off, `RESTRICTED_APIS` behind the admin key, the Python backend's
+        shared memory sizes and region prefix)."""
+        restricted = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}"
+        shm = f"shm-default-byte-size={SHM_DEFAULT_BYTES},shm-growth-byte-size={SHM_GROWTH_BYTES}"
         return [
             str(install.binary),
             f"--model-repository={self.model_repository}",
@@ -115,17 +186,23 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
             "--log-verbose=0",
+            f"--http-restricted-api={restricted}",
+            f"--grpc-restricted-protocol={restricted}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            f"--backend-config=python,{shm}",
         ]
 
     def environment(self, install: TritonInstall) -> dict[str, str]:
         """This environment plus the interpreter's ``bin/`` first on PATH (see the module doc),
-        the install's libraries on LD_LIBRARY_PATH, ``TRITONLLM_MODEL`` and ``self.env``."""
+        the install's libraries on LD_LIBRARY_PATH, ``TRITONLLM_MODEL``, ``self.env`` and the
+        control secret (``TRITONLLM_CONTROL_SECRET``, for the models)."""
         env = dict(os.environ)
+        env.pop(ADMIN_KEY_ENV, None)  # the models need no admin key
         env.update(server_paths(install, env))
         if self.model_path is not None:
             env["TRITONLLM_MODEL"] = str(Path(self.model_path).resolve())
         env.update(self.env)
+        env[CONTROL_SECRET_ENV] = self.control_secret
         return env
 
     def start(self, timeout: float = 180.0) -> TritonServer:
@@ -140,10 +217,18 @@ class TritonServer:
             import tempfile
 
             self.log_path = Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        command = self.command(install)
+        private = None
+        if self.private_shm is not False:
+            private = private_shm_command(command, SHM_LIMIT_BYTES)
+            if private is None and self.private_shm:
+                raise RuntimeError("no private /dev/shm on this host (unshare --mount failed)")
         self.process = start_process_group(
-            self.command(install), self.log_path, self.environment(install)
+            private or command, self.log_path, self.environment(install)
         )
         self.wait_ready(timeout)
+        if private is None:
+            restrict_shm_regions(self.shm_prefix)
         return self
 
     def wait_ready(self, timeout: float) -> None:

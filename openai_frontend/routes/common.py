@@ -4,6 +4,8 @@ generation's lifecycle (``start_generation``, then ``collect_choices`` or ``sse.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -11,12 +13,16 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from ..errors import OpenAIError
+from ..errors import OpenAIError, unsupported
 from ..generation import Choice, Generation, to_openai_error
 from ..protocol import SamplingFields
-from ..triton_client import InputSpec, InputValue, TritonClient, TritonError
+from ..security import request_cache_salt, tenant_of
+from ..triton_client import InputSpec, InputValue, TritonClient, TritonError, first_text
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
+# The model that answers the prompt limits (``tritonllm.contract.tensors.PROMPT_LIMITS``).
+TOKENIZER_MODEL = "tokenizer"
 RequestT = TypeVar("RequestT", bound=SamplingFields)
 
 # Starts, ends and aborts of requests whose client went away are not answered; nginx's code.
@@ -27,12 +33,30 @@ CLIENT_CLOSED_REQUEST = 499
 class ServerState:
     """Per-app state: the shared Triton client, the served model name, how long a generation
     may go without a response (seconds; None: no limit) and the generations in flight
-    (``live``: started, not yet closed)."""
+    (``live``: started, not yet closed); ``cache_salt_from_api_key``: each API key's requests
+    get their tenant's prefix-cache salt (``security.py``)."""
 
     client: TritonClient
     model_name: str
     stream_idle_timeout_s: float | None = None
+    cache_salt_from_api_key: bool = False
     live: set[Generation] = field(default_factory=set)
+    max_prompt_chars: int | None = None  # the tokenizer's limit, once fetched
+
+    async def prompt_chars_limit(self) -> int | None:
+        """The most characters a prompt can have and still fit the context (the tokenizer
+        model's ``prompt_limits`` answer, fetched once); None while Triton cannot say (the
+        tokenizer model checks again anyway)."""
+        if self.max_prompt_chars is None:
+            inputs: dict[str, InputValue] = {"prompt_limits": True}
+            try:
+                outputs = await self.client.infer(TOKENIZER_MODEL, "prompt-limits", inputs)
+            except TritonError as exc:
+                log.warning("prompt limits unavailable: %s", exc.message)
+                return None
+            limits = json.loads(first_text(outputs, "limits_json") or "{}")
+            self.max_prompt_chars = limits.get("max_prompt_chars")
+        return self.max_prompt_chars
 
     async def abort_all(self, timeout: float = 5.0) -> None:
         """Abort every generation in flight in the generator (on shutdown: their streams then
@@ -46,6 +70,34 @@ class ServerState:
             return await self.client.input_specs()
         except TritonError as exc:
             raise to_openai_error(exc, prompt_param) from exc
+
+
+def prompt_chars(inputs: Mapping[str, InputValue]) -> int:
+    """Characters of the prompt in ensemble ``inputs``: ``text_input``'s, or the sum of the
+    ``messages``' text contents (fewer than the rendered prompt has, so a fair lower bound)."""
+    text = inputs.get("text_input")
+    if isinstance(text, str):
+        return len(text)
+    messages = inputs.get("messages")
+    if not isinstance(messages, str):
+        return 0
+    contents = (m.get("content") for m in json.loads(messages) if isinstance(m, dict))
+    return sum(len(c) for c in contents if isinstance(c, str))
+
+
+async def check_prompt_chars(
+    state: ServerState, inputs: Mapping[str, InputValue], prompt_param: str
+) -> None:
+    """Raises: OpenAIError 400 ``context_length_exceeded`` for a prompt with more characters
+    than the context can hold, before anything is sent (``tokenization.prompt_limits``)."""
+    limit = await state.prompt_chars_limit()
+    count = prompt_chars(inputs)
+    if limit is not None and count > limit:
+        raise OpenAIError(
+            f"the prompt has {count} characters: more than the model's context can hold",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
 
 
 def get_state(request: Request) -> ServerState:
@@ -112,6 +164,13 @@ async def start_generation(
     check_model(state, body.model)
     specs = await state.input_specs(prompt_param)
     inputs = build_inputs(body, specs, body.stream or body.n > 1)
+    tenant = tenant_of(request.scope) if state.cache_salt_from_api_key else None
+    salt = request_cache_salt(tenant, body.cache_salt)
+    if salt is not None:
+        if "cache_salt" not in specs:
+            raise unsupported("cache_salt")
+        inputs["cache_salt"] = salt
+    await check_prompt_chars(state, inputs, prompt_param)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     gen = Generation(
         state.client,

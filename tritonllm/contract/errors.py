@@ -27,20 +27,27 @@ _FIELDS = {"code", "param", "message"}
 
 
 class ErrorCode(str, enum.Enum):
-    """What went wrong, as data. The first five are the request's fault."""
+    """What went wrong, as data. The first six are the request's fault."""
 
     INVALID_VALUE = "invalid_value"  # a parameter out of its range or of the wrong type
-    INVALID_INPUT = "invalid_input"  # a malformed input: element count, UTF-8, JSON
+    INVALID_INPUT = "invalid_input"  # a malformed input: element count, UTF-8, JSON, size
     MISSING_INPUT = "missing_input"  # a required input is absent
     UNSUPPORTED_PARAMETER = "unsupported_parameter"  # known, but this service cannot honour it
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + output over the model's limit
+    PERMISSION_DENIED = "permission_denied"  # a control request without the control secret
     INTERNAL_ERROR = "internal_error"  # the server failed (an engine step, an unload)
     ENGINE_UNAVAILABLE = "engine_unavailable"  # the engine is not running (dead, shut down)
+    SERVER_OVERLOADED = "server_overloaded"  # the generator's queue is full: retry later
 
     @property
     def is_request_fault(self) -> bool:
         """Whether the client caused it (a 400-class error)."""
-        return self not in (ErrorCode.INTERNAL_ERROR, ErrorCode.ENGINE_UNAVAILABLE)
+        return self not in _SERVER_FAULTS
+
+
+_SERVER_FAULTS = frozenset(
+    {ErrorCode.INTERNAL_ERROR, ErrorCode.ENGINE_UNAVAILABLE, ErrorCode.SERVER_OVERLOADED}
+)
 
 
 class RequestError(ValueError):

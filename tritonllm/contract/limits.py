@@ -97,3 +97,17 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions endpoint
 # every step, so the count and length bound the per-token work.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# A prefix-cache namespace (`SamplingParams.cache_salt`): sidecar-derived salts are 64 hex digits.
+MAX_CACHE_SALT_CHARS = 256
+
+# --- sizes of direct Triton inputs ----------------------------------------------------------
+# Checked by the models before any decoding, parsing or tokenizing (the sidecar's own body limit
+# is 4 MiB). A prompt must also fit the context in characters (`tokenization.prompt_limits`).
+MAX_PROMPT_BYTES = 8 << 20  # text_input, messages (JSON), echo_text
+MAX_PROMPT_TOKENS = 1 << 20  # input_ids (the engine then holds it to max_model_len)
+MAX_STOP_TOKEN_IDS = 1024
+MAX_PARAMETERS_BYTES = 64 << 10  # sampling_parameters (JSON)
+# Output tokens of all n choices of one request (n x max_tokens): a larger explicit request is
+# refused; without max_tokens each choice gets min(room in the context, this // n). OpenAI caps
+# a completion's output of its GPT-4o models at the same 16,384 tokens.
+MAX_REQUEST_OUTPUT_TOKENS = 16384

@@ -103,21 +103,30 @@ SAMPLING_INPUTS: tuple[TensorSpec, ...] = (
     _opt("repetition_penalty", "FP32"),
     _opt("logprobs", "INT32"),  # top alternatives per token; absent: no logprobs
     _opt("n", "INT32"),  # choices; > 1 needs stream=true
+    # The prefix-cache namespace (vLLM's cache_salt): pages are shared only within one salt.
+    _opt("cache_salt", "BYTES"),
 )
 
 # --- tokenizer -------------------------------------------------------------------------------
 INPUT_IDS = TensorSpec("input_ids", "INT32", (-1,))
 ECHO_TEXT = _opt("echo_text", "BYTES")  # the prompt text, with exclude_input_in_output=false
+# A limits request (no prompt): the answer's `limits_json` holds the prompt limits
+# (`tokenization.prompt_limits.PromptLimits`: max_model_len, max_token_chars, max_prompt_chars)
+# and `input_ids` is empty. The sidecar checks prompts against them before sending them.
+PROMPT_LIMITS = _opt("prompt_limits", "BOOL")
+LIMITS_JSON = _opt("limits_json", "BYTES")
 TOKENIZER = ModelSpec(
     "tokenizer",
-    inputs=(TEXT_INPUT, MESSAGES, ENABLE_THINKING, EXCLUDE_INPUT_IN_OUTPUT),
-    outputs=(INPUT_IDS, ECHO_TEXT),
+    inputs=(TEXT_INPUT, MESSAGES, ENABLE_THINKING, EXCLUDE_INPUT_IN_OUTPUT, PROMPT_LIMITS),
+    outputs=(INPUT_IDS, ECHO_TEXT, LIMITS_JSON),
 )
 
 # --- generator -------------------------------------------------------------------------------
 # Control requests carry one of these instead of input_ids.
 ABORT_REQUEST_ID = _opt("abort_request_id", "BYTES")  # abort that request id
 HEALTH_PROBE = _opt("health_probe", "BOOL")  # only reports whether the engine runs
+# An abort must carry the service's control secret (TRITONLLM_CONTROL_SECRET) when one is set.
+CONTROL_SECRET = _opt("control_secret", "BYTES")
 GENERATOR_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("output_ids", "INT32", (-1,)),
     TensorSpec("prefix_ids", "INT32", (-1,)),
@@ -147,6 +156,7 @@ GENERATOR = ModelSpec(
         ECHO_TEXT,
         ABORT_REQUEST_ID,
         HEALTH_PROBE,
+        CONTROL_SECRET,
     ),
     outputs=GENERATOR_OUTPUTS,
     decoupled=True,

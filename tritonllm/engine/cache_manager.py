@@ -176,11 +176,12 @@ class CacheManager:
         return True
 
     def match_prefix(self, req: Request) -> None:
-        """Start a request that holds no pages from its longest cached prefix: lock those
-        pages for it and count their tokens as computed. No-op if it holds pages already."""
+        """Start a request that holds no pages from its longest cached prefix (under its cache
+        salt, `params.cache_salt`): lock those pages for it and count their tokens as computed.
+        No-op if it holds pages already."""
         if req.pages:
             return
-        node, pages = self.prefix_cache.match_prefix(req.token_ids)
+        node, pages = self.prefix_cache.match_prefix(req.token_ids, req.params.cache_salt)
         self.prefix_cache.lock(node)
         req.tree_node, req.pages = node, list(pages)
         self.page_table.write(req)
@@ -193,7 +194,8 @@ class CacheManager:
         num_full = req.num_computed // self.page_size
         if num_full <= req.num_tree_pages:
             return
-        node, cached = self.prefix_cache.insert(req.token_ids, req.pages[:num_full])
+        salt = req.params.cache_salt
+        node, cached = self.prefix_cache.insert(req.token_ids, req.pages[:num_full], salt)
         # Where the cache already held a page for the same tokens, it keeps its own: ours is
         # a duplicate, freed here, and the request switches to the cache's page.
         duplicates = [p for p, c in zip(req.pages[: len(cached)], cached, strict=True) if p != c]
@@ -209,7 +211,9 @@ class CacheManager:
         """Take all of `req`'s pages back: its full computed pages go to the prefix cache, the
         rest (and duplicates of pages the cache already holds) to the free list."""
         num_full = req.num_computed // self.page_size
-        _, cached = self.prefix_cache.insert(req.token_ids, req.pages[:num_full])
+        _, cached = self.prefix_cache.insert(
+            req.token_ids, req.pages[:num_full], req.params.cache_salt
+        )
         kept = set(cached)
         self.prefix_cache.unlock(req.tree_node)
         self.allocator.free([p for p in req.pages if p not in kept])

@@ -10,6 +10,11 @@ scheduler run the same code with or without prefix caching. The radix tree
 
 Nodes are opaque handles: `match_prefix` and `insert` return one, `lock`/`unlock` take it back.
 None stands for "no node" (nothing cached, nothing locked).
+
+A cache salt (`SamplingParams.cache_salt`, vLLM's request field of the same name) names the
+namespace a prefix lives in: prefixes are shared only between requests of the same salt (None
+and "" are the shared, unsalted namespace), so tenants with different salts never share a page
+and never learn from `cached_tokens` or from latency what another tenant's prompts hold.
 """
 
 from __future__ import annotations
@@ -35,9 +40,12 @@ class PrefixCache(ABC):
         """Owned pages no running request uses: what `evict` can give back."""
 
     @abstractmethod
-    def match_prefix(self, token_ids: list[int]) -> tuple[PrefixNode, list[int]]:
-        """The longest cached page-aligned prefix of `token_ids` that leaves at least one token
-        uncached (the last prompt token must run through the model to give logits).
+    def match_prefix(
+        self, token_ids: list[int], salt: str | None = None
+    ) -> tuple[PrefixNode, list[int]]:
+        """The longest cached page-aligned prefix of `token_ids` under `salt` (module doc) that
+        leaves at least one token uncached (the last prompt token must run through the model to
+        give logits).
 
         Returns:
             (its node, the pages of the prefix in order); `(None, [])` when nothing matches
@@ -45,8 +53,11 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
-    def insert(self, token_ids: list[int], pages: list[int]) -> tuple[PrefixNode, list[int]]:
-        """Offer `pages` (one per full page of `token_ids`, in order) to the cache.
+    def insert(
+        self, token_ids: list[int], pages: list[int], salt: str | None = None
+    ) -> tuple[PrefixNode, list[int]]:
+        """Offer `pages` (one per full page of `token_ids`, in order) to the cache, under
+        `salt`.
 
         Returns:
             (the node of the prefix the cache now holds, the cache's pages for it, in order).
@@ -80,10 +91,14 @@ class NoPrefixCache(PrefixCache):
     def num_evictable_pages(self) -> int:
         return 0
 
-    def match_prefix(self, token_ids: list[int]) -> tuple[PrefixNode, list[int]]:
+    def match_prefix(
+        self, token_ids: list[int], salt: str | None = None
+    ) -> tuple[PrefixNode, list[int]]:
         return None, []
 
-    def insert(self, token_ids: list[int], pages: list[int]) -> tuple[PrefixNode, list[int]]:
+    def insert(
+        self, token_ids: list[int], pages: list[int], salt: str | None = None
+    ) -> tuple[PrefixNode, list[int]]:
         return None, []
 
     def lock(self, node: PrefixNode) -> None:

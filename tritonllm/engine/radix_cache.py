@@ -9,6 +9,10 @@ when the page allocator runs dry; the cache manager frees the pages they give ba
 
 Simplification against SGLang: one node per page (no edge compression), which keeps matching
 and splitting trivial; depth is at most max_model_len / page_size.
+
+A cache salt (`PrefixCache`, module doc) is part of the first page's key, so requests of
+different salts branch apart at the root and never share a page; the key of every later page
+is its tokens alone (its path from the root already holds the salt).
 """
 
 from __future__ import annotations
@@ -50,21 +54,25 @@ class RadixCache(PrefixCache):
         """Pages owned by the tree."""
         return self._num_pages
 
-    def _keys(self, token_ids: list[int], num_pages: int):
+    def _keys(self, token_ids: list[int], num_pages: int, salt: str | None):
         ps = self.page_size
         for i in range(num_pages):
-            yield tuple(token_ids[i * ps : (i + 1) * ps])
+            page = tuple(token_ids[i * ps : (i + 1) * ps])
+            # A salted first key holds a str, so it never equals an unsalted (all-int) key.
+            yield (salt, *page) if i == 0 and salt else page
 
-    def match_prefix(self, token_ids: list[int]) -> tuple[RadixNode, list[int]]:
-        """Longest cached page-aligned prefix of `token_ids` that leaves >= 1 token uncached
-        (the last prompt token must run through the model to give logits).
+    def match_prefix(
+        self, token_ids: list[int], salt: str | None = None
+    ) -> tuple[RadixNode, list[int]]:
+        """Longest cached page-aligned prefix of `token_ids` under `salt` that leaves >= 1 token
+        uncached (the last prompt token must run through the model to give logits).
 
         Returns the deepest matched node (the root if none) and its path's pages, in order.
         Touches the path for LRU. Does not lock: call `lock(node)` to keep the pages.
         """
         max_pages = (len(token_ids) - 1) // self.page_size
         node, pages, now = self.root, [], next(self._clock)
-        for key in self._keys(token_ids, max_pages):
+        for key in self._keys(token_ids, max_pages, salt):
             child = node.children.get(key)
             if child is None:
                 break
@@ -73,8 +81,10 @@ class RadixCache(PrefixCache):
             pages.append(node.page)
         return node, pages
 
-    def insert(self, token_ids: list[int], pages: list[int]) -> tuple[RadixNode, list[int]]:
-        """Cache `pages` (one per full page of `token_ids`, in order).
+    def insert(
+        self, token_ids: list[int], pages: list[int], salt: str | None = None
+    ) -> tuple[RadixNode, list[int]]:
+        """Cache `pages` (one per full page of `token_ids`, in order) under `salt`.
 
         Where the tree already holds a page for the same prefix (another request computed it
         too), the tree's page wins.
@@ -84,7 +94,7 @@ class RadixCache(PrefixCache):
             the returned list are duplicates the caller still owns and must free.
         """
         node, out, now = self.root, [], next(self._clock)
-        for key, page in zip(self._keys(token_ids, len(pages)), pages, strict=True):
+        for key, page in zip(self._keys(token_ids, len(pages), salt), pages, strict=True):
             child = node.children.get(key)
             if child is None:
                 child = RadixNode(key, page, node)

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from tritonllm.contract import limits
 from tritonllm.contract.errors import ErrorCode, RequestError
 from tritonllm.sampling_params import SamplingParams
 
@@ -25,12 +26,15 @@ class RequestLimits:
         max_model_len: prompt + output limit per request (tokens).
         page_size: tokens per KV page.
         num_usable_pages: KV pages a request can hold at most (the whole pool less page 0).
+        max_request_output_tokens: output tokens of all of a request's choices together
+            (``n * max_tokens``; ``contract.limits.MAX_REQUEST_OUTPUT_TOKENS``).
     """
 
     vocab_size: int
     max_model_len: int
     page_size: int
     num_usable_pages: int
+    max_request_output_tokens: int = limits.MAX_REQUEST_OUTPUT_TOKENS
 
     @classmethod
     def of(cls, engine: Any) -> RequestLimits:
@@ -44,14 +48,15 @@ class RequestLimits:
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Validate a request against these limits (`params` are valid already: a
-        `SamplingParams` is validated when built); return its output limit in tokens:
-        `params.max_tokens`, or for None as many as fit in max_model_len and in the whole KV
-        pool.
+        `SamplingParams` is validated when built); return its output limit in tokens per
+        choice: `params.max_tokens`, or for None as many as fit in max_model_len and in the
+        whole KV pool, and at most `max_request_output_tokens // params.n`.
 
         Raises:
-            RequestError: an empty prompt, prompt or stop token ids outside the vocabulary
-                (``invalid_value``), prompt + max_tokens over max_model_len or more KV pages
-                than the pool has (``context_length_exceeded``).
+            RequestError: an empty prompt, prompt or stop token ids outside the vocabulary, or
+                `n * max_tokens` over `max_request_output_tokens` (``invalid_value``), prompt +
+                max_tokens over max_model_len or more KV pages than the pool has
+                (``context_length_exceeded``).
         """
         vocab = self.vocab_size
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
@@ -82,6 +87,7 @@ class RequestLimits:
         # The last sampled token is never fed back, so its K/V never needs a slot: a sequence
         # of `total` tokens needs ceil((total - 1) / page_size) pages.
         pool_tokens = self.num_usable_pages * self.page_size + 1
+        per_choice = self.max_request_output_tokens // params.n
         if params.max_tokens is None:
             room = min(self.max_model_len, pool_tokens) - n
             if room < 1:
@@ -89,7 +95,7 @@ class RequestLimits:
                     f"prompt ({n} tokens) leaves no room for output: max_model_len is "
                     f"{self.max_model_len}, the KV cache holds {pool_tokens - 1} tokens"
                 )
-            return room
+            return min(room, per_choice)
         total = n + params.max_tokens
         if total > self.max_model_len:
             raise _too_long(
@@ -102,6 +108,13 @@ class RequestLimits:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} tokens exceeds "
                 f"the KV cache's capacity: it needs {pages} KV pages of {self.page_size} tokens; "
                 f"the cache has {self.num_usable_pages}"
+            )
+        if params.max_tokens > per_choice:
+            raise RequestError(
+                ErrorCode.INVALID_VALUE,
+                "max_tokens",
+                f"n ({params.n}) x max_tokens ({params.max_tokens}) exceeds the limit of "
+                f"{self.max_request_output_tokens} output tokens per request",
             )
         return params.max_tokens
 

@@ -11,17 +11,24 @@ from typing import Any
 import numpy as np
 
 
-def abort_generation(pb_utils: Any, request_id: str) -> list[str]:
+def abort_generation(pb_utils: Any, request_id: str, control_secret: str | None) -> list[str]:
     """Ask the generator to abort ``request_id`` (its ``abort_request_id`` control request, which
     frees the generation's KV pages at once) and wait for its answer.
 
+    Args:
+        control_secret: the server's control secret (``ServingConfig.control_secret``), which
+            the generator requires of every abort when it is set; None sends none.
     Returns:
         The error messages of the generator's responses (none when the abort was taken).
     """
-    abort = np.array([request_id.encode("utf-8")], dtype=np.object_)
+    inputs = [pb_utils.Tensor("abort_request_id", _bytes(request_id))]
+    if control_secret is not None:
+        inputs.append(pb_utils.Tensor("control_secret", _bytes(control_secret)))
     control = pb_utils.InferenceRequest(
-        model_name="generator",
-        inputs=[pb_utils.Tensor("abort_request_id", abort)],
-        requested_output_names=[],
+        model_name="generator", inputs=inputs, requested_output_names=[]
     )
     return [r.error().message() for r in control.exec(decoupled=True) if r.has_error()]
+
+
+def _bytes(text: str) -> np.ndarray:
+    return np.array([text.encode("utf-8")], dtype=np.object_)

@@ -10,7 +10,12 @@ a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept 
 
 - control requests: ``abort_request_id`` aborts that client id (every choice; an abort that
   arrives before its request is remembered, ``RequestTable``) and ``health_probe`` only reports
-  whether the engine runs; both answer one empty final response;
+  whether the engine runs; both answer one empty final response. With a control secret set,
+  an abort must carry it (``control_secret``, compared in constant time), else it is refused
+  (``permission_denied``) before it touches any state: only the service's own parts (the
+  sidecar, the detokenizer, the ``ensemble`` model) abort, never another Triton client;
+- admission: with ``max_live_requests``, a request that finds that many live (running or
+  waiting in the engine) is refused at once with ``server_overloaded`` (the sidecar's 429);
 - choices: a request's responses carry each output's ``index``; the final flag comes with the
   engine's ``request_finished`` output (the engine counts live choices; nothing here does);
 - cancellation: a request whose client cancelled (``ResponseSink.is_cancelled``, asked at most
@@ -24,6 +29,7 @@ a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept 
 
 from __future__ import annotations
 
+import hmac
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -92,6 +98,10 @@ class GeneratorCore:
         cancel_checks_per_s: most cancellation checks per second over all live requests.
         sender_threads: threads sending responses at once, each request always from the same
             one (``ResponseStreamer``'s ``senders``).
+        control_secret: what an abort must carry as ``control_secret`` (None: aborts are not
+            authenticated, for a tritonserver started without ``TRITONLLM_CONTROL_SECRET``).
+        max_live_requests: most requests live at once (None: no limit); more get
+            ``server_overloaded``.
     """
 
     def __init__(
@@ -106,8 +116,12 @@ class GeneratorCore:
         cancel_check_s: float = CANCEL_CHECK_S,
         cancel_checks_per_s: float = CANCEL_CHECKS_PER_S,
         sender_threads: int = 1,
+        control_secret: str | None = None,
+        max_live_requests: int | None = None,
     ) -> None:
         self.engine = engine
+        self._control_secret = None if control_secret is None else control_secret.encode()
+        self._max_live_requests = max_live_requests
         self.requests: RequestTable[_Entry] = RequestTable()
         self._on_tick, self._parent_alive = on_tick, parent_alive
         self._warn, self._log_error = log_warning, log_error
@@ -154,6 +168,21 @@ class GeneratorCore:
         except Exception as exc:  # the engine front is shut down or died
             sink.send_error(encode_error(self._server_fault(), str(exc)))
 
+    def _check_secret(self, given: np.ndarray | None) -> None:
+        """Raises: RequestError (``permission_denied``) unless the control request carries the
+        control secret (or none is set)."""
+        if self._control_secret is None:
+            return
+        flat = [] if given is None else np.asarray(given).reshape(-1).tolist()
+        value = flat[0] if len(flat) == 1 else b""
+        value = value.encode() if isinstance(value, str) else bytes(value)
+        if not hmac.compare_digest(value, self._control_secret):
+            raise RequestError(
+                ErrorCode.PERMISSION_DENIED,
+                "control_secret",
+                "aborts are taken only from the service itself (control_secret)",
+            )
+
     def _server_fault(self) -> ErrorCode:
         alive = self.engine.is_alive()
         return ErrorCode.INTERNAL_ERROR if alive else ErrorCode.ENGINE_UNAVAILABLE
@@ -161,7 +190,13 @@ class GeneratorCore:
     def _accept(self, request_id, inputs, parameters, sink) -> None:
         abort_id = inputs.get(tensors.ABORT_REQUEST_ID.name)
         if abort_id is not None:
-            for key in self.requests.abort(scalar(abort_id, "abort_request_id", str)):
+            self._check_secret(inputs.get(tensors.CONTROL_SECRET.name))
+            target = scalar(abort_id, "abort_request_id", str)
+            if not target:
+                raise RequestError(
+                    ErrorCode.INVALID_VALUE, "abort_request_id", "abort_request_id is empty"
+                )
+            for key in self.requests.abort(target):
                 self.engine.abort(key)
             sink.send(None, final=True)
             return
@@ -174,6 +209,13 @@ class GeneratorCore:
                 )
             return
         request = generate_request(inputs, parameters)
+        limit = self._max_live_requests
+        if limit is not None and len(self.requests) >= limit:
+            raise RequestError(
+                ErrorCode.SERVER_OVERLOADED,
+                None,
+                f"the server is at its limit of {limit} requests in progress; retry later",
+            )
         if self.requests.was_aborted(request_id):  # its abort overtook it
             num_prompt = len(request.prompt_ids)
             sink.send(ResponseChunk([], [], "abort", num_prompt, 0, 0, final=True), final=True)

@@ -11,7 +11,10 @@ three places, merged by field name (``tritonllm.contract.tensors.SAMPLING_INPUTS
    Triton's HTTP ``generate`` puts every JSON field that is no input).
 
 A field given in more than one place must have the same value everywhere; anything unknown is
-refused by name, never ignored.
+refused by name, never ignored. Sizes are checked before any conversion
+(``contract.limits``: ``MAX_PROMPT_TOKENS`` ids, 64 times the stop-string limits,
+``MAX_STOP_TOKEN_IDS``, ``MAX_PARAMETERS_BYTES`` of JSON, ``MAX_PROMPT_BYTES`` of echo text), so
+an oversized input costs no more than its refusal.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from tritonllm.contract import tensors
+from tritonllm.contract import limits, tensors
 from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
 from tritonllm.sampling_params import SamplingParams
 from tritonllm.serving.vllm_params import sampling_values
@@ -32,6 +35,36 @@ _TYPES = {"INT32": int, "INT64": int, "FP32": float, "BOOL": bool, "BYTES": str}
 _KINDS: dict[str, tuple[bool, type]] = {
     spec.name: (spec.dims == (-1,), _TYPES[spec.dtype]) for spec in tensors.SAMPLING_INPUTS
 }
+# Most elements of an input (counted before conversion) and most bytes of a string input:
+# coarse bounds on the conversion's cost; `SamplingParams` then holds the values to their
+# exact limits (MAX_STOP_STRINGS, with its own message).
+_MAX_ELEMENTS = {
+    "input_ids": limits.MAX_PROMPT_TOKENS,
+    "stop": 64 * limits.MAX_STOP_STRINGS,
+    "stop_token_ids": limits.MAX_STOP_TOKEN_IDS,
+}
+_MAX_BYTES = {
+    "stop": 64 * limits.MAX_STOP_STRINGS * limits.MAX_STOP_STRING_CHARS,
+    "sampling_parameters": limits.MAX_PARAMETERS_BYTES,
+    "echo_text": limits.MAX_PROMPT_BYTES,
+    "cache_salt": limits.MAX_CACHE_SALT_CHARS * 4,  # UTF-8: at most 4 bytes a character
+}
+
+
+def check_size(name: str, array: np.ndarray | None) -> None:
+    """Raises: RequestError (``invalid_input``) when input ``name`` holds more elements, or
+    (string inputs) more bytes, than its limit; no-op for absent inputs and other names."""
+    if array is None:
+        return
+    count = _MAX_ELEMENTS.get(name)
+    if count is not None and array.size > count:
+        raise RequestError(
+            ErrorCode.INVALID_INPUT, name, f"{name} holds {array.size} elements; at most {count}"
+        )
+    size = _MAX_BYTES.get(name)
+    if size is not None and array.dtype == object:
+        if sum(len(v) for v in array.reshape(-1)) > size:
+            raise RequestError(ErrorCode.INVALID_INPUT, name, f"{name} exceeds {size} bytes")
 
 
 @dataclass(frozen=True)
@@ -150,6 +183,8 @@ def generate_request(
             "input_ids",
             "input_ids is required (or abort_request_id / health_probe for a control request)",
         )
+    for name, array in inputs.items():
+        check_size(name, array)
     sources = {"input": tensor_sampling_values(inputs)}
     raw_json = inputs.get("sampling_parameters")
     if raw_json is not None:

@@ -19,7 +19,8 @@ from typing import Any
 
 from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
 
-# Field -> its kind: "int", "float", "bool", "strings" (a string or a list of strings), "ints".
+# Field -> its kind: "int", "float", "bool", "string", "strings" (a string or a list of
+# strings), "ints".
 FIELD_KINDS: dict[str, str] = {
     "max_tokens": "int",
     "temperature": "float",
@@ -36,6 +37,7 @@ FIELD_KINDS: dict[str, str] = {
     "repetition_penalty": "float",
     "logprobs": "int",
     "n": "int",
+    "cache_salt": "string",
 }
 # vLLM keys accepted with these values only: with them vLLM does what this service always does.
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
@@ -156,6 +158,10 @@ def _to_bool(value: Any) -> bool | None:
     return _bool(value) if isinstance(value, str) else None
 
 
+def _to_string(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 def _to_strings(value: Any) -> list[str] | None:
     if isinstance(value, str):
         return [value]
@@ -180,6 +186,7 @@ _CONVERTERS = {
     "int": _to_int,
     "float": _to_float,
     "bool": _to_bool,
+    "string": _to_string,
     "strings": _to_strings,
     "ints": _to_ints,
 }
@@ -187,6 +194,7 @@ _EXPECTED = {
     "int": "an integer (or a string holding one)",
     "float": "a finite number (or a string holding one)",
     "bool": 'a boolean (or "true" / "false")',
+    "string": "a string",
     "strings": "a string or a list of strings",
     "ints": "a list of integers",
 }

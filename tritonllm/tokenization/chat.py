@@ -10,10 +10,13 @@ is written here, without function-calling support, since the service takes no ``
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from jinja2.exceptions import TemplateError
+
 from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
+from tritonllm.tokenization.control_tokens import guard_for
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -122,6 +125,37 @@ def render_chat(
             (``unsupported_parameter``), or ``enable_thinking`` given for a template that has
             no such option (``unsupported_parameter``).
     """
+    guard = guard_for(tokenizer)
+    return guard.unmark(_render_marked(tokenizer, messages, enable_thinking))
+
+
+def encode_chat(
+    tokenizer: Any,
+    messages: Sequence[dict[str, str]],
+    enable_thinking: bool | None = None,
+    check_chars: Callable[[int, str], None] | None = None,
+) -> list[int]:
+    """The prompt ids of ``messages`` (``render_chat``'s text), where only the template places
+    control tokens: special-token text inside the messages is encoded as text
+    (``control_tokens.ContentGuard``).
+
+    Args:
+        check_chars: called with the rendered prompt's length in characters and ``"messages"``
+            before it is encoded (it raises to refuse a prompt too long to tokenize).
+    Raises:
+        RequestError: as ``render_chat``, or from ``check_chars``.
+    """
+    guard = guard_for(tokenizer)
+    rendered = _render_marked(tokenizer, messages, enable_thinking)
+    if check_chars is not None:
+        check_chars(len(guard.unmark(rendered)), "messages")
+    return guard.encode(rendered)
+
+
+def _render_marked(
+    tokenizer: Any, messages: Sequence[dict[str, str]], enable_thinking: bool | None
+) -> str:
+    """The template's text of ``messages`` with special-token text in their strings marked."""
     cleaned = validate_messages(messages)
     template = tokenizer.chat_template
     if not template:
@@ -139,9 +173,19 @@ def render_chat(
                 "enable_thinking is not supported: the model's chat template has no such option",
             )
         options["enable_thinking"] = enable_thinking
-    return tokenizer.apply_chat_template(
-        cleaned, tokenize=False, add_generation_prompt=True, **options
-    )
+    try:
+        return tokenizer.apply_chat_template(
+            guard_for(tokenizer).mark(cleaned),
+            tokenize=False,
+            add_generation_prompt=True,
+            **options,
+        )
+    except TemplateError as exc:
+        # The template's own raise_exception(...) (a plain TemplateError) says what the model
+        # refuses; any other (the sandbox's SecurityError, an undefined name) is internal text.
+        own = type(exc) is TemplateError
+        reason = str(exc) if own else "the model's chat template could not render these messages"
+        raise RequestError(ErrorCode.INVALID_VALUE, "messages", reason) from None
 
 
 def render_prompt(
@@ -149,17 +193,23 @@ def render_prompt(
     text_input: str | None = None,
     messages: Sequence[dict[str, str]] | None = None,
     enable_thinking: bool | None = None,
+    check_chars: Callable[[int, str], None] | None = None,
 ) -> list[int]:
     """Prompt token ids from exactly one of ``text_input`` or ``messages``.
 
     ``text_input`` is encoded as is: no chat template, no special tokens added (special-token
-    text such as ``<|im_start|>`` inside it is still recognised, as Hugging Face does).
-    ``messages`` go through the chat template with the assistant generation prompt;
+    text such as ``<|im_start|>`` inside it is still recognised, as Hugging Face does: a raw
+    prompt's client writes the whole prompt). ``messages`` go through the chat template with the
+    assistant generation prompt, and special-token text inside them is encoded as text
+    (``encode_chat``: only the template places control tokens);
     ``enable_thinking=False`` pre-fills an empty ``<think>`` block (Qwen3 convention; refused
     for a template without that option, see ``render_chat``).
 
     Args:
         tokenizer: a Hugging Face tokenizer (``PreTrainedTokenizerFast``-like).
+        check_chars: called with the prompt text's length in characters and the input's name
+            before it is encoded (``prompt_limits.PromptLimits.check_chars``: it raises to
+            refuse a prompt that cannot fit the context, so it is never tokenized).
     Returns:
         Prompt ids, ``list[int]`` (may be empty for ``text_input=""``).
     Raises:
@@ -178,6 +228,7 @@ def render_prompt(
     if messages is None:
         if not isinstance(text_input, str):
             raise RequestError(ErrorCode.INVALID_VALUE, "text_input", "text_input must be a string")
+        if check_chars is not None:
+            check_chars(len(text_input), "text_input")
         return list(tokenizer.encode(text_input, add_special_tokens=False))
-    text = render_chat(tokenizer, messages, enable_thinking=enable_thinking)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return encode_chat(tokenizer, messages, enable_thinking, check_chars)

@@ -28,13 +28,13 @@ try:
 except ImportError:  # not pip-installed: use the checkout that holds this repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tritonllm.contract.errors import ErrorCode, encode_error
+from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
 from tritonllm.engine.stop_strings import apply_trim
 from tritonllm.serving.bls import abort_generation
 from tritonllm.serving.cancel_watch import CancelWatch
 from tritonllm.serving.logprobs import logprob_entries
 from tritonllm.tokenization.detokenizer import Detokenizer
-from tritonllm.triton_config import model_parameters, served_model_dir
+from tritonllm.triton_config import model_parameters, served_model_dir, serving_config
 
 PASS_THROUGH = ("finish_reason", "num_output_tokens")
 # Optional inputs passed through when present: the prompt's counts (in a choice's first and
@@ -54,6 +54,16 @@ def _inputs(request):
     return {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
 
 
+def _token_ids(array, name):
+    """The ids of input ``name`` as a list; a negative id (which would index the id → bytes
+    table from its end) is refused (``invalid_value``). Ids at or beyond the vocabulary decode
+    to nothing (``Detokenizer``)."""
+    flat = array.reshape(-1)
+    if flat.size and int(flat.min()) < 0:
+        raise RequestError(ErrorCode.INVALID_VALUE, name, f"{name} holds a negative token id")
+    return flat.tolist()
+
+
 def _first_text(array):
     return array.reshape(-1)[0].decode("utf-8")
 
@@ -62,8 +72,9 @@ class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
 
-        path = served_model_dir(model_parameters(args["model_config"]))
-        self.detokenizer = Detokenizer(AutoTokenizer.from_pretrained(path))
+        params = model_parameters(args["model_config"])
+        self.detokenizer = Detokenizer(AutoTokenizer.from_pretrained(served_model_dir(params)))
+        self.control_secret = serving_config(params).control_secret
         self.cancel_watch = CancelWatch()
         self.logger = pb_utils.Logger
 
@@ -73,8 +84,8 @@ class TritonPythonModel:
         final = passed["finish_reason"].reshape(-1)[0] != b""
         index = inputs.get("index")
         self._watch_cancellation(request, inputs.get("request_key"), final and index is None)
-        new_ids = inputs["output_ids"].reshape(-1).tolist()
-        prefix_ids = inputs["prefix_ids"].reshape(-1).tolist()
+        new_ids = _token_ids(inputs["output_ids"], "output_ids")
+        prefix_ids = _token_ids(inputs["prefix_ids"], "prefix_ids")
         text = self.detokenizer.delta(prefix_ids, new_ids, final)
         trim = inputs.get("trim_chars")
         if trim is not None:
@@ -111,7 +122,7 @@ class TritonPythonModel:
         request_id = request.request_id() if key is None else _first_text(key)
         if not self.cancel_watch.should_abort(request_id, final, request.is_cancelled):
             return
-        for error in abort_generation(pb_utils, request_id):
+        for error in abort_generation(pb_utils, request_id, self.control_secret):
             self.logger.log_warn(f"detokenizer: abort of {request_id!r} failed: {error}")
 
     def execute(self, requests):
@@ -120,7 +131,10 @@ class TritonPythonModel:
             try:
                 responses.append(self._response(request))
             except Exception as exc:  # one malformed request must not fail the others
-                message = encode_error(ErrorCode.INTERNAL_ERROR, f"detokenizer: {exc}")
+                if isinstance(exc, RequestError):
+                    message = exc.wire()
+                else:
+                    message = encode_error(ErrorCode.INTERNAL_ERROR, f"detokenizer: {exc}")
                 error = pb_utils.TritonError(message)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
         return responses

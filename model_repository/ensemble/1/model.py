@@ -29,6 +29,7 @@ from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
 from tritonllm.contract.tensors import TRTLLM_ENSEMBLE
 from tritonllm.serving.bls import abort_generation
 from tritonllm.serving.trtllm_convention import OutputState, llm_inputs
+from tritonllm.triton_config import model_parameters, serving_config
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_CHECK_S = 0.2
@@ -46,7 +47,7 @@ def _parameters(request):
     return {k: v if isinstance(v, bool | int | str) else str(v) for k, v in raw.items()}
 
 
-def _generate(request, sender):
+def _generate(request, sender, control_secret):
     inputs = {}
     for name in TRTLLM_ENSEMBLE.input_names:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -76,7 +77,7 @@ def _generate(request, sender):
         if now - checked >= CANCEL_CHECK_S:
             checked = now
             if sender.is_cancelled():
-                abort_generation(pb_utils, key)
+                abort_generation(pb_utils, key, control_secret)
                 aborted = True
                 continue
         tensors = state.outputs(outputs, translation.return_log_probs)
@@ -90,9 +91,9 @@ def _generate(request, sender):
     sender.send(flags=FINAL)
 
 
-def _run(request, sender, logger):
+def _run(request, sender, logger, control_secret):
     try:
-        _generate(request, sender)
+        _generate(request, sender, control_secret)
     except RequestError as exc:
         _send_error(sender, exc.wire())
     except Exception as exc:  # the client's stream may be gone, or llm failed to run
@@ -106,12 +107,15 @@ def _run(request, sender, logger):
 class TritonPythonModel:
     def initialize(self, args):
         self.logger = pb_utils.Logger
+        self.control_secret = serving_config(model_parameters(args["model_config"])).control_secret
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             thread = threading.Thread(
-                target=_run, args=(request, sender, self.logger), name="trtllm-request"
+                target=_run,
+                args=(request, sender, self.logger, self.control_secret),
+                name="trtllm-request",
             )
             thread.daemon = True
             thread.start()

@@ -172,7 +172,14 @@ class TritonPythonModel:
             metrics_interval_s=serving.metrics_interval_s,
             max_responses_per_s=serving.response_budget(own_process),
             sender_threads=serving.sender_threads,
+            control_secret=serving.control_secret,
+            max_live_requests=config.max_running_requests + serving.max_waiting_requests,
         ).start()
+        if serving.control_secret is None:
+            logger.log_warn(
+                "generator: TRITONLLM_CONTROL_SECRET is not set: any Triton client that knows a"
+                " request id can abort it (README, Security)"
+            )
 
     def execute(self, requests):
         for request in requests:

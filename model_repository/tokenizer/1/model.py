@@ -1,14 +1,19 @@
 """Triton adapter: ``text_input`` | ``messages`` (JSON) [+ ``enable_thinking``] → ``input_ids``.
 
-The work is ``tritonllm.tokenization.chat.render_prompt``; bad input becomes a Triton error
-response (``tritonllm.contract.errors`` wire form) for that request only. With
-``exclude_input_in_output`` false the prompt text also goes out as ``echo_text`` (the
-generator puts it in front of each choice's text): ``text_input`` as given, or the rendered
-chat prompt of ``messages``. Inputs and outputs: ``tritonllm.contract.tensors.TOKENIZER``.
+The work is ``tritonllm.tokenization.chat``; bad input becomes a Triton error response
+(``tritonllm.contract.errors`` wire form) for that request only. Before any work an input is
+held to ``contract.limits.MAX_PROMPT_BYTES``, and the prompt text (``text_input``, or the
+rendered chat prompt) to the characters the context can hold (``tokenization.prompt_limits``):
+a prompt that cannot fit is refused without being tokenized. With ``exclude_input_in_output``
+false the prompt text also goes out as ``echo_text`` (the generator puts it in front of each
+choice's text): ``text_input`` as given, or the rendered chat prompt of ``messages``. A
+``prompt_limits`` request answers those limits as ``limits_json``. Inputs and outputs:
+``tritonllm.contract.tensors.TOKENIZER``.
 """
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +24,12 @@ try:
 except ImportError:  # not pip-installed: use the checkout that holds this repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from tritonllm.contract import limits
 from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
 from tritonllm.serving.inputs import scalar
 from tritonllm.tokenization.chat import render_chat, render_prompt
-from tritonllm.triton_config import model_parameters, served_model_dir
+from tritonllm.tokenization.prompt_limits import PromptLimits, max_token_chars
+from tritonllm.triton_config import engine_config, model_parameters, served_model_dir
 
 
 def _input(request, name):
@@ -30,10 +37,26 @@ def _input(request, name):
     return None if tensor is None else tensor.as_numpy()
 
 
-def _tensors(tokenizer, request):
+def _bounded(request, name):
+    """Input ``name``, refused (``invalid_input``) over ``MAX_PROMPT_BYTES`` before decoding."""
+    array = _input(request, name)
+    if array is not None and sum(len(v) for v in array.reshape(-1)) > limits.MAX_PROMPT_BYTES:
+        raise RequestError(
+            ErrorCode.INVALID_INPUT, name, f"{name} exceeds {limits.MAX_PROMPT_BYTES} bytes"
+        )
+    return array
+
+
+def _tensors(tokenizer, prompt_limits, request):
     """The output tensors of one request. Raises: RequestError for a bad request."""
-    text_input = scalar(_input(request, "text_input"), "text_input", str)
-    messages_json = scalar(_input(request, "messages"), "messages", str)
+    if scalar(_input(request, "prompt_limits"), "prompt_limits", bool):
+        answer = {**asdict(prompt_limits), "max_prompt_chars": prompt_limits.max_prompt_chars}
+        return [
+            pb_utils.Tensor("input_ids", np.zeros(0, dtype=np.int32)),
+            pb_utils.Tensor("limits_json", np.array([json.dumps(answer).encode()], dtype=object)),
+        ]
+    text_input = scalar(_bounded(request, "text_input"), "text_input", str)
+    messages_json = scalar(_bounded(request, "messages"), "messages", str)
     messages = None
     if messages_json is not None:
         try:
@@ -44,7 +67,9 @@ def _tensors(tokenizer, request):
             ) from None
     # None (absent): the template's own default; only templates with the option accept it.
     thinking = scalar(_input(request, "enable_thinking"), "enable_thinking", bool)
-    ids = render_prompt(tokenizer, text_input, messages, enable_thinking=thinking)
+    ids = render_prompt(
+        tokenizer, text_input, messages, thinking, check_chars=prompt_limits.check_chars
+    )
     tensors = [pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int32))]
     exclude = scalar(_input(request, "exclude_input_in_output"), "exclude_input_in_output", bool)
     if exclude is False:
@@ -57,14 +82,16 @@ class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
 
-        path = served_model_dir(model_parameters(args["model_config"]))
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        params = model_parameters(args["model_config"])
+        self.tokenizer = AutoTokenizer.from_pretrained(served_model_dir(params))
+        max_model_len = engine_config(params).effective_max_model_len
+        self.prompt_limits = PromptLimits(max_model_len, max_token_chars(self.tokenizer))
 
     def execute(self, requests):
         responses = []
         for request in requests:
             try:
-                tensors = _tensors(self.tokenizer, request)
+                tensors = _tensors(self.tokenizer, self.prompt_limits, request)
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
             except Exception as exc:  # any bad request fails alone; the stub keeps serving
                 if isinstance(exc, RequestError):
