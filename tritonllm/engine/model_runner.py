@@ -19,6 +19,7 @@ from tritonllm.attention.base import AttentionMetadata, AttentionOptions
 from tritonllm.config import EngineConfig
 from tritonllm.engine.kv_cache import KVCache, derive_num_pages
 from tritonllm.engine.overlap import FutureMap, LaunchedStep
+from tritonllm.engine.prompt_logprobs import PromptRows
 from tritonllm.engine.request import Request
 from tritonllm.engine.sampler import Sampler
 from tritonllm.engine.scheduler import ScheduledBatch
@@ -31,8 +32,9 @@ class ForwardInputs:
     """A batch flattened for the model.
 
     input_ids: `[T]` int64 (placeholders already resolved on the device); positions: `[T]`
-    int64; meta: the attention metadata; logits_indices: `[S]` int64 (last new token of each
-    sampling request); sample_reqs: those S requests, in order.
+    int64; meta: the attention metadata; logits_indices: `[S + R]` int64 (last new token of
+    each sampling request, then the R scored prompt positions); sample_reqs: those S requests,
+    in order; prompt_rows: the scored prompt positions (`engine/prompt_logprobs.py`), or None.
     """
 
     input_ids: torch.Tensor
@@ -40,6 +42,7 @@ class ForwardInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sample_reqs: list[Request]
+    prompt_rows: PromptRows | None = None
 
 
 class ModelRunner:
@@ -117,6 +120,7 @@ class ModelRunner:
         # row b's tokens start at cu[b].
         extend: int | np.ndarray  # new tokens per row: 1 in decode
         logits_idx: np.ndarray | list[int]
+        prompt_rows = None
         if batch.is_decode:  # one token per row (the last sampled one); every row samples
             ids = [r.token_ids[r.num_computed] for r in reqs]
             rows = np.arange(num_seqs)
@@ -133,9 +137,14 @@ class ModelRunner:
             positions = computed[rows] + np.arange(len(ids)) - cu[rows]
             sample_rows = [i for i in range(num_seqs) if batch.samples(i)]
             sample_reqs = [reqs[i] for i in sample_rows]
-            # Each sampling row projects its last new token; with only prompt chunks the
-            # forward still wants one row.
-            logits_idx = cu[1:][sample_rows] - 1 if sample_rows else [0]
+            # Each sampling row projects its last new token, then come the scored prompt
+            # positions; with only unscored prompt chunks the forward still wants one row.
+            logits_idx = cu[1:][sample_rows] - 1
+            prompt_rows = PromptRows.plan(reqs, exts, cu)
+            if prompt_rows is not None:
+                logits_idx = np.concatenate([logits_idx, prompt_rows.token_index])
+            elif not sample_rows:
+                logits_idx = [0]
         num_tokens = len(ids)
         seq_lens = computed + extend
         width = -(-int(seq_lens.max()) // ps)
@@ -181,6 +190,7 @@ class ModelRunner:
             meta,
             d64[3 * num_tokens :],
             sample_reqs,
+            prompt_rows,
         )
 
     def ids_to_device(self, ids: list[int]) -> torch.Tensor:
@@ -222,11 +232,16 @@ class ModelRunner:
         returned step and later takes its samples with `LaunchedStep.result()`."""
         fwd = self.build_inputs(batch)
         logits = self.forward(fwd)
+        scores = None
+        if fwd.prompt_rows is not None:  # the rows after the sampling rows score the prompts
+            num_sampled = len(fwd.sample_reqs)
+            scores = fwd.prompt_rows.score(logits[num_sampled:])
+            logits = logits[:num_sampled]
         if not fwd.sample_reqs:
-            return LaunchedStep(batch, [])
+            return LaunchedStep(batch, [], scores=scores)
         samples = self.sampler.sample_device(logits, fwd.sample_reqs, self.ids_to_device)
         slots = self.future.store(samples.token_ids)
-        return LaunchedStep.from_samples(batch, fwd.sample_reqs, samples, slots)
+        return LaunchedStep.from_samples(batch, fwd.sample_reqs, samples, slots, scores)
 
 
 def _set_kernel_switches(config: EngineConfig) -> None:

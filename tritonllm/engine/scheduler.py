@@ -20,6 +20,9 @@ Policy (one batch kind per step, like mini-sglang):
 - A prefill batch takes at most `max_prefill_tokens` tokens (chunked prefill). Requests that
   are part-way through their prompt go first, then the waiting queue in FIFO order; a long
   prompt is split and continues in later prefill steps.
+- A request that scores its prompt (prompt logprobs, `engine/prompt_logprobs.py`) takes no
+  prefix from the prefix cache, and the chunks of such requests add up to at most
+  `MAX_SCORED_TOKENS_PER_STEP` tokens per step (each of their tokens computes logits).
 - Admission needs free pages for the scheduled chunk (after evicting unreferenced prefix-cache
   pages), plus one spare page per decoding request, so that decodes crossing a page boundary
   rarely have to preempt. Admission stops at the first request that does not fit (FIFO, no
@@ -32,11 +35,13 @@ Policy (one batch kind per step, like mini-sglang):
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from operator import attrgetter
 
 from tritonllm.engine.cache_manager import CacheManager, HostPageTable
+from tritonllm.engine.prompt_logprobs import MAX_SCORED_TOKENS_PER_STEP
 from tritonllm.engine.request import Request, RequestStatus
 
 
@@ -163,10 +168,16 @@ class Scheduler:
         extends: list[int] = []
         num_decoding = sum(r.is_decoding for r in self.running)
         partial = sorted((r for r in self.running if not r.is_decoding), key=lambda r: r.arrival)
+        scored = MAX_SCORED_TOKENS_PER_STEP  # the logits rows left for scoring requests
         for req in partial:
             if budget == 0:
                 break
             extend = min(req.num_pending, budget)
+            if req.scores_prompt:
+                extend = min(extend, scored)
+                if extend == 0:
+                    continue
+                scored -= extend
             if not self.cache.grow(req, req.num_computed + extend, reserve=0):
                 # No overtaking: new requests must not take the pages this one waits for.
                 budget = 0
@@ -176,8 +187,15 @@ class Scheduler:
             budget -= extend
         while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
-            self.cache.match_prefix(req)
             extend = min(req.num_pending, budget)
+            if req.scores_prompt:  # every prompt position must run: no cached prefix
+                extend = min(extend, scored)
+                if extend == 0:
+                    break
+                scored -= extend
+            else:
+                self.cache.match_prefix(req)
+                extend = min(req.num_pending, budget)
             if not self.cache.grow(req, req.num_computed + extend, reserve=num_decoding):
                 self.cache.release(req)
                 break
@@ -187,6 +205,7 @@ class Scheduler:
             if not req.admitted_once:
                 req.cached_tokens = req.num_computed
                 req.admitted_once = True
+                req.scheduled_time = time.monotonic()
             reqs.append(req)
             extends.append(extend)
             budget -= extend
