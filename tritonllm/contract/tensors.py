@@ -78,6 +78,10 @@ def _opt(name: str, dtype: str, dims: tuple[int, ...] = (1,)) -> TensorSpec:
 # --- shared inputs ---------------------------------------------------------------------------
 TEXT_INPUT = _opt("text_input", "BYTES")  # a raw prompt, no chat template
 MESSAGES = _opt("messages", "BYTES")  # JSON list of {"role", "content"}
+# A prompt given as token ids (the third way): the tokenizer passes them through.
+PROMPT_INPUT_IDS = _opt("input_ids", "INT32", (-1,))
+# true: the tokenizer adds the tokenizer's special tokens (a BOS) to text_input (absent: false).
+ADD_SPECIAL_TOKENS = _opt("add_special_tokens", "BOOL")
 ENABLE_THINKING = _opt("enable_thinking", "BOOL")
 # false: each choice's first response starts with the prompt (absent: true, never echoed).
 EXCLUDE_INPUT_IN_OUTPUT = _opt("exclude_input_in_output", "BOOL")
@@ -103,6 +107,8 @@ SAMPLING_INPUTS: tuple[TensorSpec, ...] = (
     _opt("repetition_penalty", "FP32"),
     _opt("logprobs", "INT32"),  # top alternatives per token; absent: no logprobs
     _opt("n", "INT32"),  # choices; > 1 needs stream=true
+    # Also score the prompt: each prompt token's logprob plus this many top alternatives.
+    _opt("prompt_logprobs", "INT32"),
 )
 
 # --- tokenizer -------------------------------------------------------------------------------
@@ -110,7 +116,14 @@ INPUT_IDS = TensorSpec("input_ids", "INT32", (-1,))
 ECHO_TEXT = _opt("echo_text", "BYTES")  # the prompt text, with exclude_input_in_output=false
 TOKENIZER = ModelSpec(
     "tokenizer",
-    inputs=(TEXT_INPUT, MESSAGES, ENABLE_THINKING, EXCLUDE_INPUT_IN_OUTPUT),
+    inputs=(
+        TEXT_INPUT,
+        MESSAGES,
+        PROMPT_INPUT_IDS,
+        ENABLE_THINKING,
+        EXCLUDE_INPUT_IN_OUTPUT,
+        ADD_SPECIAL_TOKENS,
+    ),
     outputs=(INPUT_IDS, ECHO_TEXT),
 )
 
@@ -134,7 +147,15 @@ GENERATOR_OUTPUTS: tuple[TensorSpec, ...] = (
     # The generator's key of the request, only when it differs from the request id (an empty or
     # reused id): the detokenizer's abort of a cancelled request names it.
     _opt("request_key", "BYTES"),
+    # Only in a choice's first response of a request with prompt_logprobs = k: the prompt's P
+    # ids, the logprobs of ids 1..P-1 ([P - 1]) and their top k ([(P - 1) * k], row-major).
+    _opt("prompt_ids", "INT32", (-1,)),
+    _opt("prompt_token_logprobs", "FP32", (-1,)),
+    _opt("prompt_top_logprob_ids", "INT32", (-1,)),
+    _opt("prompt_top_logprobs", "FP32", (-1,)),
 )
+# Only in the answer to a health probe: the engine's context limit (prompt + output tokens).
+MAX_MODEL_LEN = _opt("max_model_len", "INT32")
 GENERATOR = ModelSpec(
     "generator",
     inputs=(
@@ -146,7 +167,7 @@ GENERATOR = ModelSpec(
         ABORT_REQUEST_ID,
         HEALTH_PROBE,
     ),
-    outputs=GENERATOR_OUTPUTS,
+    outputs=(*GENERATOR_OUTPUTS, MAX_MODEL_LEN),
     decoupled=True,
 )
 
@@ -162,6 +183,9 @@ LLM_OUTPUTS: tuple[TensorSpec, ...] = (
     _opt("top_logprob_ids", "INT32", (-1,)),
     _opt("top_logprobs", "FP32", (-1,)),
     TensorSpec("logprobs_json", "BYTES"),  # "" without logprobs
+    # Only with prompt logprobs (a choice's first response): one OpenAI chat logprobs entry per
+    # prompt token, the first with logprob null.
+    _opt("prompt_logprobs_json", "BYTES"),
 )
 DETOKENIZER = ModelSpec(
     "detokenizer",
@@ -177,8 +201,10 @@ LLM = ModelSpec(
     inputs=(
         TEXT_INPUT,
         MESSAGES,
+        PROMPT_INPUT_IDS,
         ENABLE_THINKING,
         EXCLUDE_INPUT_IN_OUTPUT,
+        ADD_SPECIAL_TOKENS,
         *SAMPLING_INPUTS,
         STREAM,
         SAMPLING_PARAMETERS,

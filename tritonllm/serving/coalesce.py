@@ -26,12 +26,16 @@ def _concat(first: list | None, second: list | None) -> list | None:
 
 
 def _merged(previous: RequestOutput, output: RequestOutput) -> RequestOutput:
-    """``output`` with ``previous``'s ids and logprobs in front of its own."""
+    """``output`` with ``previous``'s ids and logprobs in front of its own (and its prompt
+    scores, which only a choice's first output carries)."""
+    first = previous if previous.prompt_logprobs is not None else output
     return replace(
         output,
         new_token_ids=list(previous.new_token_ids) + list(output.new_token_ids),
         logprobs=_concat(previous.logprobs, output.logprobs),
         top_logprobs=_concat(previous.top_logprobs, output.top_logprobs),
+        prompt_logprobs=first.prompt_logprobs,
+        prompt_top_logprobs=first.prompt_top_logprobs,
     )
 
 
@@ -46,7 +50,7 @@ def coalesce(outputs: Iterable[RequestOutput]) -> list[RequestOutput]:
         other output of that request's choices): its
         ``new_token_ids`` (and ``logprobs`` / ``top_logprobs``) are the concatenation of the
         merged outputs'; ``finished``, ``finish_reason`` and the token counts are those of the
-        last one. Outputs that arrive after a request's finished output are dropped (stale).
+        last one, the prompt scores those of the one that had them. Outputs that arrive after a request's finished output are dropped (stale).
     """
     merged: dict[tuple[str, int], RequestOutput] = {}
     for output in outputs:

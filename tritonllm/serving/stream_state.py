@@ -41,6 +41,10 @@ class ResponseChunk:
             response when the client asked for it), else None.
         request_key: the generator's key of the request when it differs from the Triton
             request id (sent as output ``request_key``), else None.
+        prompt_ids, prompt_logprobs, prompt_top_logprobs: the prompt's scores (its P ids,
+            the logprobs of ids 1..P-1 and their top alternatives, ``RequestOutput``'s), in the
+            choice's first chunk of a request with prompt logprobs; else None.
+        prompt_num_top: the top alternatives per prompt token then (else None).
     """
 
     output_ids: list[int]
@@ -59,6 +63,10 @@ class ResponseChunk:
     num_top: int | None = None
     echo_text: str | None = None
     request_key: str | None = None
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[dict[int, float]] | None = None
+    prompt_num_top: int | None = None
 
 
 @dataclass
@@ -73,6 +81,8 @@ class StreamState:
         num_top: top logprobs per token, None when logprobs were not requested.
         echo_text: text the choice's first chunk starts with, or None.
         request_key: what every chunk carries as ``request_key`` (None: nothing).
+        prompt_ids: the prompt, when the request scores it (its scores go out with the first
+            chunk after the engine reported them); prompt_num_top: their top alternatives.
     """
 
     stream: bool = True
@@ -81,6 +91,9 @@ class StreamState:
     num_top: int | None = None
     echo_text: str | None = None
     request_key: str | None = None
+    prompt_ids: list[int] | None = None
+    prompt_num_top: int | None = None
+    _scores: tuple[list[float], list[dict[int, float]]] | None = None
     _recent: list[int] = field(default_factory=list)
     _pending: list[int] = field(default_factory=list)
     _pending_logprobs: list[float] | None = None
@@ -90,6 +103,8 @@ class StreamState:
         """The chunk to send for ``output`` (a ``RequestOutput``), or None if nothing is due."""
         new_ids = [int(t) for t in output.new_token_ids]
         logprobs, top = output.logprobs, output.top_logprobs
+        if output.prompt_logprobs is not None:  # held for the next chunk (held ids send none)
+            self._scores = (output.prompt_logprobs, output.prompt_top_logprobs or [])
         if not self.stream:
             self._pending.extend(new_ids)
             if logprobs is not None:
@@ -105,6 +120,7 @@ class StreamState:
             prefix = self._recent
             self._recent = (self._recent + new_ids)[-PREFIX_LEN:]
         echo, self.echo_text = self.echo_text, None
+        scores, self._scores = self._scores, None
         return ResponseChunk(
             output_ids=new_ids,
             prefix_ids=list(prefix),
@@ -124,4 +140,8 @@ class StreamState:
             num_top=self.num_top,
             echo_text=echo,
             request_key=self.request_key,
+            prompt_ids=None if scores is None else self.prompt_ids,
+            prompt_logprobs=None if scores is None else list(scores[0]),
+            prompt_top_logprobs=None if scores is None else list(scores[1]),
+            prompt_num_top=None if scores is None else self.prompt_num_top,
         )

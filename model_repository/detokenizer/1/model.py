@@ -6,7 +6,10 @@ trailing characters (a matched stop string, see ``tritonllm/engine/stop_strings.
 and the token counts pass through unchanged. ``index`` passes through (0 when absent). With
 logprobs (the optional ``output_logprobs``, ``top_logprob_ids``, ``top_logprobs`` inputs, which
 pass through), ``logprobs_json`` is the OpenAI chat ``content`` list of this response's tokens
-(``tritonllm.serving.logprobs.logprob_entries``); ``""`` otherwise.
+(``tritonllm.serving.logprobs.logprob_entries``); ``""`` otherwise. With the prompt's scores
+(``prompt_ids``, ``prompt_token_logprobs``, ``prompt_top_logprob_ids``, ``prompt_top_logprobs``,
+a choice's first response of a request with prompt logprobs), ``prompt_logprobs_json`` holds
+the same entries for every prompt token (``prompt_logprob_entries``).
 
 Cancellation: a client that cancelled its ``llm`` stream makes Triton mark the detokenizer
 requests that follow as cancelled; the detokenizer then sends the generator an abort of that
@@ -32,13 +35,14 @@ from tritonllm.contract.errors import ErrorCode, encode_error
 from tritonllm.engine.stop_strings import apply_trim
 from tritonllm.serving.bls import abort_generation
 from tritonllm.serving.cancel_watch import CancelWatch
-from tritonllm.serving.logprobs import logprob_entries
+from tritonllm.serving.logprobs import logprob_entries, prompt_logprob_entries
 from tritonllm.tokenization.detokenizer import Detokenizer
 from tritonllm.triton_config import model_parameters, served_model_dir
 
 PASS_THROUGH = ("finish_reason", "num_input_tokens", "num_output_tokens", "cached_tokens")
 # Optional inputs (sent by the generator only when logprobs were requested): passed through.
 LOGPROB_INPUTS = ("output_logprobs", "top_logprob_ids", "top_logprobs")
+PROMPT_SCORE_INPUTS = ("prompt_token_logprobs", "prompt_top_logprob_ids", "prompt_top_logprobs")
 
 
 def _optional(request, name):
@@ -91,6 +95,13 @@ class TritonPythonModel:
             )
             logprobs_json = json.dumps(entries, ensure_ascii=False)
         strings = {"text_output": text, "logprobs_json": logprobs_json}
+        prompt_ids = _optional(request, "prompt_ids")
+        if prompt_ids is not None:
+            values = [_optional(request, name).reshape(-1).tolist() for name in PROMPT_SCORE_INPUTS]
+            entries = prompt_logprob_entries(
+                self.detokenizer.logprob_token_bytes, prompt_ids.reshape(-1).tolist(), *values
+            )
+            strings["prompt_logprobs_json"] = json.dumps(entries, ensure_ascii=False)
         outputs = [
             pb_utils.Tensor(name, np.array([value.encode("utf-8")], np.object_).reshape(shape))
             for name, value in strings.items()
