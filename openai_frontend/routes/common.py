@@ -33,6 +33,19 @@ class ServerState:
     model_name: str
     stream_idle_timeout_s: float | None = None
     live: set[Generation] = field(default_factory=set)
+    max_model_len: int | None = None  # the engine's context limit, once asked (tokens)
+
+    async def context_limit(self) -> int | None:
+        """The engine's ``max_model_len`` (tokens), asked of the generator once (a health
+        probe's answer); None while it cannot be reached."""
+        if self.max_model_len is None:
+            try:
+                info = await self.client.generator_info()
+            except TritonError:
+                return None
+            if "max_model_len" in info:
+                self.max_model_len = int(info["max_model_len"].reshape(-1)[0])
+        return self.max_model_len
 
     async def abort_all(self, timeout: float = 5.0) -> None:
         """Abort every generation in flight in the generator (on shutdown: their streams then
@@ -46,6 +59,11 @@ class ServerState:
             return await self.client.input_specs()
         except TritonError as exc:
             raise to_openai_error(exc, prompt_param) from exc
+
+
+def new_id(id_prefix: str) -> str:
+    """A new completion id: ``{id_prefix}-{uuid4 hex}``."""
+    return f"{id_prefix}-{uuid.uuid4().hex}"
 
 
 def get_state(request: Request) -> ServerState:
@@ -90,6 +108,7 @@ async def start_generation(
     id_prefix: str,
     prompt_param: str,
     build_inputs: Callable[[RequestT, Mapping[str, InputSpec], bool], dict[str, InputValue]],
+    request_id: str | None = None,
 ) -> Generation:
     """Check ``body``, send it to the ensemble and wait for its first response.
 
@@ -103,6 +122,7 @@ async def start_generation(
             ``{id_prefix}-{uuid4 hex}``.
         prompt_param: the request field prompt errors name (``messages`` or ``prompt``).
         build_inputs: ``(body, ensemble input specs, backend_stream)`` -> ensemble inputs.
+        request_id: the Triton request id (default: a new completion id).
     Raises:
         OpenAIError: 404 for another model; 400 for invalid or unsupported fields or a prompt
             the backend rejects (e.g. longer than the context); 503 when Triton is
@@ -112,7 +132,7 @@ async def start_generation(
     check_model(state, body.model)
     specs = await state.input_specs(prompt_param)
     inputs = build_inputs(body, specs, body.stream or body.n > 1)
-    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    request_id = request_id or new_id(id_prefix)
     gen = Generation(
         state.client,
         request_id,

@@ -50,7 +50,8 @@ def coalesce(outputs: Iterable[RequestOutput]) -> list[RequestOutput]:
         other output of that request's choices): its
         ``new_token_ids`` (and ``logprobs`` / ``top_logprobs``) are the concatenation of the
         merged outputs'; ``finished``, ``finish_reason`` and the token counts are those of the
-        last one, the prompt scores those of the one that had them. Outputs that arrive after a request's finished output are dropped (stale).
+        last one, the prompt scores those of the one that had them. Outputs that arrive after a
+        request's finished output are dropped (stale).
     """
     merged: dict[tuple[str, int], RequestOutput] = {}
     for output in outputs:

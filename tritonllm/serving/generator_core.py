@@ -100,7 +100,7 @@ class GeneratorCore:
     def __init__(
         self,
         engine: EngineClient,
-        on_tick: Callable[[Any, int, Any, Any], None],
+        on_tick: Callable[[Any, int, Any, Any, LatencySamples], None],
         parent_alive: Callable[[], bool],
         log_warning: Callable[[str], None],
         log_error: Callable[[str], None],

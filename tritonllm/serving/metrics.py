@@ -33,12 +33,13 @@ class MetricSpec:
 
 # Bucket upper bounds in seconds (Prometheus adds +Inf), from a GPU's milliseconds to a
 # loaded CPU's minutes; vLLM's families cover a similar range.
-TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
-TTFT_BUCKETS_S += (7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4)
-ITL_BUCKETS_S += (0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
-REQUEST_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0)
-REQUEST_BUCKETS_S += (20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+TTFT_BUCKETS_S: tuple[float, ...] = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5)
+TTFT_BUCKETS_S += (0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1)
+ITL_BUCKETS_S += (0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+REQUEST_BUCKETS_S: tuple[float, ...] = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5)
+REQUEST_BUCKETS_S += (5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+REQUEST_BUCKETS_S += (960.0, 1920.0)
 
 
 @dataclass
