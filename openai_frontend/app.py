@@ -17,11 +17,11 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import chat_page, health
+from . import chat_page, health, metrics
 from .drain import DrainGate, DrainState, server_class
 from .errors import OpenAIError, install_error_handlers
 from .openapi import install_openapi
-from .routes import chat, completions, models
+from .routes import chat, completions, models, tokenize
 from .routes.common import ServerState
 from .security import (
     API_KEY_ENV,
@@ -187,8 +187,10 @@ def create_app(
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type"],
         )
-    app.add_middleware(DrainGate, state=app.state.drain)  # outermost: refuses before reading
-    for router in (chat.router, completions.router, models.router, health.router, chat_page.router):
+    app.add_middleware(DrainGate, state=app.state.drain)  # refuses before reading
+    app.add_middleware(metrics.RequestMetrics)  # outermost: counts every answer
+    routers = (chat, completions, models, tokenize, health, chat_page, metrics)
+    for router in (module.router for module in routers):
         app.include_router(router)
     return app
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from tritonllm.contract.errors import decode_error
 
+from . import metrics
 from .errors import INTERNAL_MESSAGE, UNAVAILABLE_MESSAGE, OpenAIError, from_backend
 from .protocol import PromptTokensDetails, Usage
 from .triton_client import InputValue, LLMChunk, ResponseStream, TritonClient, TritonError
@@ -60,21 +61,26 @@ class Delta:
         finish_reason: None until the choice's last delta.
         logprobs: with logprobs asked for, the OpenAI chat ``logprobs.content`` entries of the
             delta's tokens (possibly ``[]``); None otherwise.
+        prompt_logprobs: in a choice's first delta of a request that scores its prompt, the
+            same entries for every prompt token (the first with ``logprob`` None); else None.
     """
 
     index: int
     text: str
     finish_reason: str | None
     logprobs: list[dict[str, Any]] | None
+    prompt_logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass
 class Choice:
-    """One whole choice of a non-streamed request (``logprobs`` as in ``Delta``)."""
+    """One whole choice of a non-streamed request (``logprobs``, ``prompt_logprobs`` as in
+    ``Delta``)."""
 
     text: str
     finish_reason: str | None
     logprobs: list[dict[str, Any]] | None
+    prompt_logprobs: list[dict[str, Any]] | None = None
 
 
 async def _read_within(stream: ResponseStream, timeout_s: float | None) -> LLMChunk | None:
@@ -135,6 +141,7 @@ class Generation:
         self._failure: OpenAIError | None = None  # set by fail()
         self.started_at = time.monotonic()
         self.last_response_at: float | None = None
+        self._times = metrics.TokenTimes(self.started_at)
 
     @property
     def finish_reason(self) -> str | None:
@@ -182,6 +189,7 @@ class Generation:
                     f"the backend sent choice {chunk.index} of {self.n}", 500, "server_error"
                 )
             self._last[chunk.index] = chunk
+            self._times.on_response(chunk.index, chunk.num_output_tokens, self.last_response_at)
         return chunk
 
     def _logprobs(self, chunk: LLMChunk) -> list[dict[str, Any]] | None:
@@ -201,17 +209,18 @@ class Generation:
         unfinished = self.n
         while chunk is not None:
             logprobs = self._logprobs(chunk)
+            scores = json.loads(chunk.prompt_logprobs_json) if chunk.prompt_logprobs_json else None
             if chunk.finish_reason:
                 if self.finish_reasons[chunk.index] is None:
                     unfinished -= 1
                 self.finish_reasons[chunk.index] = chunk.finish_reason
                 self._backend_finished = unfinished == 0
-                yield Delta(chunk.index, chunk.text, chunk.finish_reason, logprobs)
+                yield Delta(chunk.index, chunk.text, chunk.finish_reason, logprobs, scores)
                 if unfinished == 0:
                     await self._drain()
                     return
-            elif chunk.text or logprobs:
-                yield Delta(chunk.index, chunk.text, None, logprobs)
+            elif chunk.text or logprobs or scores:
+                yield Delta(chunk.index, chunk.text, None, logprobs, scores)
             chunk = await self._read()
         raise OpenAIError(
             "the backend ended the stream without a finish reason", 500, "server_error"
@@ -235,14 +244,19 @@ class Generation:
         logprobs: list[list[dict[str, Any]] | None] = [
             [] if self.logprobs else None for _ in range(self.n)
         ]
+        scores: list[list[dict[str, Any]] | None] = [None] * self.n
         async for delta in self.deltas():
             texts[delta.index].append(delta.text)
+            if delta.prompt_logprobs is not None:
+                scores[delta.index] = delta.prompt_logprobs
             entries = logprobs[delta.index]
             if delta.logprobs and entries is not None:  # logprobs come only when asked for
                 entries.extend(delta.logprobs)
         return [
-            Choice("".join(parts), reason, entries)
-            for parts, reason, entries in zip(texts, self.finish_reasons, logprobs, strict=True)
+            Choice("".join(parts), reason, entries, prompt)
+            for parts, reason, entries, prompt in zip(
+                texts, self.finish_reasons, logprobs, scores, strict=True
+            )
         ]
 
     @property
@@ -287,6 +301,8 @@ class Generation:
         self._closed = True
         if self._registry is not None:
             self._registry.discard(self)
+        usage = self.usage
+        metrics.count_tokens(usage.prompt_tokens, usage.completion_tokens)
         if self._stream is None or self._stream.done:
             return
         # Also before the first response (``start`` cancelled): the generator remembers an

@@ -28,20 +28,28 @@ def completion_logprobs(
         ``({"tokens", "token_logprobs", "top_logprobs", "text_offset"}, offset after the last
         token)``; ``top_logprobs`` holds per token the alternatives plus the chosen token
         (OpenAI: "up to logprobs + 1 elements"); tokens with the same text keep the first.
+        An entry without a logprob (an echoed prompt's first token, which nothing predicts)
+        has ``token_logprobs`` and ``top_logprobs`` null, as OpenAI answers with ``echo``.
     """
     if entries is None:
         return None, text_offset
-    tokens, values, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     for entry in entries:
         tokens.append(entry["token"])
         values.append(entry["logprob"])
+        offsets.append(text_offset)
+        text_offset += len(entry["token"])
+        if entry["logprob"] is None:
+            tops.append(None)
+            continue
         top: dict[str, float] = {}
         for alternative in entry["top_logprobs"]:
             top.setdefault(alternative["token"], alternative["logprob"])
         top.setdefault(entry["token"], entry["logprob"])
         tops.append(top)
-        offsets.append(text_offset)
-        text_offset += len(entry["token"])
     result = {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops}
     result["text_offset"] = offsets
     return result, text_offset

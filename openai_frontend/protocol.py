@@ -3,8 +3,9 @@
 Requests follow the OpenAI API reference for ``/v1/chat/completions`` and ``/v1/completions``,
 plus the vLLM-style extension fields (``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``,
 ``repetition_penalty``, ``min_tokens``, ``chat_template_kwargs``). Unknown fields are accepted and
-ignored, as OpenAI-compatible servers commonly do. Range checks live here so that invalid values
-become 400 errors before anything reaches Triton.
+ignored, as OpenAI-compatible servers commonly do, except vLLM's other extension fields, which
+are refused with a 400 unless given their no-op value (``extensions.py``). Range checks live here
+so that invalid values become 400 errors before anything reaches Triton.
 
 Boolean, integer and number fields are strict, field by field, as OpenAI's API is: a JSON value of
 the wrong type is a 400, never coerced (``"stream": "yes"``, ``"max_tokens": true``, ``"n": 2.0``
@@ -161,14 +162,51 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    """The body of ``POST /v1/completions``; only a single string prompt is served."""
+    """The body of ``POST /v1/completions``.
+
+    ``prompt`` is a string, a list of strings, a list of token ids or a list of token-id lists
+    (at most ``limits.MAX_COMPLETION_PROMPTS`` prompts, none empty); each prompt gets ``n``
+    choices, indexed prompt-major (``prompt_index * n + i``) as OpenAI does. ``max_tokens: 0``
+    (with ``echo``: the prompt and its logprobs only) generates nothing. ``add_special_tokens``
+    (vLLM's; absent: false, the text as is) encodes text prompts with the tokenizer's special
+    tokens.
+    """
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: StrictInt | None = Field(
+        default=None, **limits.COMPLETION_MAX_TOKENS.field_bounds()
+    )
     # OpenAI's legacy endpoint allows at most 5.
     logprobs: StrictInt | None = Field(default=None, ge=0, le=limits.MAX_COMPLETION_LOGPROBS)
     echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = Field(default=None, ge=1)
+    add_special_tokens: StrictBool | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts_given(cls, prompt: object) -> object:
+        if isinstance(prompt, list):
+            if not prompt:
+                raise ValueError("prompt is an empty list")
+            if isinstance(prompt[0], list | str):
+                if len(prompt) > limits.MAX_COMPLETION_PROMPTS:
+                    raise ValueError(
+                        f"at most {limits.MAX_COMPLETION_PROMPTS} prompts in one request"
+                    )
+                if any(isinstance(p, list) and not p for p in prompt):
+                    raise ValueError("a token-id prompt is an empty list")
+        return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -218,17 +256,18 @@ class CompletionLogprobs(BaseModel):
     """``choices[i].logprobs`` of a legacy text completion, one element per generated token.
 
     Attributes:
-        tokens: token texts.
-        token_logprobs: their logprobs.
+        tokens: token texts (with ``echo``, the prompt's first).
+        token_logprobs: their logprobs (null for an echoed prompt's first token).
         top_logprobs: per token ``{token text: logprob}`` of the top alternatives plus the
-            chosen token (up to ``logprobs + 1`` entries, as OpenAI documents).
+            chosen token (up to ``logprobs + 1`` entries, as OpenAI documents; null for an
+            echoed prompt's first token).
         text_offset: character offset of each token in the choice's text (cumulative length
             of the token texts before it, as vLLM computes it).
     """
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -309,12 +348,17 @@ class Completion(_Response):
 
 
 class ModelCard(BaseModel):
-    """The served model, as ``GET /v1/models`` lists it."""
+    """The served model, as ``GET /v1/models`` lists it (vLLM's fields: ``root`` the model's
+    name, ``max_model_len`` its context limit in tokens, prompt plus output; null while the
+    backend is unreachable)."""
 
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "tritonllm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):

@@ -15,6 +15,7 @@ from typing import Any
 from tritonllm.contract import limits
 
 from .errors import OpenAIError, unsupported
+from .extensions import check_extensions
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from .triton_client import InputSpec, InputValue
 
@@ -57,8 +58,16 @@ def sampling_inputs(
         backend_stream: whether the ensemble should answer token by token (else one response).
     Raises:
         OpenAIError: 400 for a field the backend cannot honour (e.g. ``n > 1`` on a backend
-            without an ``n`` input).
+            without an ``n`` input, a vLLM extension this server does not implement:
+            ``extensions.py``), or ``stream_options`` without ``stream`` (as OpenAI answers).
     """
+    check_extensions(req)
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError(
+            "stream_options is only allowed when stream is true",
+            param="stream_options",
+            code="invalid_value",
+        )
     if req.logit_bias:  # would change sampling: refused rather than silently ignored
         raise unsupported("logit_bias")
     inputs: dict[str, InputValue] = {}
@@ -136,28 +145,37 @@ def chat_inputs(
 
 
 def completion_inputs(
-    req: CompletionRequest, specs: Mapping[str, InputSpec], backend_stream: bool
+    req: CompletionRequest,
+    specs: Mapping[str, InputSpec],
+    backend_stream: bool,
+    prompt: str | list[int],
 ) -> dict[str, InputValue]:
-    """Ensemble inputs of a text completion: the raw prompt as ``text_input`` plus sampling.
+    """Ensemble inputs of one prompt of a text completion: the prompt as ``text_input`` (a
+    string) or ``input_ids`` (token ids), plus sampling. ``echo`` asks for the prompt text in
+    front of each choice (``exclude_input_in_output`` false) and, with ``logprobs``, for the
+    prompt's logprobs (``prompt_logprobs``, the same number of alternatives).
 
     Raises:
-        OpenAIError: 400 for token-id or batched prompts, echo, suffix, best_of other than
-            1 or n.
+        OpenAIError: 400 for suffix, best_of other than 1 or n, or a field the backend cannot
+            honour (``sampling_inputs``).
     """
-    prompt = req.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise unsupported("prompt", "a prompt that is not one string")
-        prompt = prompt[0]
-    if req.echo:
-        raise unsupported("echo")
     if req.suffix:
         raise unsupported("suffix")
     if req.best_of not in (None, 1, req.n):
         raise unsupported("best_of", "best_of other than n")
-    inputs: dict[str, InputValue] = {"text_input": prompt}
+    inputs: dict[str, InputValue] = {}
+    if isinstance(prompt, str):
+        inputs["text_input"] = prompt
+        _put(inputs, specs, "add_special_tokens", req.add_special_tokens, False)
+    else:
+        _put(inputs, specs, "input_ids", prompt, None)
     # OpenAI's legacy completions default to 16 tokens (absent would mean no limit).
-    max_tokens = req.max_tokens or limits.DEFAULT_COMPLETION_MAX_TOKENS
+    max_tokens = req.max_tokens
+    if max_tokens is None:
+        max_tokens = limits.DEFAULT_COMPLETION_MAX_TOKENS
     inputs.update(sampling_inputs(req, specs, max_tokens, backend_stream))
     _put(inputs, specs, "logprobs", req.logprobs, None)
+    if req.echo:
+        _put(inputs, specs, "exclude_input_in_output", False, None)
+        _put(inputs, specs, "prompt_logprobs", req.logprobs, None)
     return inputs

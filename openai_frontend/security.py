@@ -4,7 +4,8 @@
   ``Authorization: Bearer <key>`` (compared in constant time with every key, ``hmac.compare_digest``);
   a missing or wrong key gets OpenAI's 401 error body. ``/health`` stays open for load balancers
   and orchestrators; ``/``, the chat page, is static (no data, no model call): its own API calls
-  carry the key typed into its API-key field.
+  carry the key typed into its API-key field; ``/metrics`` (request counts and latencies, no
+  content) stays open for Prometheus, as vLLM's does.
 - Tenants: each API key is a tenant. With ``cache_salt_from_api_key`` the prefix-cache salt of a
   request (``cache_salt``, vLLM's field) is derived from its key (``tenant_salt``), so tenants
   never share KV-cache pages and ``cached_tokens`` (and time to first token) tell a client
@@ -30,7 +31,7 @@ from .errors import OpenAIError
 API_KEY_ENV = "TRITONLLM_API_KEY"
 CONTROL_SECRET_ENV = "TRITONLLM_CONTROL_SECRET"
 # Routes open without a key.
-PUBLIC_PATHS = frozenset({"/health", "/health/live", "/"})
+PUBLIC_PATHS = frozenset({"/health", "/health/live", "/", "/metrics"})
 # Seconds a connection may take to send its request headers (first request, or the next one
 # on a kept-alive connection).
 DEFAULT_HEADER_TIMEOUT_S = 10.0

@@ -22,33 +22,10 @@ from typing import Any
 import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
-from tritonclient.utils import serialize_byte_tensor, triton_to_np_dtype
+
+from .tensor_codec import InputSpec, InputValue, TritonError, decode_outputs, encode_tensor
 
 log = logging.getLogger(__name__)
-
-InputValue = str | bool | int | float | list[int] | tuple[int, ...]
-
-
-class TritonError(Exception):
-    """Triton rejected or failed a request.
-
-    Attributes:
-        message: Triton's error message (for inference errors, the model's own message).
-        unavailable: True when Triton could not be reached or the model is not loaded/ready.
-    """
-
-    def __init__(self, message: str, unavailable: bool = False) -> None:
-        super().__init__(message)
-        self.message = message
-        self.unavailable = unavailable
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """One model input from Triton's model metadata: datatype (``"INT32"``...) and dims."""
-
-    datatype: str
-    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -64,6 +41,8 @@ class LLMChunk:
         index: the choice (0..n-1) this response belongs to.
         logprobs_json: ``""``, or the JSON list of this response's token logprobs (OpenAI's
             chat ``logprobs.content`` entries; parsed only when the client asked for them).
+        prompt_logprobs_json: ``""``, or (a choice's first response of a request that scores
+            its prompt) the same entries for every prompt token, the first with logprob null.
     """
 
     text: str
@@ -73,34 +52,7 @@ class LLMChunk:
     cached_tokens: int
     index: int = 0
     logprobs_json: str = ""
-
-
-def encode_tensor(name: str, value: InputValue, spec: InputSpec) -> tuple[Any, bytes]:
-    """An input tensor proto and its raw bytes for ``value`` under ``spec``.
-
-    Scalars fill every dim with 1; a list fills the last dim with its length.
-
-    Raises:
-        TritonError: the value cannot be sent as ``spec.datatype``.
-    """
-    dims = [1] * len(spec.shape)
-    flat: list[Any]
-    if isinstance(value, list | tuple):
-        dims[-1] = len(value)
-        flat = list(value)
-    else:
-        flat = [value]
-    if spec.datatype == "BYTES":
-        data = [v.encode() if isinstance(v, str) else v for v in flat]
-        array = np.array(data, dtype=np.object_).reshape(dims)
-        raw = serialize_byte_tensor(array).item()
-    else:
-        dtype = triton_to_np_dtype(spec.datatype)
-        if dtype is None:
-            raise TritonError(f"input {name}: unsupported datatype {spec.datatype}")
-        raw = np.array(flat, dtype=dtype).reshape(dims).tobytes()
-    proto = service_pb2.ModelInferRequest.InferInputTensor
-    return proto(name=name, datatype=spec.datatype, shape=dims), raw
+    prompt_logprobs_json: str = ""
 
 
 # A BYTES element is a 4-byte little-endian length, then the bytes; integer outputs are
@@ -152,6 +104,7 @@ def parse_chunk(response: service_pb2.ModelInferResponse) -> LLMChunk:
         cached_tokens=_first_int(outputs, "cached_tokens"),
         index=_first_int(outputs, "index"),
         logprobs_json=first_text(outputs, "logprobs_json"),
+        prompt_logprobs_json=first_text(outputs, "prompt_logprobs_json"),
     )
 
 
@@ -246,6 +199,10 @@ class ResponseStream:
         self._call.cancel()
 
 
+# gRPC statuses of a Triton that cannot answer (rather than of a request it refused).
+_UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 class TritonClient:
     """An async gRPC client of one tritonserver, shared by all requests of the sidecar.
 
@@ -303,21 +260,9 @@ class TritonClient:
             }
         return self._specs[model]
 
-    async def infer(
-        self, model: str, request_id: str, inputs: Mapping[str, InputValue], timeout: float = 10.0
-    ) -> _Outputs:
-        """One request to a model that is not decoupled: its outputs by name, as ``(datatype,
-        raw bytes)``. Raises: TritonError (``unavailable`` when unreachable)."""
-        request = await self._request(model, request_id, inputs)
-        try:
-            response = await self._stub.ModelInfer(request, timeout=timeout)
-        except grpc.aio.AioRpcError as exc:
-            unavailable = exc.code() != grpc.StatusCode.INVALID_ARGUMENT
-            raise TritonError(exc.details() or str(exc.code()), unavailable) from exc
-        pairs = zip(response.outputs, response.raw_output_contents, strict=True)
-        return {o.name: (o.datatype, raw) for o, raw in pairs}
-
-    async def _request(self, model: str, request_id: str, inputs: Mapping[str, InputValue]) -> Any:
+    async def _request(
+        self, model: str, request_id: str, inputs: Mapping[str, InputValue], stream: bool = True
+    ) -> Any:
         specs = await self.input_specs(model)
         request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
         for name, value in inputs.items():
@@ -326,8 +271,53 @@ class TritonClient:
             tensor, raw = encode_tensor(name, value, specs[name])
             request.inputs.append(tensor)
             request.raw_input_contents.append(raw)
-        request.parameters["triton_enable_empty_final_response"].bool_param = True
+        if stream:
+            request.parameters["triton_enable_empty_final_response"].bool_param = True
         return request
+
+    async def infer(
+        self, model: str, request_id: str, inputs: Mapping[str, InputValue], timeout: float = 10.0
+    ) -> dict[str, np.ndarray]:
+        """One request to a non-decoupled ``model`` (the ``tokenizer``): its outputs by name.
+
+        Raises:
+            TritonError: an error response (``unavailable`` when Triton is unreachable or
+                the timeout passed).
+        """
+        request = await self._request(model, request_id, inputs, stream=False)
+        try:
+            response = await self._stub.ModelInfer(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            # A model's error response keeps its message (the contract's wire form).
+            unavailable = exc.code() in _UNAVAILABLE
+            raise TritonError(exc.details() or str(exc.code()), unavailable) from exc
+        return decode_outputs(response)
+
+    async def generator_info(self, timeout: float = 5.0) -> dict[str, np.ndarray]:
+        """The outputs of the generator's answer to a health probe (``max_model_len``).
+
+        Raises:
+            TritonError: the engine does not run, or Triton is unreachable (``unavailable``).
+        """
+        request = await self._request(
+            self.generator_model, "info-probe", {"health_probe": True}, stream=True
+        )
+        call = self._stub.ModelStreamInfer(iter([request]))
+        outputs: dict[str, np.ndarray] = {}
+
+        async def read_all() -> None:
+            async for message in call:
+                if message.error_message:
+                    raise TritonError(message.error_message)
+                outputs.update(decode_outputs(message.infer_response))
+
+        try:
+            await asyncio.wait_for(read_all(), timeout)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            raise TritonError(f"generator probe: {exc!r}", unavailable=True) from exc
+        finally:
+            call.cancel()
+        return outputs
 
     async def stream(self, request_id: str, inputs: Mapping[str, InputValue]) -> ResponseStream:
         """Send one request to the ensemble on its own gRPC stream.

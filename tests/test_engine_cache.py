@@ -259,6 +259,7 @@ def test_generator_input_max_tokens_absent_means_no_limit():
         return generate_request({"input_ids": np.array([1], np.int32), **inputs}).params
 
     assert params().max_tokens is None
-    for bad in (0, -1):  # one encoding: absent or a number >= 1
-        with pytest.raises(ValueError, match="max_tokens"):
-            params(max_tokens=np.array([bad], dtype=np.int32))
+    # One encoding of "no limit": absent. 0 is a number: no output token (prefill only).
+    assert params(max_tokens=np.array([0], dtype=np.int32)).max_tokens == 0
+    with pytest.raises(ValueError, match="max_tokens"):
+        params(max_tokens=np.array([-1], dtype=np.int32))

@@ -78,6 +78,11 @@ class Sink:
     def is_cancelled(self) -> bool:
         return self.cancelled
 
+    def send_info(self, max_model_len) -> None:
+        with self._cv:
+            self.sent.append(({"max_model_len": max_model_len}, True))
+            self._cv.notify_all()
+
     @property
     def done(self) -> bool:
         return bool(self.errors) or any(final for _, final in self.sent)
@@ -104,7 +109,9 @@ def core():
         metrics_interval_s=0.01,
         cancel_check_s=0.0,  # every output asks (no budget): the checks' effects are tested
         cancel_checks_per_s=float("inf"),
+        max_model_len=4096,
     ).start()
+    core.ticks = ticks
     yield core
     core.finalize()
 
@@ -205,7 +212,7 @@ def test_health_probe_reports_engine_liveness_and_aborts_nothing(core):
     core.execute("live", {"input_ids": ids(1)}, "", live)
     probe = Sink()
     core.execute("p", {"health_probe": np.array([True])}, "", probe)
-    assert probe.sent == [(None, True)] and core.engine.aborted == []
+    assert probe.sent == [({"max_model_len": 4096}, True)] and core.engine.aborted == []
     core.engine.alive = False
     dead = Sink()
     core.execute("p", {"health_probe": np.array([True])}, "", dead)
@@ -275,6 +282,47 @@ def test_echo_text_starts_each_choice_once(core):
     assert sorted(echoes) == [(0, "Once upon"), (1, "Once upon")]
     first_of_0 = next(c for c, _ in sink.sent if c.index == 0)
     assert first_of_0.echo_text == "Once upon"
+
+
+def test_prompt_scores_go_out_once_per_choice_with_its_next_chunk(core):
+    """The engine reports a choice's prompt scores in its first output, which may release no
+    id (held by a stop string): they go out with the next chunk sent, never twice."""
+    sink = Sink()
+    core.execute("s", {"input_ids": ids(4, 5, 6), "prompt_logprobs": ids(1)}, "", sink)
+    scores = {"prompt_logprobs": [-1.0, -2.0], "prompt_top_logprobs": [{9: -0.5}, {5: -0.1}]}
+    core.engine.emit(
+        "s",
+        out("s", [], **scores),  # ids held back: no chunk is due yet
+        out("s", [7]),
+        out("s", [8], reason="length"),
+    )
+    sink.wait()
+    carrying = [c for c, _ in sink.sent if c.prompt_logprobs is not None]
+    assert len(carrying) == 1 and carrying[0] is sink.sent[0][0]
+    (chunk,) = carrying
+    assert chunk.prompt_ids == [4, 5, 6] and chunk.prompt_num_top == 1
+    assert chunk.prompt_logprobs == [-1.0, -2.0]
+    assert chunk.prompt_top_logprobs == [{9: -0.5}, {5: -0.1}]
+
+
+def test_latencies_are_measured_per_choice_and_request_and_handed_to_the_tick(core):
+    sink = Sink()
+    core.execute("l", {"input_ids": ids(1), "n": ids(2)}, "", sink)
+    core.engine.emit("l", out("l", [5], index=0), out("l", [6], index=1))
+    eventually(lambda: len(sink.sent) == 2)
+    time.sleep(0.05)
+    core.engine.emit("l", out("l", [7, 8], index=0, reason="length", last=False, queue_time_s=0.25))
+    core.engine.emit("l", out("l", [9], index=1, reason="stop", last=True, queue_time_s=0.5))
+    sink.wait()
+    eventually(lambda: sum(len(t[4].e2e_s) for t in core.ticks) == 1)
+    samples = [t[4] for t in core.ticks]
+    ttft = [v for s in samples for v in s.ttft_s]
+    itl = [v for s in samples for v in s.itl_s]
+    assert len(ttft) == 2 and all(v >= 0 for v in ttft)
+    assert len(itl) == 2 and all(v >= 0.02 for v in itl)  # 50 ms apart; 2 ids: half each
+    assert sorted(v for s in samples for v in s.queue_s) == [0.25, 0.5]
+    (e2e,) = [v for s in samples for v in s.e2e_s]
+    assert e2e >= max(ttft) + 0.05
 
 
 def test_request_key_goes_out_only_when_it_differs_from_the_request_id(core):

@@ -150,15 +150,17 @@ def test_unsupported_fields_are_400_unless_noop():
         with pytest.raises(OpenAIError) as info:
             chat_inputs(ChatCompletionRequest(**base, **extra), specs, backend_stream=True)
         assert info.value.status == 400
-    for extra in (
-        {"echo": True},
-        {"logprobs": 1},
-        {"prompt": [1, 2]},
-        {"prompt": ["a", "b"]},
-        {"logit_bias": {"7": 5.0}},
+    # A backend without the inputs refuses echo, logprobs and token-id prompts.
+    for extra, prompt in (
+        ({"echo": True}, "x"),
+        ({"logprobs": 1}, "x"),
+        ({"prompt": [1, 2]}, [1, 2]),
+        ({"logit_bias": {"7": 5.0}}, "x"),
     ):
-        with pytest.raises(OpenAIError):
-            completion_inputs(CompletionRequest(**{"prompt": "x", **extra}), specs, True)
+        request = CompletionRequest(**{"prompt": "x", **extra})
+        with pytest.raises(OpenAIError) as info:
+            completion_inputs(request, specs, True, prompt)
+        assert info.value.status == 400
 
 
 def test_triton_errors_map_to_openai_statuses_by_code():
@@ -263,7 +265,7 @@ def test_chat_without_max_tokens_asks_for_the_whole_context():
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
     assert "max_tokens" not in chat_inputs(chat, FULL_SPECS, backend_stream=True)
     completion = CompletionRequest(prompt="hi")
-    assert completion_inputs(completion, FULL_SPECS, backend_stream=True)["max_tokens"] == 16
+    assert completion_inputs(completion, FULL_SPECS, True, "hi")["max_tokens"] == 16
 
 
 # --- strict request types: OpenAI answers a wrong-typed JSON value with a 400, never coerces it --
@@ -304,6 +306,7 @@ STRICT_FIELDS = [
     ],
     ("chat", "logprobs", True, _BAD_BOOL),
     ("completion", "echo", True, _BAD_BOOL),
+    ("completion", "add_special_tokens", True, _BAD_BOOL),
 ]
 
 
@@ -436,8 +439,11 @@ def test_previously_valid_requests_still_parse():
         True,
     )
     assert chat.messages[1].content[0].text == "hi" and chat.stop_strings == ("\n",)
-    for prompt in ("x", ["x", "y"], [1, 2], [[1, 2], [3]], []):
+    for prompt in ("x", ["x", "y"], [1, 2], [[1, 2], [3]]):
         assert CompletionRequest(prompt=prompt).prompt == prompt
+    for empty in ([], [[1], []]):  # no prompt to complete: a 400, as OpenAI answers
+        with pytest.raises(ValueError):
+            CompletionRequest(prompt=empty)
     completion = CompletionRequest.model_validate(
         {"prompt": "x", "logprobs": 0, "echo": False, "best_of": 3, "n": 3, "suffix": None}
     )

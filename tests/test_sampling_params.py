@@ -11,7 +11,7 @@ from tritonllm.contract.errors import ErrorCode
 from tritonllm.sampling_params import SamplingParams
 
 INVALID = [
-    ("max_tokens", 0),
+    ("max_tokens", True),  # 0 is valid (prefill only), False is no number
     ("max_tokens", -3),
     ("max_tokens", 1.5),
     ("temperature", -0.1),
@@ -39,6 +39,8 @@ INVALID = [
     ("logprobs", 21),
     ("n", 0),
     ("n", 17),
+    ("prompt_logprobs", -1),
+    ("prompt_logprobs", 21),
     ("stop_token_ids", (5, -1)),
 ]
 

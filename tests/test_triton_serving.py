@@ -194,11 +194,11 @@ def test_bad_sampling_inputs_raise_value_error(inputs):
 
 
 def test_max_tokens_has_one_encoding_absent_or_a_number():
-    """Absent: until EOS, a stop or the context limit; a number >= 1: the limit; 0 and
-    negative values are refused (no second spelling of "no limit")."""
-    for bad in (-3, 0):
-        with pytest.raises(ValueError, match=rf"max_tokens must be in \[1, .*got {bad}"):
-            sampling_params({"max_tokens": np.array([bad], np.int32)})
+    """Absent: until EOS, a stop or the context limit; a number >= 1: the limit; 0: prefill
+    only (score or echo the prompt), never "no limit"; negative values are refused."""
+    with pytest.raises(ValueError, match=r"max_tokens must be in \[1, .*got -3"):
+        sampling_params({"max_tokens": np.array([-3], np.int32)})
+    assert sampling_params({"max_tokens": np.array([0], np.int32)}).max_tokens == 0
     assert sampling_params({}).max_tokens is None
     assert sampling_params({"max_tokens": np.array([5], np.int32)}).max_tokens == 5
 

@@ -25,7 +25,8 @@ class SamplingParams:
 
     Attributes:
         max_tokens: most new tokens (>= 1); None (the default): until EOS, a stop condition or
-            the context limit (the engine resolves it per request).
+            the context limit (the engine resolves it per request); 0: none at all, the request
+            only prefills (to score its prompt with `prompt_logprobs`, or to echo it).
         temperature: in [0, 2]; 0 means greedy (argmax).
         top_p: nucleus sampling, in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; -1 (or 0) disables it, else >= 1.
@@ -52,6 +53,9 @@ class SamplingParams:
         cache_salt: the prefix-cache namespace of the request (vLLM's ``cache_salt``): its
             prompt shares cached KV pages only with requests of the same salt (None or "": the
             shared namespace; `engine.prefix_cache`). At most MAX_CACHE_SALT_CHARS characters.
+        prompt_logprobs: None, or 0..20: also return the logprob of each prompt token after
+            the first, plus this many top alternatives (log_softmax of the model's raw logits;
+            `engine/prompt_logprobs.py`). Such a request takes no prefix from the prefix cache.
     Raises:
         RequestError: (code ``invalid_value``) a field out of its range or of the wrong type;
             the error names the field, its allowed range and (shortened) the value given.
@@ -73,6 +77,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable.
@@ -95,9 +100,12 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(
-            self.max_tokens is None or _in(self.max_tokens, limits.MAX_TOKENS, int),
+            self.max_tokens is None
+            or _in(self.max_tokens, limits.MAX_TOKENS, int)
+            or (_int(self.max_tokens) and self.max_tokens == limits.PREFILL_ONLY_MAX_TOKENS),
             "max_tokens",
-            f"{limits.MAX_TOKENS.describe()} (or absent: until EOS or the context limit)",
+            f"{limits.MAX_TOKENS.describe()} (or absent: until EOS or the context limit; or 0: "
+            "prefill only)",
             self.max_tokens,
         )
         _in_range("temperature", self.temperature, limits.TEMPERATURE)
@@ -141,6 +149,12 @@ class SamplingParams:
             "cache_salt",
             f"a string of at most {limits.MAX_CACHE_SALT_CHARS} characters",
             self.cache_salt,
+        )
+        _check(
+            self.prompt_logprobs is None or _in(self.prompt_logprobs, limits.PROMPT_LOGPROBS, int),
+            "prompt_logprobs",
+            f"absent or {limits.PROMPT_LOGPROBS.describe()}",
+            self.prompt_logprobs,
         )
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a boolean", self.ignore_eos)
         _check(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from sse_starlette import EventSourceResponse
 
 from ..generation import Generation
 from ..logprobs import chat_logprobs
@@ -28,7 +28,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request
-) -> ChatCompletion | StreamingResponse:
+) -> ChatCompletion | EventSourceResponse:
     """Generate the assistant's reply (``n`` of them); stream SSE chunks when ``stream``.
 
     Raises:

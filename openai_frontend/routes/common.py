@@ -17,7 +17,7 @@ from ..errors import OpenAIError, unsupported
 from ..generation import Choice, Generation, to_openai_error
 from ..protocol import SamplingFields
 from ..security import request_cache_salt, tenant_of
-from ..triton_client import InputSpec, InputValue, TritonClient, TritonError, first_text
+from ..triton_client import InputSpec, InputValue, TritonClient, TritonError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,6 +42,7 @@ class ServerState:
     cache_salt_from_api_key: bool = False
     live: set[Generation] = field(default_factory=set)
     max_prompt_chars: int | None = None  # the tokenizer's limit, once fetched
+    max_model_len: int | None = None  # the engine's context limit, once asked (tokens)
 
     async def prompt_chars_limit(self) -> int | None:
         """The most characters a prompt can have and still fit the context (the tokenizer
@@ -54,9 +55,22 @@ class ServerState:
             except TritonError as exc:
                 log.warning("prompt limits unavailable: %s", exc.message)
                 return None
-            limits = json.loads(first_text(outputs, "limits_json") or "{}")
+            answer = outputs.get("limits_json")
+            limits = json.loads(answer.reshape(-1)[0].decode() if answer is not None else "{}")
             self.max_prompt_chars = limits.get("max_prompt_chars")
         return self.max_prompt_chars
+
+    async def context_limit(self) -> int | None:
+        """The engine's ``max_model_len`` (tokens), asked of the generator once (a health
+        probe's answer); None while it cannot be reached."""
+        if self.max_model_len is None:
+            try:
+                info = await self.client.generator_info()
+            except TritonError:
+                return None
+            if "max_model_len" in info:
+                self.max_model_len = int(info["max_model_len"].reshape(-1)[0])
+        return self.max_model_len
 
     async def abort_all(self, timeout: float = 5.0) -> None:
         """Abort every generation in flight in the generator (on shutdown: their streams then
@@ -98,6 +112,11 @@ async def check_prompt_chars(
             param=prompt_param,
             code="context_length_exceeded",
         )
+
+
+def new_id(id_prefix: str) -> str:
+    """A new completion id: ``{id_prefix}-{uuid4 hex}``."""
+    return f"{id_prefix}-{uuid.uuid4().hex}"
 
 
 def get_state(request: Request) -> ServerState:
@@ -142,6 +161,7 @@ async def start_generation(
     id_prefix: str,
     prompt_param: str,
     build_inputs: Callable[[RequestT, Mapping[str, InputSpec], bool], dict[str, InputValue]],
+    request_id: str | None = None,
 ) -> Generation:
     """Check ``body``, send it to the ensemble and wait for its first response.
 
@@ -155,6 +175,7 @@ async def start_generation(
             ``{id_prefix}-{uuid4 hex}``.
         prompt_param: the request field prompt errors name (``messages`` or ``prompt``).
         build_inputs: ``(body, ensemble input specs, backend_stream)`` -> ensemble inputs.
+        request_id: the Triton request id (default: a new completion id).
     Raises:
         OpenAIError: 404 for another model; 400 for invalid or unsupported fields or a prompt
             the backend rejects (e.g. longer than the context); 503 when Triton is
@@ -171,7 +192,7 @@ async def start_generation(
             raise unsupported("cache_salt")
         inputs["cache_salt"] = salt
     await check_prompt_chars(state, inputs, prompt_param)
-    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    request_id = request_id or new_id(id_prefix)
     gen = Generation(
         state.client,
         request_id,

@@ -5,15 +5,20 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from ..protocol import ModelCard, ModelList
-from .common import check_model, get_state
+from .common import ServerState, check_model, get_state
 
 router = APIRouter()
 
 
+async def _card(state: ServerState) -> ModelCard:
+    name = state.model_name
+    return ModelCard(id=name, root=name, max_model_len=await state.context_limit())
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    """The one served model."""
-    return ModelList(data=[ModelCard(id=get_state(request).model_name)])
+    """The one served model (with its ``max_model_len``, vLLM's field)."""
+    return ModelList(data=[await _card(get_state(request))])
 
 
 @router.get("/v1/models/{model:path}")
@@ -21,4 +26,4 @@ async def retrieve_model(model: str, request: Request) -> ModelCard:
     """The served model's card. Raises: OpenAIError 404 for any other name."""
     state = get_state(request)
     check_model(state, model)
-    return ModelCard(id=state.model_name)
+    return await _card(state)

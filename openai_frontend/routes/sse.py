@@ -1,31 +1,44 @@
-"""Server-sent events of a streamed completion: chunk JSON, in-band errors, ``[DONE]``."""
+"""Server-sent events of a streamed completion: chunk JSON, in-band errors, ``[DONE]``.
+
+The framing (``data: <payload>\n\n``), the SSE headers and pings are sse-starlette's
+(``EventSourceResponse`` with ``sep="\n"``, the bytes OpenAI sends); this module writes the
+payloads: the chunks, an error after the 200 as an OpenAI error body, ``[DONE]``.
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import Any, Protocol
 
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from ..errors import OpenAIError
-from ..generation import Generation
 from ..protocol import Usage
 
-SSE_DONE = "data: [DONE]\n\n"
+DONE = "[DONE]"
+# Seconds between SSE comment pings on a quiet stream (keeps proxies from closing it; OpenAI
+# clients skip comments).
+PING_S = 15.0
+
+
+class Streamed(Protocol):
+    """What a stream needs of its generation(s): the usage so far and ``close``."""
+
+    @property
+    def usage(self) -> Usage:
+        """Token counts so far."""
+
+    def close(self) -> None:
+        """Release the generation(s) (abort in the backend if unfinished)."""
 
 
 def _dumps(payload: Any) -> str:
     # Same bytes as pydantic's model_dump_json: compact separators, UTF-8 kept as is.
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-
-
-def sse(payload: str) -> str:
-    """One server-sent event carrying ``payload`` (a JSON document)."""
-    return f"data: {payload}\n\n"
 
 
 class ChunkEncoder:
@@ -57,29 +70,30 @@ class ChunkEncoder:
         """A chunk whose choice ``index`` has ``fields`` (``text=`` or ``delta=``),
         ``logprobs`` (in the endpoint's format) and ``finish_reason``."""
         self._choice.update(fields, finish_reason=finish_reason, index=index, logprobs=logprobs)
-        return sse(_dumps(self._chunk))
+        return _dumps(self._chunk)
 
     def usage(self, usage: Usage) -> str:
         """The usage-only chunk that ends a stream with ``include_usage``: no choices."""
-        return sse(_dumps({**self._chunk, "choices": [], "usage": usage.model_dump()}))
+        return _dumps({**self._chunk, "choices": [], "usage": usage.model_dump()})
 
 
 def stream_response(
-    gen: Generation, events: AsyncGenerator[str, None], encoder: ChunkEncoder
-) -> StreamingResponse:
-    """The SSE response of a started generation: ``events`` (the endpoint's chunks), then the
-    usage chunk when asked for, then ``[DONE]``. An error after the 200 is sent in-band as an
-    OpenAI error body, as OpenAI-compatible servers do. The generation is always closed, also
-    when the client disconnects (Starlette then cancels the body)."""
-    return StreamingResponse(
+    gen: Streamed, events: AsyncGenerator[str, None], encoder: ChunkEncoder
+) -> EventSourceResponse:
+    """The SSE response of a started generation: ``events`` (the endpoint's chunk payloads),
+    then the usage chunk when asked for, then ``[DONE]``. An error after the 200 is sent
+    in-band as an OpenAI error body, as OpenAI-compatible servers do. The generation is always
+    closed, also when the client disconnects (sse-starlette then cancels the body)."""
+    return EventSourceResponse(
         _body(gen, events, encoder),
-        media_type="text/event-stream",
         background=BackgroundTask(gen.close),
+        sep="\n",
+        ping=PING_S,
     )
 
 
 async def _body(
-    gen: Generation, events: AsyncGenerator[str, None], encoder: ChunkEncoder
+    gen: Streamed, events: AsyncGenerator[str, None], encoder: ChunkEncoder
 ) -> AsyncIterator[str]:
     try:
         async with aclosing(events):
@@ -88,7 +102,7 @@ async def _body(
         if encoder.include_usage:
             yield encoder.usage(gen.usage)
     except OpenAIError as exc:
-        yield sse(_dumps(exc.body()))
+        yield _dumps(exc.body())
     finally:
         gen.close()
-    yield SSE_DONE
+    yield DONE

@@ -86,6 +86,11 @@ SEED = Range(INT64_MIN, INT64_MAX)
 # --- lengths and counts ---------------------------------------------------------------------
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default (the sidecar sends it)
 MAX_TOKENS = Range(1, INT32_MAX)  # absent: until EOS, a stop condition or the context limit
+# The engine also takes max_tokens = 0: the request only prefills and generates nothing (it
+# scores its prompt with prompt_logprobs, or echoes it: legacy completions with echo, as
+# lm-evaluation-harness sends its loglikelihood requests).
+PREFILL_ONLY_MAX_TOKENS = 0
+COMPLETION_MAX_TOKENS = Range(PREFILL_ONLY_MAX_TOKENS, INT32_MAX)  # legacy completions (echo)
 MIN_TOKENS = Range(0, INT32_MAX)
 TOKEN_ID = Range(0, INT32_MAX)
 MAX_N = 16  # choices per request
@@ -93,6 +98,12 @@ N = Range(1, MAX_N)
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI chat's top_logprobs)
 LOGPROBS = Range(0, MAX_LOGPROBS)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions endpoint
+# Logprobs of each prompt token plus this many top alternatives (vLLM's prompt_logprobs;
+# computed during prefill, engine/prompt_logprobs.py).
+PROMPT_LOGPROBS = Range(0, MAX_LOGPROBS)
+# Prompts in one legacy completions request (a list of strings or of token-id lists); each is
+# its own generation of n choices.
+MAX_COMPLETION_PROMPTS = 64
 # Stop strings (OpenAI allows 4; vLLM has no limit). Each is matched against the decoded output
 # every step, so the count and length bound the per-token work.
 MAX_STOP_STRINGS = 16

@@ -78,6 +78,10 @@ def _opt(name: str, dtype: str, dims: tuple[int, ...] = (1,)) -> TensorSpec:
 # --- shared inputs ---------------------------------------------------------------------------
 TEXT_INPUT = _opt("text_input", "BYTES")  # a raw prompt, no chat template
 MESSAGES = _opt("messages", "BYTES")  # JSON list of {"role", "content"}
+# A prompt given as token ids (the third way): the tokenizer passes them through.
+PROMPT_INPUT_IDS = _opt("input_ids", "INT32", (-1,))
+# true: the tokenizer adds the tokenizer's special tokens (a BOS) to text_input (absent: false).
+ADD_SPECIAL_TOKENS = _opt("add_special_tokens", "BOOL")
 ENABLE_THINKING = _opt("enable_thinking", "BOOL")
 # false: each choice's first response starts with the prompt (absent: true, never echoed).
 EXCLUDE_INPUT_IN_OUTPUT = _opt("exclude_input_in_output", "BOOL")
@@ -105,6 +109,8 @@ SAMPLING_INPUTS: tuple[TensorSpec, ...] = (
     _opt("n", "INT32"),  # choices; > 1 needs stream=true
     # The prefix-cache namespace (vLLM's cache_salt): pages are shared only within one salt.
     _opt("cache_salt", "BYTES"),
+    # Also score the prompt: each prompt token's logprob plus this many top alternatives.
+    _opt("prompt_logprobs", "INT32"),
 )
 
 # --- tokenizer -------------------------------------------------------------------------------
@@ -117,7 +123,15 @@ PROMPT_LIMITS = _opt("prompt_limits", "BOOL")
 LIMITS_JSON = _opt("limits_json", "BYTES")
 TOKENIZER = ModelSpec(
     "tokenizer",
-    inputs=(TEXT_INPUT, MESSAGES, ENABLE_THINKING, EXCLUDE_INPUT_IN_OUTPUT, PROMPT_LIMITS),
+    inputs=(
+        TEXT_INPUT,
+        MESSAGES,
+        PROMPT_INPUT_IDS,
+        ENABLE_THINKING,
+        EXCLUDE_INPUT_IN_OUTPUT,
+        ADD_SPECIAL_TOKENS,
+        PROMPT_LIMITS,
+    ),
     outputs=(INPUT_IDS, ECHO_TEXT, LIMITS_JSON),
 )
 
@@ -145,7 +159,15 @@ GENERATOR_OUTPUTS: tuple[TensorSpec, ...] = (
     # The generator's key of the request, only when it differs from the request id (an empty or
     # reused id): the detokenizer's abort of a cancelled request names it.
     _opt("request_key", "BYTES"),
+    # Only in a choice's first response of a request with prompt_logprobs = k: the prompt's P
+    # ids, the logprobs of ids 1..P-1 ([P - 1]) and their top k ([(P - 1) * k], row-major).
+    _opt("prompt_ids", "INT32", (-1,)),
+    _opt("prompt_token_logprobs", "FP32", (-1,)),
+    _opt("prompt_top_logprob_ids", "INT32", (-1,)),
+    _opt("prompt_top_logprobs", "FP32", (-1,)),
 )
+# Only in the answer to a health probe: the engine's context limit (prompt + output tokens).
+MAX_MODEL_LEN = _opt("max_model_len", "INT32")
 GENERATOR = ModelSpec(
     "generator",
     inputs=(
@@ -158,7 +180,7 @@ GENERATOR = ModelSpec(
         HEALTH_PROBE,
         CONTROL_SECRET,
     ),
-    outputs=GENERATOR_OUTPUTS,
+    outputs=(*GENERATOR_OUTPUTS, MAX_MODEL_LEN),
     decoupled=True,
 )
 
@@ -174,6 +196,9 @@ LLM_OUTPUTS: tuple[TensorSpec, ...] = (
     _opt("top_logprob_ids", "INT32", (-1,)),
     _opt("top_logprobs", "FP32", (-1,)),
     TensorSpec("logprobs_json", "BYTES"),  # "" without logprobs
+    # Only with prompt logprobs (a choice's first response): one OpenAI chat logprobs entry per
+    # prompt token, the first with logprob null.
+    _opt("prompt_logprobs_json", "BYTES"),
 )
 DETOKENIZER = ModelSpec(
     "detokenizer",
@@ -189,8 +214,10 @@ LLM = ModelSpec(
     inputs=(
         TEXT_INPUT,
         MESSAGES,
+        PROMPT_INPUT_IDS,
         ENABLE_THINKING,
         EXCLUDE_INPUT_IN_OUTPUT,
+        ADD_SPECIAL_TOKENS,
         *SAMPLING_INPUTS,
         STREAM,
         SAMPLING_PARAMETERS,

@@ -241,6 +241,12 @@ class LLMEngine:
     ) -> RequestOutput:
         """Stop checks for the token just filled in at `req.token_ids[pos]` (with its logprob
         and top logprobs when asked); finishes the request if it stops. Returns its output."""
+        if req.max_tokens == 0:  # prefill only (it scored or echoes its prompt): no output id
+            del req.token_ids[pos:]
+            req.finish_reason = "length"
+            self.scheduler.abort(req)
+            del self._requests[req.key]
+            return self._output(req, [], 0)
         token = req.token_ids[pos]
         p = req.params
         num_out = pos + 1 - req.num_prompt_tokens  # every id after `pos` is a placeholder
@@ -314,9 +320,8 @@ class LLMEngine:
         request_finished = finished and self._choice_finished(req)
         if req.stop_checker is not None:
             num_output -= req.num_withheld + req.stop_checker.num_held
-        # Positional, in RequestOutput's field order: once per request per step, and keyword
-        # arguments would double the cost of this call.
-        return RequestOutput(
+        # Positional (once per request per step: keyword arguments would double its cost).
+        out = RequestOutput(
             req.request_id,
             tokens,
             finished,
@@ -331,6 +336,7 @@ class LLMEngine:
             req.index,
             request_finished,
         )
+        return req.add_details(out)
 
     def _choice_finished(self, req: Request) -> bool:
         """Count `req`'s choice as finished; True when it was its request's last."""

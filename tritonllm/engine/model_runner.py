@@ -27,6 +27,7 @@ from tritonllm.config import EngineConfig
 from tritonllm.distributed import TensorParallelGroup
 from tritonllm.engine.kv_cache import KVCache, derive_num_pages
 from tritonllm.engine.overlap import FutureMap, LaunchedStep
+from tritonllm.engine.prompt_logprobs import PromptRows
 from tritonllm.engine.request import Request
 from tritonllm.engine.sampler import Sampler
 from tritonllm.engine.scheduler import ScheduledBatch
@@ -66,9 +67,10 @@ class ForwardInputs:
     """A batch flattened for the model.
 
     input_ids: `[T]` int64 (placeholders already resolved on the device); positions: `[T]`
-    int64; meta: the attention metadata; logits_indices: `[S]` int64 (last new token of each
-    sampling request); sample_reqs: those S requests, in order; host: the host arrays the
-    device tensors were uploaded from.
+    int64; meta: the attention metadata; logits_indices: `[S + R]` int64 (last new token of
+    each sampling request, then the R scored prompt positions); sample_reqs: those S requests,
+    in order; host: the host arrays the device tensors were uploaded from; prompt_rows: the
+    scored prompt positions (`engine/prompt_logprobs.py`), or None.
     """
 
     input_ids: torch.Tensor
@@ -77,6 +79,7 @@ class ForwardInputs:
     logits_indices: torch.Tensor
     sample_reqs: list[Request]
     host: StepInputs
+    prompt_rows: PromptRows | None = None
 
 
 class ModelRunner:
@@ -188,6 +191,7 @@ class ModelRunner:
         # row b's tokens start at cu[b].
         extend: int | np.ndarray  # new tokens per row: 1 in decode
         logits_idx: np.ndarray | list[int]
+        prompt_rows = None
         if batch.is_decode:  # one token per row (the last sampled one); every row samples
             ids = [r.token_ids[r.num_computed] for r in reqs]
             rows = np.arange(num_seqs)
@@ -207,9 +211,14 @@ class ModelRunner:
             sample_rows = [i for i in range(num_prefill) if batch.samples(i)]
             sample_rows += range(num_prefill, num_seqs)
             sample_reqs = [reqs[i] for i in sample_rows]
-            # Each sampling row projects its last new token; with only prompt chunks the
-            # forward still wants one row.
-            logits_idx = cu[1:][sample_rows] - 1 if sample_rows else [0]
+            # Each sampling row projects its last new token, then come the scored prompt
+            # positions; with only unscored prompt chunks the forward still wants one row.
+            logits_idx = cu[1:][sample_rows] - 1
+            prompt_rows = PromptRows.plan(reqs, exts, cu)
+            if prompt_rows is not None:
+                logits_idx = np.concatenate([logits_idx, prompt_rows.token_index])
+            elif not sample_rows:
+                logits_idx = [0]
         num_tokens = len(ids)
         seq_lens = computed + extend
         width = -(-int(seq_lens.max()) // ps)
@@ -235,10 +244,16 @@ class ModelRunner:
         host = StepInputs(
             int64, int32, num_seqs, num_tokens, batch.is_decode, all_future, any_future
         )
-        return self.device_inputs(host, sample_reqs)
+        return self.device_inputs(host, sample_reqs, prompt_rows)
 
-    def device_inputs(self, host: StepInputs, sample_reqs: list[Request]) -> ForwardInputs:
-        """Upload `host` (two copies) and view it as the forward's inputs."""
+    def device_inputs(
+        self,
+        host: StepInputs,
+        sample_reqs: list[Request],
+        prompt_rows: PromptRows | None = None,
+    ) -> ForwardInputs:
+        """Upload `host` (two copies) and view it as the forward's inputs (`prompt_rows`: the
+        scored prompt positions among its logits indices, rank 0's; followers score none)."""
         num_seqs, num_tokens = host.num_seqs, host.num_tokens
         d64, d32 = self._upload(host.int64), self._upload(host.int32)
         input_ids = d64[:num_tokens]
@@ -266,6 +281,7 @@ class ModelRunner:
             d64[3 * num_tokens :],
             sample_reqs,
             host,
+            prompt_rows,
         )
 
     def ids_to_device(self, ids: list[int]) -> torch.Tensor:
@@ -323,13 +339,18 @@ class ModelRunner:
         if self.followers is not None:  # before the forward: its collectives need every rank
             self.followers.send(fwd.host, len(fwd.sample_reqs))
         logits = self.forward(fwd)
+        scores = None
+        if fwd.prompt_rows is not None:  # the rows after the sampling rows score the prompts
+            num_sampled = len(fwd.sample_reqs)
+            scores = fwd.prompt_rows.score(logits[num_sampled:])
+            logits = logits[:num_sampled]
         if not fwd.sample_reqs:
-            return LaunchedStep(batch, [])
+            return LaunchedStep(batch, [], scores=scores)
         samples = self.sampler.sample_device(logits, fwd.sample_reqs, self.ids_to_device)
         if self.tp is not None:  # the other ranks' future maps get the same ids
             self.tp.broadcast(samples.token_ids)
         slots = self.future.store(samples.token_ids)
-        return LaunchedStep.from_samples(batch, fwd.sample_reqs, samples, slots)
+        return LaunchedStep.from_samples(batch, fwd.sample_reqs, samples, slots, scores)
 
     @torch.inference_mode()
     def run_follower(self, host: StepInputs, num_samples: int) -> None:

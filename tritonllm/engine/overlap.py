@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tritonllm.engine.prompt_logprobs import LaunchedScores
 from tritonllm.engine.request import Request
 from tritonllm.engine.sampler import DeviceSamples, SamplerOutput
 from tritonllm.engine.scheduler import ScheduledBatch
@@ -85,6 +86,7 @@ class LaunchedStep:
         event: recorded after the device-to-host copies (None on CPU: already done).
         slots: future-map slot of each sampled id.
         token_pos: index in `req.token_ids` of each request's placeholder (set by `commit`).
+        scores: the step's prompt scores on their way to the host, or None.
     """
 
     batch: ScheduledBatch
@@ -94,6 +96,7 @@ class LaunchedStep:
     event: torch.cuda.Event | None = None
     slots: list[int] = field(default_factory=list)
     token_pos: list[int] = field(default_factory=list)
+    scores: LaunchedScores | None = None
 
     @classmethod
     def from_samples(
@@ -102,6 +105,7 @@ class LaunchedStep:
         sample_reqs: list[Request],
         samples: DeviceSamples,
         slots: list[int],
+        scores: LaunchedScores | None = None,
     ) -> LaunchedStep:
         """Start the non-blocking device-to-host copies of `samples` (no sync)."""
         tensors = samples.tensors()
@@ -114,7 +118,7 @@ class LaunchedStep:
             event.record()
         else:
             host = tensors
-        return cls(batch, sample_reqs, host, samples.num_top, event, slots)
+        return cls(batch, sample_reqs, host, samples.num_top, event, slots, scores=scores)
 
     def commit(self) -> None:
         """Advance the requests as if the step were done: `num_computed` grows by the extend
@@ -127,7 +131,11 @@ class LaunchedStep:
             req.token_ids.append(-(slot + 1))  # placeholder(slot), inlined (hot loop)
 
     def result(self) -> SamplerOutput | None:
-        """Wait for the copies and return the host samples (None if nothing sampled)."""
+        """Wait for the copies, store the step's prompt scores in their requests (before the
+        samples: a request's first output carries them) and return the host samples (None if
+        nothing sampled)."""
+        if self.scores is not None:
+            self.scores.fill()
         if not self.sample_reqs:
             return None
         if self.event is not None:

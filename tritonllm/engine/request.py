@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import enum
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from tritonllm.engine.prompt_logprobs import PromptScores
 from tritonllm.engine.stop_strings import StopStringChecker
 from tritonllm.sampling_params import SamplingParams
 
@@ -62,6 +64,11 @@ class Request:
     held_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
     # Ids generated after the start of a matched stop string: never released, not counted.
     num_withheld: int = 0
+    # With `params.prompt_logprobs`: its prompt's scores, filled as it prefills.
+    prompt_scores: PromptScores | None = None
+    # Monotonic seconds: when it was made (`add_request`) and first admitted (the scheduler).
+    arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None
     num_prompt_tokens: int = field(init=False)
     uses_penalties: bool = field(init=False)
     plain_sampling: bool = field(init=False)
@@ -73,6 +80,8 @@ class Request:
         if not self.max_tokens:
             self.max_tokens = sys.maxsize if p.max_tokens is None else p.max_tokens
         self.num_prompt_tokens = len(self.prompt_ids)
+        if p.prompt_logprobs is not None:  # every choice scores its own (no cached prefix)
+            self.prompt_scores = PromptScores(self.num_prompt_tokens, p.prompt_logprobs)
         self.uses_penalties = bool(
             p.repetition_penalty != 1.0
             or p.presence_penalty
@@ -95,6 +104,21 @@ class Request:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def add_details(self, out: RequestOutput) -> RequestOutput:
+        """`out`, one of its outputs, with what only some outputs carry: the prompt scores (the
+        first output once they are complete) and, when finished, the queue time."""
+        if self.prompt_scores is not None:
+            self.prompt_scores.report(out)
+        if out.finished and self.scheduled_time is not None:
+            out.queue_time_s = self.scheduled_time - self.arrival_time
+        return out
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prefill must score the prompt (`engine/prompt_logprobs.py`): it asked for prompt
+        logprobs and no output has carried them yet."""
+        return self.prompt_scores is not None and not self.prompt_scores.reported
 
     @property
     def num_pending(self) -> int:
@@ -137,6 +161,12 @@ class RequestOutput:
         request_finished: the request's last output: every choice has finished (with
             `finished`, the same as it for n == 1). An output that fails a whole request
             (`finish_reason` "error" from a failed engine) has it set and ends every choice.
+        prompt_logprobs: with `SamplingParams.prompt_logprobs`, in the choice's first output
+            only: `[P - 1]` the logprob of prompt tokens 1..P-1 (the first has none).
+        prompt_top_logprobs: with them, per such token {token id: logprob} of its
+            `prompt_logprobs` most likely tokens.
+        queue_time_s: in a finished output, the seconds the choice waited from `add_request`
+            to its first admission (None if it never ran).
     """
 
     request_id: str
@@ -152,3 +182,6 @@ class RequestOutput:
     trim_chars: int = 0
     index: int = 0
     request_finished: bool = False
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[dict[int, float]] | None = None
+    queue_time_s: float | None = None

@@ -29,6 +29,9 @@ budget):
   last prompt latency), counted in steps.
 - Prefill rows: requests part-way through their prompt go first, then the waiting queue in
   FIFO order; a long prompt is split and continues in later steps.
+- A request that scores its prompt (prompt logprobs, `engine/prompt_logprobs.py`) takes no
+  prefix from the prefix cache, and the chunks of such requests add up to at most
+  `MAX_SCORED_TOKENS_PER_STEP` tokens per step (each of their tokens computes logits).
 - Pages: the decode rows take theirs first (oldest first; a decode that crosses a page
   boundary takes one page, and if none is left even after eviction the newest running request
   is preempted: its computed pages go to the prefix cache (or are freed), and it returns to the
@@ -55,11 +58,13 @@ advance at least every other step. The admission delay applies in the same way.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from operator import attrgetter
 
 from tritonllm.engine.cache_manager import CacheManager, HostPageTable
+from tritonllm.engine.prompt_logprobs import MAX_SCORED_TOKENS_PER_STEP
 from tritonllm.engine.request import Request, RequestStatus
 
 
@@ -268,10 +273,16 @@ class Scheduler:
         extends: list[int] = []
         num_decoding = sum(r.is_decoding for r in self.running)
         partial = sorted((r for r in self.running if not r.is_decoding), key=lambda r: r.arrival)
+        scored = MAX_SCORED_TOKENS_PER_STEP  # the logits rows left for scoring requests
         for req in partial:
             if budget == 0:
                 break
             extend = min(req.num_pending, budget)
+            if req.scores_prompt:
+                extend = min(extend, scored)
+                if extend == 0:
+                    continue
+                scored -= extend
             if not self.cache.grow(req, req.num_computed + extend, reserve=0):
                 # No overtaking: new requests must not take the pages this one waits for.
                 budget = 0
@@ -281,8 +292,15 @@ class Scheduler:
             budget -= extend
         while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
-            self.cache.match_prefix(req)
             extend = min(req.num_pending, budget)
+            if req.scores_prompt:  # every prompt position must run: no cached prefix
+                extend = min(extend, scored)
+                if extend == 0:
+                    break
+                scored -= extend
+            else:
+                self.cache.match_prefix(req)
+                extend = min(req.num_pending, budget)
             if not self.cache.grow(req, req.num_computed + extend, reserve=num_decoding):
                 self.cache.release(req)
                 break
@@ -292,6 +310,7 @@ class Scheduler:
             if not req.admitted_once:
                 req.cached_tokens = req.num_computed
                 req.admitted_once = True
+                req.scheduled_time = time.monotonic()
             reqs.append(req)
             extends.append(extend)
             budget -= extend

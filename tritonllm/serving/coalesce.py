@@ -28,15 +28,19 @@ def _joined(outputs: list[RequestOutput], field: str) -> list | None:
 
 def merged(outputs: list[RequestOutput]) -> RequestOutput:
     """The last of ``outputs`` (one request's choice, in engine order) with all their ids and
-    logprobs, in order: one ``replace`` per response, not one per merged output (the sender
+    logprobs, in order, and the prompt scores of the one that has them (only a choice's first
+    output does): one ``replace`` per response, not one per merged output (the sender
     thread's cost)."""
     if len(outputs) == 1:
         return outputs[0]
+    scored = next((o for o in outputs if o.prompt_logprobs is not None), outputs[-1])
     return replace(
         outputs[-1],
         new_token_ids=_joined(outputs, "new_token_ids") or [],
         logprobs=_joined(outputs, "logprobs"),
         top_logprobs=_joined(outputs, "top_logprobs"),
+        prompt_logprobs=scored.prompt_logprobs,
+        prompt_top_logprobs=scored.prompt_top_logprobs,
     )
 
 
@@ -51,7 +55,8 @@ def coalesce(outputs: Iterable[RequestOutput]) -> list[RequestOutput]:
         other output of that request's choices): its
         ``new_token_ids`` (and ``logprobs`` / ``top_logprobs``) are the concatenation of the
         merged outputs'; ``finished``, ``finish_reason`` and the token counts are those of the
-        last one. Outputs that arrive after a request's finished output are dropped (stale).
+        last one, the prompt scores those of the one that had them. Outputs that arrive after a
+        request's finished output are dropped (stale).
     """
     groups: dict[tuple[str, int], list[RequestOutput]] = {}
     for output in outputs:

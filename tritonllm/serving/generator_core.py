@@ -10,7 +10,8 @@ a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept 
 
 - control requests: ``abort_request_id`` aborts that client id (every choice; an abort that
   arrives before its request is remembered, ``RequestTable``) and ``health_probe`` only reports
-  whether the engine runs; both answer one empty final response. With a control secret set,
+  whether the engine runs: an abort answers one empty final response, a health probe one final
+  response that carries the engine's ``max_model_len``. With a control secret set,
   an abort must carry it (``control_secret``, compared in constant time), else it is refused
   (``permission_denied``) before it touches any state: only the service's own parts (the
   sidecar, the detokenizer, the ``ensemble`` model) abort, never another Triton client;
@@ -24,7 +25,9 @@ a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept 
   gets its final flag at once;
 - errors: every error response is in the contract's wire form (``contract.errors``): a
   ``RequestError`` keeps its code; anything else is ``engine_unavailable`` while the engine
-  does not run, else ``internal_error``.
+  does not run, else ``internal_error``;
+- latencies (``serving.metrics.LatencySamples``): TTFT, ITL and end-to-end as the responses go
+  out, the engine's queue time from final outputs, handed to ``on_tick``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import hmac
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -43,6 +46,7 @@ from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
 from tritonllm.engine.client import EngineClient
 from tritonllm.engine.request import RequestOutput
 from tritonllm.serving.inputs import generate_request, scalar
+from tritonllm.serving.metrics import LatencySamples
 from tritonllm.serving.request_table import RequestTable
 from tritonllm.serving.response_streamer import ResponseStreamer
 from tritonllm.serving.stream_state import ResponseChunk, StreamState
@@ -71,15 +75,21 @@ class ResponseSink(Protocol):
     def is_cancelled(self) -> bool:
         """Whether the client cancelled the request."""
 
+    def send_info(self, max_model_len: int) -> None:
+        """Send one final response carrying the served model's facts (a health probe's)."""
+
 
 @dataclass
 class _Entry:
-    """A live request: its sink and one stream state per choice."""
+    """A live request: its sink, one stream state per choice, when it arrived and when each
+    choice last sent ids (monotonic seconds; for the latency histograms)."""
 
     sink: ResponseSink
     states: list[StreamState]
     checked_at: float
     cancelled: bool = False  # aborted here: its remaining engine outputs are dropped
+    arrival: float = 0.0
+    last_sent: list[float | None] = field(default_factory=list)
 
 
 class GeneratorCore:
@@ -88,7 +98,8 @@ class GeneratorCore:
     Args:
         engine: the engine front (an ``EngineClient``: ``EngineThread`` or ``EngineProcess``).
         on_tick: called on the sender thread every tick with ``(EngineStats, new tokens since
-            the last tick, LoopTimes, SenderTimes)`` (the adapter's metrics).
+            the last tick, LoopTimes, SenderTimes, LatencySamples since the last tick)`` (the
+            adapter's metrics).
         parent_alive: False once tritonserver (the stub's parent) is gone: the sender thread
             then makes no call into Triton (``ResponseSink`` or ``on_tick``) any more.
         log_warning, log_error: the adapter's logger.
@@ -102,12 +113,13 @@ class GeneratorCore:
             authenticated, for a tritonserver started without ``TRITONLLM_CONTROL_SECRET``).
         max_live_requests: most requests live at once (None: no limit); more get
             ``server_overloaded``.
+        max_model_len: the engine's context limit (tokens), which health probes report.
     """
 
     def __init__(
         self,
         engine: EngineClient,
-        on_tick: Callable[[Any, int, Any, Any], None],
+        on_tick: Callable[[Any, int, Any, Any, LatencySamples], None],
         parent_alive: Callable[[], bool],
         log_warning: Callable[[str], None],
         log_error: Callable[[str], None],
@@ -118,10 +130,13 @@ class GeneratorCore:
         sender_threads: int = 1,
         control_secret: str | None = None,
         max_live_requests: int | None = None,
+        max_model_len: int = 0,
     ) -> None:
         self.engine = engine
         self._control_secret = None if control_secret is None else control_secret.encode()
         self._max_live_requests = max_live_requests
+        self.max_model_len = max_model_len
+        self._latencies = LatencySamples()  # swapped out under _tokens_lock at each tick
         self.requests: RequestTable[_Entry] = RequestTable()
         self._on_tick, self._parent_alive = on_tick, parent_alive
         self._warn, self._log_error = log_warning, log_error
@@ -202,7 +217,7 @@ class GeneratorCore:
             return
         if inputs.get(tensors.HEALTH_PROBE.name) is not None:
             if self.engine.is_alive():
-                sink.send(None, final=True)
+                sink.send_info(self.max_model_len)
             else:
                 sink.send_error(
                     encode_error(ErrorCode.ENGINE_UNAVAILABLE, "the engine is not running")
@@ -221,13 +236,25 @@ class GeneratorCore:
             sink.send(ResponseChunk([], [], "abort", num_prompt, 0, 0, final=True), final=True)
             return
         params = request.params
-        entry = _Entry(sink, [], time.monotonic())
+        now = time.monotonic()
+        entry = _Entry(sink, [], checked_at=now, arrival=now)
         key = self.requests.add(request_id, entry)
         own_key = None if key == request_id else key
+        scored = None if params.prompt_logprobs is None else request.prompt_ids
         entry.states = [
-            StreamState(request.stream, i, params.n, params.logprobs, request.echo_text, own_key)
+            StreamState(
+                request.stream,
+                i,
+                params.n,
+                params.logprobs,
+                request.echo_text,
+                own_key,
+                scored,
+                params.prompt_logprobs,
+            )
             for i in range(params.n)
         ]
+        entry.last_sent = [None] * params.n
         try:
             self.engine.submit(key, request.prompt_ids, params, self.streamer.put)
         except Exception:
@@ -278,7 +305,27 @@ class GeneratorCore:
         if not final and self._cancelled(entry, now):
             self._cancel(key, entry)
             return 0
-        return int(self._send(key, entry, chunk, final))
+        if not self._send(key, entry, chunk, final):
+            return 0
+        self._record(entry, output, chunk, final, now)
+        return 1
+
+    def _record(
+        self, entry: _Entry, output: RequestOutput, chunk: ResponseChunk, final: bool, now: float
+    ) -> None:
+        """The latencies of a response just sent (``LatencySamples`` says which)."""
+        samples, index = self._latencies, output.index
+        if chunk.output_ids:
+            last = entry.last_sent[index]
+            if last is None:
+                samples.ttft_s.append(now - entry.arrival)
+            else:
+                samples.itl_s.append((now - last) / len(chunk.output_ids))
+            entry.last_sent[index] = now
+        if output.finished and output.queue_time_s is not None:
+            samples.queue_s.append(output.queue_time_s)
+        if final:
+            samples.e2e_s.append(now - entry.arrival)
 
     def _fail(self, key: str, entry: _Entry, exc: Exception) -> int:
         """End a request whose output could not be turned into a response: an internal error
@@ -339,8 +386,13 @@ class GeneratorCore:
                     self._cancel(key, entry)
         with self._tokens_lock:
             new_tokens, self._new_tokens = self._new_tokens, 0
+            latencies, self._latencies = self._latencies, LatencySamples()
         self._on_tick(
-            self.engine.stats(), new_tokens, self.engine.loop_times(), self.streamer.times()
+            self.engine.stats(),
+            new_tokens,
+            self.engine.loop_times(),
+            self.streamer.times(),
+            latencies,
         )
 
     def finalize(self) -> None:

@@ -4,7 +4,8 @@ The generator sends, per response, ``logprobs`` FP32 ``[num_ids]`` (the chosen t
 top alternatives flattened row-major as ``top_logprob_ids`` INT32 / ``top_logprobs`` FP32
 ``[num_ids * k]`` (k = the requested count, most likely first). The detokenizer turns them into
 the entries OpenAI's chat format uses (``choices[i].logprobs.content``), which the sidecar also
-maps to the legacy completions format.
+maps to the legacy completions format. Prompt scores (prompt logprobs) travel the same way
+under ``prompt_*`` names and become the same entries, one per prompt token.
 """
 
 from __future__ import annotations
@@ -93,3 +94,26 @@ def logprob_entries(
         entry["top_logprobs"] = [_token(token_bytes(int(top_ids[j])), top_logprobs[j]) for j in row]
         entries.append(entry)
     return entries
+
+
+def prompt_logprob_entries(
+    token_bytes: Any,
+    prompt_ids: Sequence[int],
+    logprobs: Sequence[float],
+    top_ids: Sequence[int],
+    top_logprobs: Sequence[float],
+) -> list[dict[str, Any]]:
+    """The chat-format entries of a prompt's tokens: the first (which nothing predicts) with
+    ``logprob`` and ``top_logprobs`` null, then ``logprob_entries`` of the others.
+
+    Args:
+        prompt_ids: ``[P]`` the prompt; logprobs: ``[P - 1]`` those of ids 1..P-1; top_ids,
+            top_logprobs: ``[(P - 1) * k]`` their alternatives, row-major.
+    Raises:
+        ValueError: lengths that do not match.
+    """
+    if not prompt_ids:
+        raise ValueError("a prompt has at least one token")
+    first = int(prompt_ids[0])
+    head = {**_token(token_bytes(first), 0.0), "logprob": None, "top_logprobs": None}
+    return [head, *logprob_entries(token_bytes, prompt_ids[1:], logprobs, top_ids, top_logprobs)]

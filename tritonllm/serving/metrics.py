@@ -1,9 +1,17 @@
-"""The engine gauges and time counters the generator exports as Triton custom metrics
-(``tritonllm_*``)."""
+"""The engine gauges, time counters and latency histograms the generator exports as Triton
+custom metrics (``tritonllm_*``), and the histogram buckets the sidecar's ``/metrics`` shares.
+
+The latency histograms are Triton ``HISTOGRAM`` metric families (the Python backend of Triton
+2.51 has them: ``pb_utils.MetricFamily.HISTOGRAM``, ``Metric(labels, buckets)``,
+``observe(value)``). Every ``observe`` is an IPC round trip from the stub to tritonserver, so
+they are observed per request (TTFT, queue time, end-to-end) and per response (ITL), never per
+token, and only from the sender thread's tick (``GeneratorCore``), which stops calling into
+Triton once the server is gone.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -14,11 +22,83 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One exported metric: Prometheus name, help text, kind ``"gauge"`` or ``"counter"``."""
+    """One exported metric: Prometheus name, help text, kind ``"gauge"``, ``"counter"`` or
+    ``"histogram"`` (then ``buckets``: the upper bounds, seconds)."""
 
     name: str
     description: str
     kind: str
+    buckets: tuple[float, ...] = ()
+
+
+# Bucket upper bounds in seconds (Prometheus adds +Inf), from a GPU's milliseconds to a
+# loaded CPU's minutes; vLLM's families cover a similar range.
+TTFT_BUCKETS_S: tuple[float, ...] = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5)
+TTFT_BUCKETS_S += (0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1)
+ITL_BUCKETS_S += (0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+REQUEST_BUCKETS_S: tuple[float, ...] = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5)
+REQUEST_BUCKETS_S += (5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+REQUEST_BUCKETS_S += (960.0, 1920.0)
+
+
+@dataclass
+class LatencySamples:
+    """Latencies the generator measured since the last tick (seconds; one list per histogram).
+
+    Attributes:
+        ttft_s: per choice, execute → its first response with output ids sent.
+        itl_s: per later response with output ids, the gap since the choice's previous one
+            divided by its number of ids (one sample stands for that many tokens).
+        queue_s: per choice, the engine's queue time (`RequestOutput.queue_time_s`).
+        e2e_s: per request, execute → its final response sent.
+    """
+
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    queue_s: list[float] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
+
+
+# Histograms: metric spec → attribute of ``LatencySamples``.
+LATENCY_HISTOGRAMS: tuple[tuple[MetricSpec, str], ...] = (
+    (
+        MetricSpec(
+            "tritonllm_time_to_first_token_seconds",
+            "Seconds from a request's arrival at the generator to its first token's response",
+            "histogram",
+            TTFT_BUCKETS_S,
+        ),
+        "ttft_s",
+    ),
+    (
+        MetricSpec(
+            "tritonllm_inter_token_latency_seconds",
+            "Seconds between a choice's token responses, per token of the later one",
+            "histogram",
+            ITL_BUCKETS_S,
+        ),
+        "itl_s",
+    ),
+    (
+        MetricSpec(
+            "tritonllm_request_queue_time_seconds",
+            "Seconds a request waited in the engine's queue before its first admission",
+            "histogram",
+            REQUEST_BUCKETS_S,
+        ),
+        "queue_s",
+    ),
+    (
+        MetricSpec(
+            "tritonllm_e2e_request_latency_seconds",
+            "Seconds from a request's arrival at the generator to its final response",
+            "histogram",
+            REQUEST_BUCKETS_S,
+        ),
+        "e2e_s",
+    ),
+)
 
 
 GENERATED_TOKENS = MetricSpec(

@@ -43,6 +43,10 @@ class ResponseChunk:
             request id (sent as output ``request_key``), else None.
         with_counts: the choice's first or final response: ``num_input_tokens`` and
             ``cached_tokens`` are sent (they never change in between).
+        prompt_ids, prompt_logprobs, prompt_top_logprobs: the prompt's scores (its P ids,
+            the logprobs of ids 1..P-1 and their top alternatives, ``RequestOutput``'s), in the
+            choice's first chunk of a request with prompt logprobs; else None.
+        prompt_num_top: the top alternatives per prompt token then (else None).
     """
 
     output_ids: list[int]
@@ -62,6 +66,10 @@ class ResponseChunk:
     echo_text: str | None = None
     request_key: str | None = None
     with_counts: bool = True
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[dict[int, float]] | None = None
+    prompt_num_top: int | None = None
 
 
 @dataclass
@@ -76,6 +84,8 @@ class StreamState:
         num_top: top logprobs per token, None when logprobs were not requested.
         echo_text: text the choice's first chunk starts with, or None.
         request_key: what every chunk carries as ``request_key`` (None: nothing).
+        prompt_ids: the prompt, when the request scores it (its scores go out with the first
+            chunk after the engine reported them); prompt_num_top: their top alternatives.
     """
 
     stream: bool = True
@@ -84,6 +94,9 @@ class StreamState:
     num_top: int | None = None
     echo_text: str | None = None
     request_key: str | None = None
+    prompt_ids: list[int] | None = None
+    prompt_num_top: int | None = None
+    _scores: tuple[list[float], list[dict[int, float]]] | None = None
     _recent: list[int] = field(default_factory=list)
     _pending: list[int] = field(default_factory=list)
     _pending_logprobs: list[float] | None = None
@@ -94,6 +107,8 @@ class StreamState:
         """The chunk to send for ``output`` (a ``RequestOutput``), or None if nothing is due."""
         new_ids = [int(t) for t in output.new_token_ids]
         logprobs, top = output.logprobs, output.top_logprobs
+        if output.prompt_logprobs is not None:  # held for the next chunk (held ids send none)
+            self._scores = (output.prompt_logprobs, output.prompt_top_logprobs or [])
         if not self.stream:
             self._pending.extend(new_ids)
             if logprobs is not None:
@@ -110,6 +125,7 @@ class StreamState:
             self._recent = (self._recent + new_ids)[-PREFIX_LEN:]
         echo, self.echo_text = self.echo_text, None
         with_counts, self._counted = not self._counted or bool(output.finished), True
+        scores, self._scores = self._scores, None
         return ResponseChunk(
             output_ids=new_ids,
             prefix_ids=list(prefix),
@@ -130,4 +146,8 @@ class StreamState:
             echo_text=echo,
             request_key=self.request_key,
             with_counts=with_counts,
+            prompt_ids=None if scores is None else self.prompt_ids,
+            prompt_logprobs=None if scores is None else list(scores[0]),
+            prompt_top_logprobs=None if scores is None else list(scores[1]),
+            prompt_num_top=None if scores is None else self.prompt_num_top,
         )

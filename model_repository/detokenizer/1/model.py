@@ -6,7 +6,10 @@ trailing characters (a matched stop string, see ``tritonllm/engine/stop_strings.
 and the token counts pass through unchanged. ``index`` passes through (0 when absent). With
 logprobs (the optional ``output_logprobs``, ``top_logprob_ids``, ``top_logprobs`` inputs, which
 pass through), ``logprobs_json`` is the OpenAI chat ``content`` list of this response's tokens
-(``tritonllm.serving.logprobs.logprob_entries``); ``""`` otherwise.
+(``tritonllm.serving.logprobs.logprob_entries``); ``""`` otherwise. With the prompt's scores
+(``prompt_ids``, ``prompt_token_logprobs``, ``prompt_top_logprob_ids``, ``prompt_top_logprobs``,
+a choice's first response of a request with prompt logprobs), ``prompt_logprobs_json`` holds
+the same entries for every prompt token (``prompt_logprob_entries``).
 
 Cancellation: a client that cancelled its ``llm`` stream makes Triton mark the detokenizer
 requests that follow as cancelled; the detokenizer then sends the generator an abort of that
@@ -32,7 +35,7 @@ from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
 from tritonllm.engine.stop_strings import apply_trim
 from tritonllm.serving.bls import abort_generation
 from tritonllm.serving.cancel_watch import CancelWatch
-from tritonllm.serving.logprobs import logprob_entries
+from tritonllm.serving.logprobs import logprob_entries, prompt_logprob_entries
 from tritonllm.tokenization.detokenizer import Detokenizer
 from tritonllm.triton_config import model_parameters, served_model_dir, serving_config
 
@@ -46,6 +49,7 @@ OPTIONAL_PASS_THROUGH = (
     "top_logprob_ids",
     "top_logprobs",
 )
+PROMPT_SCORE_INPUTS = ("prompt_token_logprobs", "prompt_top_logprob_ids", "prompt_top_logprobs")
 
 
 def _inputs(request):
@@ -109,6 +113,14 @@ class TritonPythonModel:
             )
             logprobs_json = json.dumps(entries, ensure_ascii=False)
         strings = {"text_output": text, "logprobs_json": logprobs_json}
+        if "prompt_ids" in inputs:
+            values = [inputs[name].reshape(-1).tolist() for name in PROMPT_SCORE_INPUTS]
+            entries = prompt_logprob_entries(
+                self.detokenizer.logprob_token_bytes,
+                _token_ids(inputs["prompt_ids"], "prompt_ids"),
+                *values,
+            )
+            strings["prompt_logprobs_json"] = json.dumps(entries, ensure_ascii=False)
         outputs = [
             pb_utils.Tensor(name, np.array([value.encode("utf-8")], np.object_).reshape(shape))
             for name, value in strings.items()

@@ -31,6 +31,7 @@ from tritonllm.serving.logprobs import flatten_top_logprobs
 from tritonllm.serving.metrics import (
     ENGINE_GAUGES,
     GENERATED_TOKENS,
+    LATENCY_HISTOGRAMS,
     TIME_COUNTERS,
     counter_values,
     gauge_values,
@@ -79,6 +80,16 @@ def _tensors(chunk):
     for name, text in (("echo_text", chunk.echo_text), ("request_key", chunk.request_key)):
         if text is not None:
             tensors.append(pb_utils.Tensor(name, np.array([text.encode("utf-8")], dtype=object)))
+    if chunk.prompt_logprobs is not None:
+        top_ids, top_values = flatten_top_logprobs(chunk.prompt_top_logprobs, chunk.prompt_num_top)
+        tensors += [
+            pb_utils.Tensor("prompt_ids", np.asarray(chunk.prompt_ids, dtype=np.int32)),
+            pb_utils.Tensor(
+                "prompt_token_logprobs", np.asarray(chunk.prompt_logprobs, dtype=np.float32)
+            ),
+            pb_utils.Tensor("prompt_top_logprob_ids", top_ids),
+            pb_utils.Tensor("prompt_top_logprobs", top_values),
+        ]
     return tensors
 
 
@@ -104,10 +115,15 @@ class _Sink:
     def is_cancelled(self):
         return self.sender.is_cancelled()
 
+    def send_info(self, max_model_len):
+        tensor = pb_utils.Tensor("max_model_len", np.array([max_model_len], dtype=np.int32))
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=[tensor]), flags=FINAL)
+
 
 class _Metrics:
     """The ``tritonllm_*`` Triton custom metrics (``serving.metrics`` names them). Triton
-    counters only increment: the cumulative ``TIME_COUNTERS`` go in as deltas."""
+    counters only increment: the cumulative ``TIME_COUNTERS`` go in as deltas. The latency
+    histograms are Triton histograms, one ``observe`` per sample."""
 
     def __init__(self):
         labels = {"model": "generator"}
@@ -130,8 +146,15 @@ class _Metrics:
             self.families.append(family)
             self.counters[spec.name] = family.Metric(labels=labels)
             self.totals[spec.name] = 0.0
+        self.histograms = []
+        for spec, attr in LATENCY_HISTOGRAMS:
+            kind = pb_utils.MetricFamily.HISTOGRAM
+            family = pb_utils.MetricFamily(spec.name, spec.description, kind)
+            self.families.append(family)
+            metric = family.Metric(labels=labels, buckets=list(spec.buckets))
+            self.histograms.append((metric, attr))
 
-    def update(self, stats, new_tokens, loop_times, sender_times):
+    def update(self, stats, new_tokens, loop_times, sender_times, latencies):
         # Each set/increment is an IPC round trip to tritonserver: only changes are sent (an
         # idle server sends none).
         for name, value in gauge_values(stats).items():
@@ -144,6 +167,9 @@ class _Metrics:
             if total > self.totals[name]:
                 self.counters[name].increment(total - self.totals[name])
                 self.totals[name] = total
+        for metric, attr in self.histograms:
+            for value in getattr(latencies, attr):
+                metric.observe(value)
 
 
 class TritonPythonModel:
@@ -174,6 +200,7 @@ class TritonPythonModel:
             sender_threads=serving.sender_threads,
             control_secret=serving.control_secret,
             max_live_requests=config.max_running_requests + serving.max_waiting_requests,
+            max_model_len=config.effective_max_model_len,
         ).start()
         if serving.control_secret is None:
             logger.log_warn(

@@ -1,14 +1,17 @@
-"""Triton adapter: ``text_input`` | ``messages`` (JSON) [+ ``enable_thinking``] → ``input_ids``.
+"""Triton adapter: ``text_input`` | ``messages`` (JSON) [+ ``enable_thinking``] | ``input_ids``
+→ ``input_ids``.
 
 The work is ``tritonllm.tokenization.chat``; bad input becomes a Triton error response
 (``tritonllm.contract.errors`` wire form) for that request only. Before any work an input is
 held to ``contract.limits.MAX_PROMPT_BYTES``, and the prompt text (``text_input``, or the
 rendered chat prompt) to the characters the context can hold (``tokenization.prompt_limits``):
-a prompt that cannot fit is refused without being tokenized. With ``exclude_input_in_output``
-false the prompt text also goes out as ``echo_text`` (the generator puts it in front of each
-choice's text): ``text_input`` as given, or the rendered chat prompt of ``messages``. A
-``prompt_limits`` request answers those limits as ``limits_json``. Inputs and outputs:
-``tritonllm.contract.tensors.TOKENIZER``.
+a prompt that cannot fit is refused without being tokenized. Token ids given as ``input_ids``
+pass through (each must be in ``[0, len(tokenizer))``); ``add_special_tokens`` true encodes
+``text_input`` with the tokenizer's special tokens (a BOS where the tokenizer adds one). With
+``exclude_input_in_output`` false the prompt text also goes out as ``echo_text`` (the generator
+puts it in front of each choice's text): ``text_input`` as given, the rendered chat prompt of
+``messages``, or the decoded ``input_ids``. A ``prompt_limits`` request answers those limits as
+``limits_json``. Inputs and outputs: ``tritonllm.contract.tensors.TOKENIZER``.
 """
 
 import json
@@ -55,6 +58,9 @@ def _tensors(tokenizer, prompt_limits, request):
             pb_utils.Tensor("input_ids", np.zeros(0, dtype=np.int32)),
             pb_utils.Tensor("limits_json", np.array([json.dumps(answer).encode()], dtype=object)),
         ]
+    prompt_ids = _bounded(request, "input_ids")
+    if prompt_ids is not None:
+        return _id_tensors(tokenizer, request, prompt_ids.reshape(-1).tolist())
     text_input = scalar(_bounded(request, "text_input"), "text_input", str)
     messages_json = scalar(_bounded(request, "messages"), "messages", str)
     messages = None
@@ -67,13 +73,42 @@ def _tensors(tokenizer, prompt_limits, request):
             ) from None
     # None (absent): the template's own default; only templates with the option accept it.
     thinking = scalar(_input(request, "enable_thinking"), "enable_thinking", bool)
-    ids = render_prompt(
-        tokenizer, text_input, messages, thinking, check_chars=prompt_limits.check_chars
-    )
+    special = scalar(_input(request, "add_special_tokens"), "add_special_tokens", bool)
+    if special and text_input is not None:
+        prompt_limits.check_chars(len(text_input), "text_input")
+        ids = list(tokenizer.encode(text_input, add_special_tokens=True))
+    else:
+        ids = render_prompt(
+            tokenizer, text_input, messages, thinking, check_chars=prompt_limits.check_chars
+        )
     tensors = [pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int32))]
     exclude = scalar(_input(request, "exclude_input_in_output"), "exclude_input_in_output", bool)
     if exclude is False:
         echo = text_input if messages is None else render_chat(tokenizer, messages, thinking)
+        tensors.append(pb_utils.Tensor("echo_text", np.array([echo.encode()], dtype=object)))
+    return tensors
+
+
+def _id_tensors(tokenizer, request, ids):
+    """The outputs of a prompt given as token ids. Raises: RequestError for an unknown id or
+    another prompt given too."""
+    for name in ("text_input", "messages"):
+        if _input(request, name) is not None:
+            raise RequestError(
+                ErrorCode.INVALID_VALUE, name, f"give exactly one of input_ids or {name}"
+            )
+    if not ids:
+        raise RequestError(ErrorCode.INVALID_VALUE, "input_ids", "input_ids is empty")
+    vocab = len(tokenizer)
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(
+            ErrorCode.INVALID_VALUE, "input_ids", f"token id {bad} is not in [0, {vocab})"
+        )
+    tensors = [pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int32))]
+    exclude = scalar(_input(request, "exclude_input_in_output"), "exclude_input_in_output", bool)
+    if exclude is False:
+        echo = tokenizer.decode(ids)
         tensors.append(pb_utils.Tensor("echo_text", np.array([echo.encode()], dtype=object)))
     return tensors
 

@@ -1,0 +1,84 @@
+"""vLLM's extension fields of the OpenAI requests: each one is honoured or refused, none ignored.
+
+OpenAI clients send vLLM's extra fields through ``extra_body``, and the request models accept
+unknown fields (``extra="allow"``). A vLLM field that this server does not implement would then
+change nothing without a word, so every such field is listed here with the value at which it
+changes nothing (vLLM's default); a request that gives another value gets a 400 naming the field.
+A field that a request model declares (``top_k``, ``min_p``, ``add_special_tokens`` of
+completions, ...) is honoured by it and never refused here, so declaring a field is all it takes
+to serve one of these.
+
+The names are those of vLLM's ``ChatCompletionRequest`` and ``CompletionRequest``
+(``vllm/entrypoints/openai/protocol.py``, v0.6-v0.10).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from .errors import unsupported
+
+_ANY = object()  # no value is a no-op: any value given (null aside) is refused
+
+# Field → the value at which it changes nothing. Why each is refused:
+VLLM_FIELDS: dict[str, Any] = {
+    # decoding the engine does not do
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "prompt_logprobs": _ANY,  # the OpenAI form, echo + logprobs, is served on completions
+    "truncate_prompt_tokens": _ANY,
+    "priority": 0,
+    "logits_processors": _ANY,
+    "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    # structured outputs and token constraints (issue 15 items 1-2: served once declared)
+    "guided_json": _ANY,
+    "guided_regex": _ANY,
+    "guided_choice": _ANY,
+    "guided_grammar": _ANY,
+    "guided_decoding_backend": _ANY,
+    "guided_whitespace_pattern": _ANY,
+    "structured_outputs": _ANY,
+    "allowed_token_ids": _ANY,
+    "bad_words": [],
+    # prompt rendering: the served chat template is the model directory's, rendered by the
+    # tokenizer model with the generation prompt. A per-request Jinja template is refused: it
+    # would run client-supplied template code in the server.
+    "chat_template": _ANY,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "documents": _ANY,
+    "mm_processor_kwargs": _ANY,
+    "echo": False,  # chat's echo (completions declares its own)
+    "add_special_tokens": False,  # chat's (completions declares its own)
+    # disaggregated serving and cache isolation
+    "kv_transfer_params": _ANY,
+    "cache_salt": _ANY,
+}
+
+
+def _same(value: Any, noop: Any) -> bool:
+    # JSON 1 is no `true`: a boolean no-op takes only a boolean.
+    return value == noop and (type(noop) is not bool or type(value) is bool)
+
+
+def check_extensions(request: BaseModel) -> None:
+    """Refuse every vLLM field of ``request`` that it does not declare and that is given with
+    a value other than its no-op one.
+
+    Raises:
+        OpenAIError: 400 ``unsupported_parameter`` naming the first such field.
+    """
+    extra = request.model_extra or {}
+    for name, noop in VLLM_FIELDS.items():
+        if name in type(request).model_fields or name not in extra:
+            continue
+        value = extra[name]
+        if value is None or (noop is not _ANY and _same(value, noop)):
+            continue
+        raise unsupported(name)

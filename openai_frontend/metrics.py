@@ -1,0 +1,130 @@
+"""The sidecar's Prometheus metrics (prometheus-client), served at ``GET /metrics`` on the API
+port, where aiperf and Prometheus scrape an OpenAI-compatible server.
+
+Names follow vLLM's (``vllm:e2e_request_latency_seconds`` ...) under the ``openai_`` prefix
+(the generator's Triton metrics, on Triton's metrics port, are ``tritonllm_*``):
+
+- ``openai_requests_total{route, status}``: HTTP requests answered, by route template
+  (``/v1/chat/completions``; ``unmatched`` for unknown paths) and status code;
+- ``openai_requests_in_flight``: requests being answered (streams until their end);
+- ``openai_e2e_request_latency_seconds{route}``: arrival to the last byte sent;
+- ``openai_time_to_first_token_seconds``: a generation's start to its first token, per choice;
+- ``openai_inter_token_latency_seconds``: between a choice's responses, per token of the later
+  one (a response carrying k tokens stands for k samples of gap / k);
+- ``openai_prompt_tokens_total``, ``openai_generation_tokens_total``: tokens of finished
+  generations once closed (usage's ``prompt_tokens`` / ``completion_tokens``).
+
+The histogram buckets are the generator's (``tritonllm.serving.metrics``).
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tritonllm.serving.metrics import ITL_BUCKETS_S, REQUEST_BUCKETS_S, TTFT_BUCKETS_S
+
+REQUESTS = Counter(
+    "openai_requests", "HTTP requests answered, by route and status", ["route", "status"]
+)
+IN_FLIGHT = Gauge("openai_requests_in_flight", "HTTP requests being answered")
+E2E_LATENCY = Histogram(
+    "openai_e2e_request_latency_seconds",
+    "Seconds from a request's arrival to its response's last byte",
+    ["route"],
+    buckets=REQUEST_BUCKETS_S,
+)
+TTFT = Histogram(
+    "openai_time_to_first_token_seconds",
+    "Seconds from a generation's start to a choice's first token",
+    buckets=TTFT_BUCKETS_S,
+)
+ITL = Histogram(
+    "openai_inter_token_latency_seconds",
+    "Seconds between a choice's tokens (a response's gap divided by its tokens)",
+    buckets=ITL_BUCKETS_S,
+)
+PROMPT_TOKENS = Counter("openai_prompt_tokens", "Prompt tokens of finished generations")
+GENERATION_TOKENS = Counter("openai_generation_tokens", "Tokens generated, finished generations")
+UNMATCHED = "unmatched"
+
+router = APIRouter()
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics() -> Response:
+    """The Prometheus text exposition of this process's metrics."""
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _route(scope: Scope) -> str:
+    """The route template that served ``scope`` (FastAPI's routing sets ``scope["route"]``; a
+    bounded set of label values), else ``unmatched``."""
+    route = scope.get("route")
+    return UNMATCHED if route is None else str(getattr(route, "path", UNMATCHED))
+
+
+class RequestMetrics:
+    """ASGI middleware: counts every HTTP request by route and status, the requests in flight
+    and their end-to-end latency (a stream's, until its last byte)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        IN_FLIGHT.inc()
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            IN_FLIGHT.dec()
+            route = _route(scope)
+            REQUESTS.labels(route, str(status)).inc()
+            E2E_LATENCY.labels(route).observe(time.perf_counter() - start)
+
+
+class TokenTimes:
+    """One generation's token latencies: TTFT per choice, then ITL per later response.
+
+    Args:
+        started_at: ``time.monotonic()`` of the generation's start.
+    """
+
+    def __init__(self, started_at: float) -> None:
+        self.started_at = started_at
+        self._last: dict[int, tuple[float, int]] = {}  # choice → (time, output tokens so far)
+
+    def on_response(self, index: int, num_output_tokens: int, now: float) -> None:
+        """A response of choice ``index`` with ``num_output_tokens`` generated so far."""
+        last = self._last.get(index)
+        if last is None:
+            if num_output_tokens > 0:
+                TTFT.observe(now - self.started_at)
+                self._last[index] = (now, num_output_tokens)
+            return
+        new = num_output_tokens - last[1]
+        if new > 0:
+            gap = (now - last[0]) / new
+            for _ in range(new):
+                ITL.observe(gap)
+            self._last[index] = (now, num_output_tokens)
+
+
+def count_tokens(prompt_tokens: int, completion_tokens: int) -> None:
+    """Add a finished generation's usage to the token counters."""
+    PROMPT_TOKENS.inc(prompt_tokens)
+    GENERATION_TOKENS.inc(completion_tokens)

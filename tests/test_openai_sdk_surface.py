@@ -1,0 +1,265 @@
+"""The OpenAI surface SDKs and evaluation tools use, through the real sidecar and tritonserver
+(the shared session fixtures): completions with list and token-id prompts, ``echo`` with the
+prompt's logprobs (checked against transformers' float32 log_softmax), ``max_tokens: 0`` (how
+lm-evaluation-harness scores), the async client, vLLM's extension fields (each honoured or a 400
+naming it), ``stream_options`` only with ``stream``, ``/tokenize`` / ``/detokenize`` /
+``/version``, the model card's ``max_model_len`` and the sidecar's ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from openai_frontend.extensions import VLLM_FIELDS
+
+PROMPTS = ["The quick brown fox", "Once upon a time there"]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def client(sidecar):
+    return openai.OpenAI(base_url=sidecar.base_url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(sidecar):
+    with httpx.Client(base_url=sidecar.base_url.removesuffix("/v1"), timeout=60) as session:
+        yield session
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_list_and_token_prompts_give_prompt_major_choices(client, sidecar, tokenizer, stream):
+    """A list of strings, a token-id list and a list of token-id lists each complete like
+    single requests; choice index = prompt index * n + i; usage sums the prompts."""
+    common = dict(model=sidecar.model_name, max_tokens=6, temperature=0)
+    singles = [client.completions.create(prompt=p, **common).choices[0].text for p in PROMPTS]
+    token_prompts = [_ids(tokenizer, p) for p in PROMPTS]
+    for prompt in (PROMPTS, token_prompts):
+        if stream:
+            texts = {}
+            for chunk in client.completions.create(prompt=prompt, n=2, stream=True, **common):
+                for choice in chunk.choices:
+                    texts[choice.index] = texts.get(choice.index, "") + choice.text
+            got = [texts[i] for i in range(4)]
+        else:
+            response = client.completions.create(prompt=prompt, n=2, **common)
+            assert [c.index for c in response.choices] == [0, 1, 2, 3]
+            got = [c.text for c in response.choices]
+            assert response.usage.prompt_tokens == sum(len(t) for t in token_prompts)
+            assert response.usage.completion_tokens == 4 * 6
+        assert got == [singles[0], singles[0], singles[1], singles[1]]
+    one = client.completions.create(prompt=token_prompts[0], **common)
+    assert one.choices[0].text == singles[0]
+
+
+def test_echo_with_logprobs_scores_the_prompt_like_transformers(
+    client, sidecar, tokenizer, hf_logprobs
+):
+    """echo + logprobs: the text starts with the prompt, the logprobs with the prompt's tokens,
+    the first null, the others transformers' log_softmax; max_tokens=0 (lm-evaluation-harness'
+    loglikelihood request) gives exactly the prompt."""
+    prompt_ids = _ids(tokenizer, PROMPTS[0])
+    for max_tokens in (0, 3):
+        response = client.completions.create(
+            model=sidecar.model_name,
+            prompt=prompt_ids,
+            max_tokens=max_tokens,
+            temperature=0,
+            echo=True,
+            logprobs=2,
+        )
+        choice = response.choices[0]
+        lp = choice.logprobs
+        assert choice.text.startswith(PROMPTS[0])
+        assert len(lp.tokens) == len(prompt_ids) + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert "".join(lp.tokens) == choice.text
+        assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+        new_ids = _ids(tokenizer, choice.text)[len(prompt_ids) :]
+        oracle = hf_logprobs(prompt_ids[:1], prompt_ids[1:] + new_ids)
+        targets = prompt_ids[1:] + new_ids
+        for j, value in enumerate(lp.token_logprobs[1:]):
+            assert abs(value - float(oracle[j, targets[j]])) < TOL
+            assert len(lp.top_logprobs[j + 1]) >= 2
+        assert response.usage.completion_tokens == max_tokens
+    echoed = client.completions.create(
+        model=sidecar.model_name, prompt=PROMPTS[1], max_tokens=0, echo=True
+    )
+    assert echoed.choices[0].text == PROMPTS[1] and echoed.choices[0].logprobs is None
+
+
+def test_echo_streams_the_prompt_logprobs_first(client, sidecar, tokenizer):
+    chunks = list(
+        client.completions.create(
+            model=sidecar.model_name,
+            prompt=PROMPTS[0],
+            max_tokens=3,
+            temperature=0,
+            echo=True,
+            logprobs=0,
+            stream=True,
+        )
+    )
+    tokens = [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices else [])]
+    values = [
+        v for c in chunks for v in (c.choices[0].logprobs.token_logprobs if c.choices else [])
+    ]
+    assert len(tokens) == len(_ids(tokenizer, PROMPTS[0])) + 3
+    assert values[0] is None and all(v is not None for v in values[1:])
+    assert "".join(c.choices[0].text for c in chunks if c.choices).startswith(PROMPTS[0])
+
+
+def test_async_client_chat_and_completions(sidecar):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=sidecar.base_url, api_key="unused", max_retries=0)
+        chat = client.chat.completions.create(
+            model=sidecar.model_name,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            n=2,
+            logprobs=True,
+            top_logprobs=1,
+        )
+        completion = client.completions.create(
+            model=sidecar.model_name, prompt=PROMPTS, max_tokens=4, temperature=0
+        )
+        stream = await client.completions.create(
+            model=sidecar.model_name, prompt=PROMPTS[0], max_tokens=4, stream=True
+        )
+        streamed = [c async for c in stream]
+        return (*await asyncio.gather(chat, completion), streamed)
+
+    chat, completion, streamed = asyncio.run(run())
+    assert len(chat.choices) == 2 and all(len(c.logprobs.content) == 4 for c in chat.choices)
+    assert [c.index for c in completion.choices] == [0, 1]
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("field", sorted(VLLM_FIELDS))
+def test_every_vllm_extension_is_honoured_or_refused_by_name(http, sidecar, field):
+    """Each vLLM field of the list: its no-op value is accepted, any other value is a 400
+    unsupported_parameter naming it (none silently ignored)."""
+    noop = VLLM_FIELDS[field]
+    bodies = {
+        "/v1/completions": {"prompt": "hi"},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+    }
+    for path, body in bodies.items():
+        base = {"model": sidecar.model_name, "max_tokens": 1, **body}
+        if field in ("echo", "add_special_tokens") and path == "/v1/completions":
+            continue  # completions declares and honours these
+        other = {"x": 1} if not isinstance(noop, bool | float | int | list) else None
+        if isinstance(noop, bool):
+            other = not noop
+        elif isinstance(noop, int | float):
+            other = noop + 1
+        elif isinstance(noop, list):
+            other = ["x"]
+        response = http.post(path, json={**base, field: other})
+        assert response.status_code == 400, (path, field, response.text)
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == (field, "unsupported_parameter")
+        if isinstance(noop, bool | int | float | list):
+            assert http.post(path, json={**base, field: noop}).status_code == 200, (path, field)
+
+
+def test_stream_options_only_with_stream(http, sidecar):
+    body = {"model": sidecar.model_name, "prompt": "hi", "max_tokens": 1}
+    refused = http.post("/v1/completions", json={**body, "stream_options": {"include_usage": 1}})
+    assert refused.status_code == 400
+    options = {"stream_options": {"include_usage": True}}
+    response = http.post("/v1/completions", json={**body, **options})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stream_options"
+    streamed = http.post("/v1/completions", json={**body, **options, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+
+
+def test_tokenize_detokenize_version_and_model_card(http, sidecar, tokenizer, tiny_model_dir):
+    """/tokenize gives the tokenizer's ids (a chat through the chat template with the
+    generation prompt), /detokenize their text, /v1/models the context limit."""
+    model = sidecar.model_name
+    text = PROMPTS[0]
+    tokens = http.post("/tokenize", json={"model": model, "prompt": text}).json()
+    assert tokens["tokens"] == tokenizer.encode(text) and tokens["count"] == len(tokens["tokens"])
+    messages = [{"role": "user", "content": "hi"}]
+    chat = http.post("/tokenize", json={"model": model, "messages": messages}).json()
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+    back = http.post("/detokenize", json={"model": model, "tokens": tokens["tokens"]}).json()
+    assert back == {"prompt": tokenizer.decode(tokens["tokens"])}
+    bad = http.post("/detokenize", json={"model": model, "tokens": [len(tokenizer) + 5]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert http.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+    import tritonllm
+
+    assert http.get("/version").json() == {"version": tritonllm.__version__}
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["id"] == model and card["root"] == model
+    assert card["max_model_len"] == tokens["max_model_len"] > 0
+
+
+def test_metrics_count_requests_tokens_and_latencies(http, client, sidecar):
+    def scrape():
+        text = http.get("/metrics").text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    route = (("route", "/v1/completions"), ("status", "200"))
+    before = scrape()
+    chunks = list(
+        client.completions.create(
+            model=sidecar.model_name, prompt=PROMPTS[0], max_tokens=5, stream=True
+        )
+    )
+    assert chunks
+    after = scrape()
+
+    def delta(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    assert delta("openai_requests_total", route) == 1
+    assert delta("openai_generation_tokens_total") == 5
+    assert delta("openai_prompt_tokens_total") > 0
+    assert delta("openai_time_to_first_token_seconds_count") == 1
+    assert delta("openai_inter_token_latency_seconds_count") == 4
+    e2e = (("route", "/v1/completions"),)
+    assert delta("openai_e2e_request_latency_seconds_count", e2e) == 1
+    assert after[("openai_requests_in_flight", ())] >= 0
+
+
+def test_generator_exports_latency_histograms_to_triton(client, sidecar):
+    """The generator's Triton custom metrics include the TTFT / ITL / queue / e2e histograms
+    (observed on the sender thread's tick, so polled)."""
+    client.completions.create(model=sidecar.model_name, prompt=PROMPTS[1], max_tokens=3)
+    names = (
+        "tritonllm_time_to_first_token_seconds_count",
+        "tritonllm_inter_token_latency_seconds_count",
+        "tritonllm_request_queue_time_seconds_count",
+        "tritonllm_e2e_request_latency_seconds_count",
+    )
+    counts: dict[str, float] = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = httpx.get(sidecar.metrics_url, timeout=10).text
+        counts = {
+            s.name: s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name in names
+        }
+        if len(counts) == len(names) and all(v > 0 for v in counts.values()):
+            break
+        time.sleep(0.2)
+    assert set(counts) == set(names) and all(v > 0 for v in counts.values()), counts
