@@ -97,3 +97,9 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions endpoint
 # every step, so the count and length bound the per-token work.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+
+# --- structured outputs and token masks (tritonllm/structured) ------------------------------
+MAX_GRAMMAR_CHARS = 100_000  # a JSON schema's canonical text, a regex or an EBNF grammar
+MAX_CHOICES = 256  # guided_choice strings
+MAX_BAD_WORDS = 64  # bad_words entries (each 1..MAX_BAD_WORD_CHARS characters)
+MAX_BAD_WORD_CHARS = 256

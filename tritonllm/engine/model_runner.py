@@ -9,6 +9,7 @@ replay a CUDA graph (`engine.cuda_graph`), and the sampled ids stay on the devic
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -217,13 +218,22 @@ class ModelRunner:
         return self.model(fwd.input_ids, fwd.positions, meta, fwd.logits_indices)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> LaunchedStep:
+    def run(
+        self,
+        batch: ScheduledBatch,
+        before_sample: Callable[[list[Request]], None] | None = None,
+    ) -> LaunchedStep:
         """Enqueue the forward and sampling of `batch`; no host sync. The engine commits the
-        returned step and later takes its samples with `LaunchedStep.result()`."""
+        returned step and later takes its samples with `LaunchedStep.result()`.
+        `before_sample(sample_reqs)` runs after the forward is enqueued and before the
+        sampler fills token masks (overlap scheduling: the engine may process the step in
+        flight there, see `structured.admission`)."""
         fwd = self.build_inputs(batch)
         logits = self.forward(fwd)
         if not fwd.sample_reqs:
             return LaunchedStep(batch, [])
+        if before_sample is not None:
+            before_sample(fwd.sample_reqs)
         samples = self.sampler.sample_device(logits, fwd.sample_reqs, self.ids_to_device)
         slots = self.future.store(samples.token_ids)
         return LaunchedStep.from_samples(batch, fwd.sample_reqs, samples, slots)
