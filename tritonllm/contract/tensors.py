@@ -79,6 +79,8 @@ def _opt(name: str, dtype: str, dims: tuple[int, ...] = (1,)) -> TensorSpec:
 TEXT_INPUT = _opt("text_input", "BYTES")  # a raw prompt, no chat template
 MESSAGES = _opt("messages", "BYTES")  # JSON list of {"role", "content"}
 ENABLE_THINKING = _opt("enable_thinking", "BOOL")
+# Tool calling: the OpenAI `tools` list as JSON, rendered by the chat template (messages only).
+TOOLS = _opt("tools", "BYTES")
 # false: each choice's first response starts with the prompt (absent: true, never echoed).
 EXCLUDE_INPUT_IN_OUTPUT = _opt("exclude_input_in_output", "BOOL")
 # The vLLM backend's JSON object of sampling parameters (values may be strings such as "0.1").
@@ -103,6 +105,12 @@ SAMPLING_INPUTS: tuple[TensorSpec, ...] = (
     _opt("repetition_penalty", "FP32"),
     _opt("logprobs", "INT32"),  # top alternatives per token; absent: no logprobs
     _opt("n", "INT32"),  # choices; > 1 needs stream=true
+    # Structured outputs: vLLM's StructuredOutputsParams as a JSON object, exactly one of
+    # {"json": schema}, {"json_object": true}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}
+    # (tritonllm.structured.spec).
+    _opt("structured_outputs", "BYTES"),
+    _opt("allowed_token_ids", "INT32", (-1,)),  # only these ids may be sampled
+    _opt("bad_words", "BYTES", (-1,)),  # words never generated (vLLM / TensorRT-LLM semantics)
 )
 
 # --- tokenizer -------------------------------------------------------------------------------
@@ -110,7 +118,7 @@ INPUT_IDS = TensorSpec("input_ids", "INT32", (-1,))
 ECHO_TEXT = _opt("echo_text", "BYTES")  # the prompt text, with exclude_input_in_output=false
 TOKENIZER = ModelSpec(
     "tokenizer",
-    inputs=(TEXT_INPUT, MESSAGES, ENABLE_THINKING, EXCLUDE_INPUT_IN_OUTPUT),
+    inputs=(TEXT_INPUT, MESSAGES, ENABLE_THINKING, EXCLUDE_INPUT_IN_OUTPUT, TOOLS),
     outputs=(INPUT_IDS, ECHO_TEXT),
 )
 
@@ -179,6 +187,7 @@ LLM = ModelSpec(
         MESSAGES,
         ENABLE_THINKING,
         EXCLUDE_INPUT_IN_OUTPUT,
+        TOOLS,
         *SAMPLING_INPUTS,
         STREAM,
         SAMPLING_PARAMETERS,
@@ -206,7 +215,7 @@ TRTLLM_INPUTS: tuple[TensorSpec, ...] = (
     _opt("min_length", "INT32"),  # -> min_tokens (older name)
     _opt("min_tokens", "INT32"),
     _opt("stop_words", "BYTES", (-1,)),  # -> stop
-    _opt("bad_words", "BYTES", (-1,)),  # refused unless empty
+    _opt("bad_words", "BYTES", (-1,)),  # -> bad_words
     _opt("end_id", "INT32"),  # generation ends at this id instead of the model's EOS
     _opt("pad_id", "INT32"),  # accepted: no output is padded
     EXCLUDE_INPUT_IN_OUTPUT,

@@ -3,8 +3,11 @@
 ``QWEN3_CHAT_TEMPLATE`` reproduces the prompt format of Qwen3's chat template (ChatML turns
 ``<|im_start|>role\\n...<|im_end|>\\n``; earlier assistant turns lose their ``<think>`` reasoning,
 turns after the last user query keep it; consecutive ``tool`` results are grouped into one user
-turn of ``<tool_response>`` blocks; ``enable_thinking=False`` pre-fills an empty think block). It
-is written here, without function-calling support, since the service takes no ``tools``.
+turn of ``<tool_response>`` blocks; ``enable_thinking=False`` pre-fills an empty think block)
+and its function calling: with ``tools`` the system turn lists their signatures in ``<tools>``
+with the ``<tool_call>`` instructions, and an assistant's ``tool_calls`` render as
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks after its content. Templates
+that do not render tools get them as plain messages (``tokenization.tools.fallback_messages``).
 """
 
 from __future__ import annotations
@@ -14,10 +17,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
+from tritonllm.tokenization.tools import fallback_messages, message_tool_fields, validate_tools
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 QWEN3_CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0].role == 'system' -%}{{- messages[0].content + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' -}}'
+    "{%- endif -%}"
     "{%- set ns = namespace(last_query=messages | length - 1, found=false) -%}"
     # The last real user query: later assistant turns keep their reasoning.
     "{%- for i in range(messages | length - 1, -1, -1) -%}"
@@ -30,7 +44,8 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- for m in messages -%}"
     "{%- set content = m.content if m.content is string else '' -%}"
-    "{%- if m.role == 'user' or m.role == 'system' -%}"
+    "{%- if m.role == 'system' and loop.first and tools -%}"
+    "{%- elif m.role == 'user' or m.role == 'system' -%}"
     "{{- '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' -}}"
     "{%- elif m.role == 'assistant' -%}"
     "{%- set reasoning = m.reasoning_content if m.reasoning_content is string else '' -%}"
@@ -45,6 +60,13 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- else -%}"
     "{{- '<|im_start|>assistant\\n' + content -}}"
     "{%- endif -%}"
+    "{%- for call in (m.tool_calls or []) -%}"
+    "{%- if (loop.first and content) or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{%- set f = call.function if call.function else call -%}"
+    '{{- \'<tool_call>\\n{"name": "\' + f.name + \'", "arguments": \' -}}'
+    "{{- f.arguments if f.arguments is string else (f.arguments | tojson) -}}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- elif m.role == 'tool' -%}"
     "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}"
@@ -65,13 +87,15 @@ QWEN3_CHAT_TEMPLATE = (
 )
 
 
-def validate_messages(messages: Any) -> list[dict[str, str]]:
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check chat messages: a non-empty list of ``{"role": str, "content": str}``.
 
-    Roles are ``system``, ``user``, ``assistant``, ``tool``. Extra keys are ignored.
+    Roles are ``system``, ``user``, ``assistant``, ``tool``. An assistant message may carry
+    ``tool_calls`` (then its content may be null), a tool message ``tool_call_id`` and
+    ``name`` (``tokenization.tools.message_tool_fields``). Other keys are ignored.
 
     Returns:
-        The messages as plain ``{"role", "content"}`` dicts.
+        The messages as plain ``{"role", "content"}`` dicts, plus their tool fields.
     Raises:
         RequestError: (``invalid_value``, param ``messages``) with a message naming the first
             offending entry.
@@ -89,9 +113,12 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
             raise _bad_messages(
                 f"messages[{i}].role {short_repr(role)} is not one of {', '.join(CHAT_ROLES)}"
             )
+        tool_fields = message_tool_fields(i, message)
+        if content is None and "tool_calls" in tool_fields:
+            content = ""
         if not isinstance(content, str):
             raise _bad_messages(f"messages[{i}].content must be a string")
-        cleaned.append({"role": role, "content": content})
+        cleaned.append({"role": role, "content": content, **tool_fields})
     return cleaned
 
 
@@ -109,7 +136,10 @@ def template_uses(template: str, variable: str) -> bool:
 
 
 def render_chat(
-    tokenizer: Any, messages: Sequence[dict[str, str]], enable_thinking: bool | None = None
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    enable_thinking: bool | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text of ``messages`` with the generation prompt, by the tokenizer's own chat
     template (``tokenizer_config.json`` / ``chat_template.jinja`` of the model directory).
@@ -117,6 +147,9 @@ def render_chat(
     Args:
         enable_thinking: passed to the template only when given; None leaves the template's
             default (Qwen3: thinking on).
+        tools: OpenAI function tools; passed to a template that names ``tools``; for any other
+            template the tools and tool-call history become plain Hermes-format messages
+            (``tokenization.tools.fallback_messages``).
     Raises:
         RequestError: invalid messages (see ``validate_messages``), no chat template
             (``unsupported_parameter``), or ``enable_thinking`` given for a template that has
@@ -139,6 +172,12 @@ def render_chat(
                 "enable_thinking is not supported: the model's chat template has no such option",
             )
         options["enable_thinking"] = enable_thinking
+    tools = validate_tools(tools) if tools else None
+    if template_uses(str(template), "tools"):
+        if tools:
+            options["tools"] = tools
+    else:
+        cleaned = fallback_messages(cleaned, tools)
     return tokenizer.apply_chat_template(
         cleaned, tokenize=False, add_generation_prompt=True, **options
     )
@@ -147,8 +186,9 @@ def render_chat(
 def render_prompt(
     tokenizer: Any,
     text_input: str | None = None,
-    messages: Sequence[dict[str, str]] | None = None,
+    messages: Sequence[dict[str, Any]] | None = None,
     enable_thinking: bool | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Prompt token ids from exactly one of ``text_input`` or ``messages``.
 
@@ -179,5 +219,7 @@ def render_prompt(
         if not isinstance(text_input, str):
             raise RequestError(ErrorCode.INVALID_VALUE, "text_input", "text_input must be a string")
         return list(tokenizer.encode(text_input, add_special_tokens=False))
-    text = render_chat(tokenizer, messages, enable_thinking=enable_thinking)
+    if tools and messages is None:
+        raise RequestError(ErrorCode.INVALID_VALUE, "tools", "tools needs messages (chat)")
+    text = render_chat(tokenizer, messages, enable_thinking=enable_thinking, tools=tools)
     return list(tokenizer.encode(text, add_special_tokens=False))

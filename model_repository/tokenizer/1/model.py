@@ -1,4 +1,5 @@
-"""Triton adapter: ``text_input`` | ``messages`` (JSON) [+ ``enable_thinking``] → ``input_ids``.
+"""Triton adapter: ``text_input`` | ``messages`` (JSON) [+ ``enable_thinking``, ``tools``] →
+``input_ids``.
 
 The work is ``tritonllm.tokenization.chat.render_prompt``; bad input becomes a Triton error
 response (``tritonllm.contract.errors`` wire form) for that request only. With
@@ -22,6 +23,7 @@ except ImportError:  # not pip-installed: use the checkout that holds this repos
 from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
 from tritonllm.serving.inputs import scalar
 from tritonllm.tokenization.chat import render_chat, render_prompt
+from tritonllm.tokenization.tools import parse_tools_json
 from tritonllm.triton_config import model_parameters, served_model_dir
 
 
@@ -44,11 +46,14 @@ def _tensors(tokenizer, request):
             ) from None
     # None (absent): the template's own default; only templates with the option accept it.
     thinking = scalar(_input(request, "enable_thinking"), "enable_thinking", bool)
-    ids = render_prompt(tokenizer, text_input, messages, enable_thinking=thinking)
+    tools = parse_tools_json(scalar(_input(request, "tools"), "tools", str))
+    ids = render_prompt(tokenizer, text_input, messages, enable_thinking=thinking, tools=tools)
     tensors = [pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int32))]
     exclude = scalar(_input(request, "exclude_input_in_output"), "exclude_input_in_output", bool)
     if exclude is False:
-        echo = text_input if messages is None else render_chat(tokenizer, messages, thinking)
+        echo = text_input
+        if messages is not None:
+            echo = render_chat(tokenizer, messages, thinking, tools)
         tensors.append(pb_utils.Tensor("echo_text", np.array([echo.encode()], dtype=object)))
     return tensors
 
