@@ -20,6 +20,7 @@ from . import chat_page
 from .errors import OpenAIError, install_error_handlers
 from .routes import chat, completions, models
 from .routes.common import ServerState
+from .tool_parsers import TOOL_PARSERS
 from .triton_client import TritonClient
 
 # Largest request body accepted (bytes). Far above any prompt a 128k-token context can take, and
@@ -109,6 +110,7 @@ def create_app(
     generator_model: str = "generator",
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     stream_idle_timeout_s: float | None = DEFAULT_STREAM_IDLE_TIMEOUT_S,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """An OpenAI-compatible app in front of the Triton ensemble at ``triton_url`` (gRPC).
 
@@ -120,14 +122,22 @@ def create_app(
         stream_idle_timeout_s: a generation that gets no response from Triton for this many
             seconds fails (and is aborted) instead of waiting forever, e.g. when the
             generator's stub process died; None: no limit.
+        tool_call_parser: the model family's tool-call syntax (``tool_parsers.TOOL_PARSERS``).
+    Raises:
+        ValueError: an unknown ``tool_call_parser``.
     """
+    if tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {tool_call_parser!r}")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The gRPC channel binds to the running event loop, so it is made here, not at import.
         client = TritonClient(triton_url, triton_model, generator_model)
         app.state.server = ServerState(
-            client=client, model_name=model_name, stream_idle_timeout_s=stream_idle_timeout_s
+            client=client,
+            model_name=model_name,
+            stream_idle_timeout_s=stream_idle_timeout_s,
+            tool_call_parser=tool_call_parser,
         )
         try:
             yield
@@ -178,6 +188,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds without any response from Triton after which a generation fails "
         "(0: wait forever; the default allows a first request's kernel compilation)",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=sorted(TOOL_PARSERS),
+        help="the served model's tool-call syntax (hermes: Qwen2.5/Qwen3/Hermes <tool_call> "
+        "blocks, also this service's rendering for templates without tools)",
+    )
     return p.parse_args(argv)
 
 
@@ -215,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         args.triton_model,
         max_request_bytes=args.max_request_bytes,
         stream_idle_timeout_s=args.stream_idle_timeout or None,
+        tool_call_parser=args.tool_call_parser,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     _server_class()(config, app).run()

@@ -26,13 +26,14 @@ CLIENT_CLOSED_REQUEST = 499
 @dataclass
 class ServerState:
     """Per-app state: the shared Triton client, the served model name, how long a generation
-    may go without a response (seconds; None: no limit) and the generations in flight
-    (``live``: started, not yet closed)."""
+    may go without a response (seconds; None: no limit), the generations in flight
+    (``live``: started, not yet closed) and the model's tool-call parser."""
 
     client: TritonClient
     model_name: str
     stream_idle_timeout_s: float | None = None
     live: set[Generation] = field(default_factory=set)
+    tool_call_parser: str = "hermes"  # tool_parsers.TOOL_PARSERS
 
     async def abort_all(self, timeout: float = 5.0) -> None:
         """Abort every generation in flight in the generator (on shutdown: their streams then

@@ -7,10 +7,12 @@ from collections.abc import AsyncGenerator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from ..errors import OpenAIError
 from ..generation import Generation
 from ..logprobs import completion_logprobs
 from ..protocol import Completion, CompletionChoice, CompletionRequest
 from ..sampling import completion_inputs
+from ..structured import rename_param
 from .common import collect_choices, get_state, start_generation
 from .sse import ChunkEncoder, stream_response
 
@@ -28,7 +30,11 @@ async def create_completion(
         OpenAIError: before the first byte (see ``start_generation``); later errors of a
             stream are sent in-band.
     """
-    gen = await start_generation(request, body, "cmpl", "prompt", completion_inputs)
+    try:
+        gen = await start_generation(request, body, "cmpl", "prompt", completion_inputs)
+    except OpenAIError as exc:
+        rename_param(exc, body, None)  # a constraint error names the client's field
+        raise
     model = get_state(request).model_name
     if body.stream:
         template = Completion(id=gen.request_id, model=model, choices=[CompletionChoice(text="")])
