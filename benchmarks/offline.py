@@ -284,6 +284,11 @@ def run(args: argparse.Namespace) -> OfflineResult:
     warm_up(engine, args.device)
     result = run_engine(engine, workload, args.device, args.temperature)
     log(f"engine: {result.output_tokens:,} tokens in {result.seconds:.2f} s")
+    stats = engine.stats()  # warm-up included
+    log(
+        f"engine steps: {stats.num_steps:,}, of which {stats.num_prefill_steps:,} prefill/extend "
+        f"({stats.num_mixed_steps:,} mixed with decode rows), {stats.num_preemptions} preemptions"
+    )
     del engine
     gc.collect()
     if args.device.startswith("cuda"):

@@ -13,7 +13,8 @@ nothing waits for the GPU there) is recorded per kind, and the mean per kind is 
 Why: on CUDA a decode step replays a graph while a prefill step runs the model eagerly, whose
 host cost (hundreds of kernel launches from Python) hardly depends on its size; under a
 trickle of arrivals one prefill step per arrival starves decode (the admission delay,
-`EngineConfig.prefill_delay_steps`, answers that). A diagnostic; it writes nothing to
+`EngineConfig.prefill_delay_steps`, answers that). With mixed steps (the default) a prefill
+step also carries the decoding requests as one-token rows; the summary gives their number. A diagnostic; it writes nothing to
 BENCHMARKS.md. Runs on CPU too, where the "host time" includes the computation itself.
 """
 
@@ -48,11 +49,11 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 
 
 class RunTimer:
-    """Wraps `engine.runner.run`: records (is_decode, host seconds, tokens, sequences) per call;
-    while `profiler` is set, prefill calls run under it."""
+    """Wraps `engine.runner.run`: records (is_decode, host seconds, prompt tokens, sequences,
+    decode rows) per call; while `profiler` is set, prefill calls run under it."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.records: list[tuple[bool, float, int, int]] = []
+        self.records: list[tuple[bool, float, int, int, int]] = []
         self.profiler: cProfile.Profile | None = None
         self._run = engine.runner.run
         engine.runner.run = self
@@ -68,7 +69,15 @@ class RunTimer:
             if profiler is not None:
                 profiler.disable()
             seconds = time.perf_counter() - start
-            self.records.append((batch.is_decode, seconds, batch.num_tokens, len(batch.reqs)))
+            self.records.append(
+                (
+                    batch.is_decode,
+                    seconds,
+                    batch.num_prefill_tokens,
+                    len(batch.reqs),
+                    batch.num_decode_rows,
+                )
+            )
 
 
 def run(args: argparse.Namespace) -> list[str]:
@@ -108,7 +117,7 @@ def run(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def _summary(count: int, length: int, records: list[tuple[bool, float, int, int]]) -> str:
+def _summary(count: int, length: int, records: list[tuple[bool, float, int, int, int]]) -> str:
     prefill = [r for r in records if not r[0]]
     decode = [r for r in records if r[0]]
 
@@ -116,11 +125,13 @@ def _summary(count: int, length: int, records: list[tuple[bool, float, int, int]
         return 1e3 * sum(r[1] for r in rows) / max(len(rows), 1)
 
     tokens = sum(r[2] for r in prefill) / max(len(prefill), 1)
+    riders = sum(r[4] for r in prefill) / max(len(prefill), 1)
     batch = sum(r[3] for r in decode) / max(len(decode), 1)
     return (
         f"arrivals of {count}x{length}: {len(prefill)} prefill steps, host {mean_ms(prefill):.2f} "
-        f"ms each ({tokens:,.0f} tokens on average); {len(decode)} decode steps, host "
-        f"{mean_ms(decode):.2f} ms each (batch {batch:.0f} on average)"
+        f"ms each ({tokens:,.0f} prompt tokens and {riders:.0f} decode rows on average); "
+        f"{len(decode)} decode steps, host {mean_ms(decode):.2f} ms each (batch {batch:.0f} on "
+        "average)"
     )
 
 

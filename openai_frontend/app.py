@@ -16,7 +16,8 @@ from fastapi import FastAPI
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import chat_page
+from . import chat_page, health
+from .drain import DrainGate, DrainState, server_class
 from .errors import OpenAIError, install_error_handlers
 from .routes import chat, completions, models
 from .routes.common import ServerState
@@ -30,6 +31,8 @@ DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 # kernels on the first request: ARCHITECTURE.md, "Platform facts", FlashInfer), short enough
 # that a request whose generator died does not hang its client forever.
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
+# Seconds SIGTERM lets the generations in flight finish (openai_frontend/drain.py).
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 class BodySizeLimit:
@@ -110,6 +113,7 @@ def create_app(
     generator_model: str = "generator",
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     stream_idle_timeout_s: float | None = DEFAULT_STREAM_IDLE_TIMEOUT_S,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """An OpenAI-compatible app in front of the Triton ensemble at ``triton_url`` (gRPC).
@@ -122,6 +126,8 @@ def create_app(
         stream_idle_timeout_s: a generation that gets no response from Triton for this many
             seconds fails (and is aborted) instead of waiting forever, e.g. when the
             generator's stub process died; None: no limit.
+        drain_timeout_s: seconds SIGTERM lets the generations in flight finish, new requests
+            getting 503 meanwhile (0: abort them at once; ``drain.py``).
         tool_call_parser: the model family's tool-call syntax (``tool_parsers.TOOL_PARSERS``).
     Raises:
         ValueError: an unknown ``tool_call_parser``.
@@ -133,23 +139,29 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The gRPC channel binds to the running event loop, so it is made here, not at import.
         client = TritonClient(triton_url, triton_model, generator_model)
-        app.state.server = ServerState(
+        app.state.server = state = ServerState(
             client=client,
             model_name=model_name,
             stream_idle_timeout_s=stream_idle_timeout_s,
             tool_call_parser=tool_call_parser,
         )
+        app.state.health = health.HealthMonitor(client, state.live)
+        watch = health.BackendWatch(app.state.health)
+        watch.start()
         try:
             yield
         finally:
+            await watch.stop()
             await client.close()
 
     app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
     app.state.server = None  # the lifespan sets it (the gRPC channel needs the running loop)
     install_error_handlers(app)
 
+    app.state.drain = DrainState(timeout_s=drain_timeout_s)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
-    for router in (chat.router, completions.router, models.router, chat_page.router):
+    app.add_middleware(DrainGate, state=app.state.drain)  # outermost: refuses before reading
+    for router in (chat.router, completions.router, models.router, health.router, chat_page.router):
         app.include_router(router)
     return app
 
@@ -189,6 +201,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(0: wait forever; the default allows a first request's kernel compilation)",
     )
     p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="seconds SIGTERM lets requests in flight finish while new ones get 503 "
+        "(0: abort them at once, as SIGINT does)",
+    )
+    p.add_argument(
         "--tool-call-parser",
         default="hermes",
         choices=sorted(TOOL_PARSERS),
@@ -198,29 +217,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _server_class():
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn's server of `app`, which on shutdown first aborts the generations in flight:
-        uvicorn waits for open responses to finish, and a long stream would otherwise hold the
-        shutdown until the launcher's SIGKILL (and leave its work in Triton)."""
-
-        def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
-            super().__init__(config)
-            self.app = app
-
-        async def shutdown(self, sockets=None) -> None:
-            state = self.app.state.server  # None before the lifespan started
-            if state is not None and state.live:
-                await state.abort_all(timeout=5.0)
-            await super().shutdown(sockets)
-
-    return Server
-
-
 def main(argv: list[str] | None = None) -> None:
-    """Run the sidecar with uvicorn until SIGINT/SIGTERM."""
+    """Run the sidecar with uvicorn until SIGINT (at once) or SIGTERM (after draining)."""
     import uvicorn
 
     args = parse_args(argv)
@@ -232,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
         args.triton_model,
         max_request_bytes=args.max_request_bytes,
         stream_idle_timeout_s=args.stream_idle_timeout or None,
+        drain_timeout_s=args.drain_timeout,
         tool_call_parser=args.tool_call_parser,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-    _server_class()(config, app).run()
+    server_class()(config, app).run()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,10 @@ class Generation:
         idle_timeout_s: most seconds to wait for the next response; past it the generation
             fails with a 504 (a backend that stopped answering, e.g. a dead generator stub,
             which Triton never reports for requests in flight). None: wait forever.
+
+    Attributes:
+        started_at: ``time.monotonic()`` at construction; ``last_response_at``: of the latest
+            response from Triton (None before the first). ``health.py`` reads both.
     """
 
     def __init__(
@@ -124,6 +129,9 @@ class Generation:
         self._closed = False
         self._registry = registry
         self._idle_timeout_s = idle_timeout_s
+        self._failure: OpenAIError | None = None  # set by fail()
+        self.started_at = time.monotonic()
+        self.last_response_at: float | None = None
 
     @property
     def finish_reason(self) -> str | None:
@@ -146,6 +154,8 @@ class Generation:
 
     async def _read(self) -> LLMChunk | None:
         assert self._stream is not None
+        if self._failure is not None:
+            raise self._failure
         try:
             chunk = await _read_within(self._stream, self._idle_timeout_s)
         except asyncio.TimeoutError:  # (not the builtin before Python 3.11)
@@ -157,7 +167,12 @@ class Generation:
             ) from None
         except TritonError as exc:
             self._backend_finished = True  # an error response ends the request in Triton
+            if self._failure is not None:
+                raise self._failure from exc
             raise to_openai_error(exc, self.prompt_param) from exc
+        if self._failure is not None:
+            raise self._failure
+        self.last_response_at = time.monotonic()
         if chunk is not None:
             if not 0 <= chunk.index < self.n:
                 raise OpenAIError(
@@ -241,6 +256,20 @@ class Generation:
             total_tokens=prompt + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
+
+    def fail(self, error: OpenAIError) -> bool:
+        """End a generation whose backend is known to have failed (``health.BackendWatch``):
+        its gRPC stream is cancelled, so that the read waiting on it, and any later one,
+        raises ``error`` now instead of after the idle timeout. Triton 2.51 never answers the
+        requests of a stub it lost, so there is nothing to abort. Returns False when the
+        generation had already ended."""
+        if self._closed or self._failure is not None or self._backend_finished:
+            return False
+        self._failure = error
+        self._backend_finished = True
+        if self._stream is not None and not self._stream.done:
+            self._stream.cancel()
+        return True
 
     def close(self) -> None:
         """Release the request: if the backend had not finished, abort it in the generator; read

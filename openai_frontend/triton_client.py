@@ -345,12 +345,6 @@ class TritonClient:
             log.warning("control request %s not answered within %.1f s", request_id, timeout)
         return answered
 
-    async def probe(self, timeout: float = 2.0) -> bool:
-        """Whether the generator's engine runs: its ``health_probe`` control request, which
-        only reports that and aborts nothing (Triton keeps a model ready after its stub died,
-        so this asks the model itself)."""
-        return await self._control("health-probe", {"health_probe": True}, timeout)
-
     async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
         """Ask the generator to abort ``request_id`` now and free its KV pages (its control
         request ``abort_request_id``); True when it acknowledged within ``timeout`` s."""

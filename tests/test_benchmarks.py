@@ -466,7 +466,8 @@ def test_online_levels_send_prompts_per_client_requests_each(tokenizer):
 
 def test_prefill_host_times_prefill_and_decode_steps_separately(tiny_model_dir, capsys):
     """prefill_host's arrivals make prefill steps of exactly the case's prompts (admission
-    delay off) between decode steps of the decoding requests plus the admitted ones."""
+    delay off), with the decoding requests riding along (mixed steps: 3, then 5 with the first
+    arrivals), between decode steps of the decoding requests plus the admitted ones."""
     from benchmarks import prefill_host
 
     args = prefill_host.parse_args(
@@ -477,7 +478,7 @@ def test_prefill_host_times_prefill_and_decode_steps_separately(tiny_model_dir, 
     assert len(lines) == 1
     # Arrivals at steps 0 and 3, each admitted in one prefill step of 2 x 17 tokens.
     assert lines[0].startswith("arrivals of 2x17: 2 prefill steps, host ")
-    assert "(34 tokens on average); 4 decode steps" in lines[0]
+    assert "(34 prompt tokens and 4 decode rows on average); 4 decode steps" in lines[0]
     assert "function calls" in capsys.readouterr().out  # the cProfile table
     with pytest.raises(ValueError, match="COUNTxLEN"):
         prefill_host.parse_cases("4x")

@@ -1,7 +1,8 @@
 """Greedy decoding through the engine equals transformers' greedy decoding, token for token.
 
 All prompts run as one continuous batch, across page sizes where prompts end exactly on and
-just past page boundaries, with the prefix cache on and off and with chunked prefill.
+just past page boundaries, with the prefix cache on and off and with chunked prefill (whose
+later chunks run in mixed steps, beside the requests that already decode).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def test_greedy_matches_transformers(arch, tie, page_size, prefix_cache, budget)
     assert outs == reference(arch, tie)
     stats = engine.stats()
     assert stats.max_batch_size_seen == len(LENGTHS)  # all decoded as one batch
+    if budget < sum(LENGTHS):  # chunked: the decoding requests rode along in prefill steps
+        assert stats.num_mixed_steps > 0
     assert stats.num_running == stats.num_waiting == 0
 
 

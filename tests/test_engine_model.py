@@ -82,7 +82,8 @@ def test_prefill_logits_match_transformers(arch, tie):
     req = Request("r", prompt, SamplingParams(), arrival=0)
     sched.add(req)
     while req.num_computed < len(prompt):
-        batch = sched._schedule_prefill()
+        batch = sched.schedule()  # nothing decodes: a prefill batch of the next chunk
+        assert batch is not None and not batch.is_decode
         fwd = runner.build_inputs(batch)
         ids, pos, meta = fwd.input_ids, fwd.positions, fwd.meta
         runner.backend.prepare(meta)

@@ -331,8 +331,8 @@ def _prefill_logits(engine, prompt_list):
     runner, sched = engine.runner, engine.scheduler
     for i, prompt in enumerate(prompt_list):
         sched.add(Request(f"r{i}", prompt, SamplingParams(), arrival=i))
-    batch = sched._schedule_prefill()
-    assert batch.extend_lens == [len(p) for p in prompt_list]
+    batch = sched.schedule()  # nothing decodes: one prefill batch of all the prompts
+    assert batch is not None and batch.extend_lens == [len(p) for p in prompt_list]
     fwd = runner.build_inputs(batch)
     ids, pos, meta = fwd.input_ids, fwd.positions, fwd.meta
 

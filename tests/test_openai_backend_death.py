@@ -45,9 +45,10 @@ def _stub_pid(pgid: int, model: str) -> int:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_stream_whose_generator_died_ends_with_an_error(tiny_model_dir, tmp_path):
     """A stream whose generator stub is SIGKILLed ends with an error within the idle timeout
-    (+10 s), never hangs. Usually Triton sends nothing more and the sidecar's idle timeout
-    fires; sometimes (1 of 3 full-suite runs in a QA pass) Triton closes the gRPC stream
-    instead, which the sidecar reports as "backend unavailable": either ends the stream."""
+    (+10 s), never hangs. Usually Triton sends nothing more, and the sidecar's health watch
+    (a probe through llm fails) or else its idle timeout ends the stream; sometimes (1 of 3
+    full-suite runs in a QA pass) Triton closes the gRPC stream instead, which the sidecar
+    reports as the backend being unavailable: any of these ends the stream."""
     server = TritonServer(
         model_path=tiny_model_dir, env=dict(SERVER_ENV), log_path=tmp_path / "tritonserver.log"
     )
@@ -74,10 +75,10 @@ def test_stream_whose_generator_died_ends_with_an_error(tiny_model_dir, tmp_path
         assert list(Path("/dev/shm").glob(f"{server.shm_prefix}*"))
         os.kill(_stub_pid(server.process.pid, "generator"), signal.SIGKILL)
         killed = time.monotonic()
-        ended = "no response from the backend for 3 s|backend unavailable"
-        with pytest.raises(openai.APIError, match=ended):
+        with pytest.raises(openai.APIError) as ended:
             for _ in chunks:
                 pass
+        assert ended.value.code in ("service_unavailable", "timeout"), ended.value
         assert time.monotonic() - killed < IDLE_TIMEOUT_S + 10
     finally:
         stop_process_group(sidecar, 10.0)

@@ -163,6 +163,8 @@ def test_server_shuts_down_with_nothing_in_flight_after_disconnects(tiny_model_d
     try:
         model = Path(tiny_model_dir).name
         sidecar, base_url = start_sidecar(server.grpc_url, model, tmp_path / "sidecar.log")
+        # The sidecar's /health sent llm one probe generation before it answered 200.
+        before = _inference_counts(server.http_url, "llm")
         completed: list[int] = []
         background = threading.Thread(
             target=lambda: completed.append(_read_all(base_url, model, max_tokens=800))
@@ -172,7 +174,8 @@ def test_server_shuts_down_with_nothing_in_flight_after_disconnects(tiny_model_d
         for endpoint, n in disconnects:
             _disconnect(base_url, model, endpoint, n=n)
         background.join(timeout=120)
-        want = (len(disconnects) + 1, 0)  # the background stream completes too
+        # The background stream completes too.
+        want = (before[0] + len(disconnects) + 1, before[1])
         counts = _wait_for_counts(server.http_url, "llm", want, timeout_s=5.0)
     finally:
         if sidecar is not None:

@@ -156,7 +156,12 @@ CPU_DEFAULT_CONTEXT = 2048
 # Default per-step prefill token budgets (EngineConfig.max_prefill_tokens).
 CPU_MAX_PREFILL_TOKENS = 8192
 CUDA_MAX_PREFILL_TOKENS = 16384
-# Default admission delay on CUDA (EngineConfig.prefill_delay_steps), in decode steps.
+# Default admission delay on CUDA (EngineConfig.prefill_delay_steps), in decode steps. Chosen
+# when each prefill step cost the decoding requests a whole step (BENCHMARKS.md, "Online: one
+# eager prefill step per arrival starved the decode steps"). With mixed steps they advance in
+# that step, but it is still an eager forward ("Host time of an eager prefill step") in place
+# of a CUDA-graph decode step several times shorter, so each admission still costs every
+# decoding request most of a step: arrivals are still worth batching, and the delay stays.
 CUDA_PREFILL_DELAY_STEPS = 8
 # Its upper limit: beyond ~1k decode steps a "delay" only means new requests wait for the
 # running ones to finish (seconds of TTFT), which is never what a setting means.
@@ -191,7 +196,9 @@ class EngineConfig:
             after the weights (see `engine.kv_cache.derive_num_pages`).
         max_running_requests: most requests in one batch (admitted at the same time).
         max_prefill_tokens: the per-step token budget of a prefill/extend batch (chunked
-            prefill splits longer prompts across steps); None → 8192 on CPU,
+            prefill splits longer prompts across steps; with `mixed_steps` the decode rows
+            riding along count in, though prompts keep at least half of it:
+            `Scheduler.prefill_budget`); None → 8192 on CPU,
             `CUDA_MAX_PREFILL_TOKENS` on CUDA, where an eager prefill step's host time does
             not grow with its size, so fewer, larger steps finish a burst of prompts sooner
             (BENCHMARKS.md, "Host time of an eager prefill step" and "Session 5 diagnostics",
@@ -199,8 +206,15 @@ class EngineConfig:
         prefill_delay_steps: most decode steps a new request waits, while others decode, so
             that arrivals share prefill steps (admission delay; see `engine.scheduler`); 0 =
             admit at the next step; at most `MAX_PREFILL_DELAY_STEPS`. None → 0 on CPU,
-            `CUDA_PREFILL_DELAY_STEPS` on CUDA, where each eager prefill step costs
-            milliseconds of host time.
+            `CUDA_PREFILL_DELAY_STEPS` on CUDA, where each eager prefill (or mixed) step costs
+            milliseconds of host time (see `CUDA_PREFILL_DELAY_STEPS`).
+        mixed_steps: decoding requests ride along in prefill/extend steps as one-token rows
+            of the same (eager) forward, so no decode step is lost to a prefill; decode-only
+            steps still replay CUDA graphs (`engine.scheduler`). False: a step is a prefill or
+            a decode batch, never both (for A/B). On by default on both devices: on CUDA a
+            prefill no longer costs the decoding requests a step; on CPU, where every forward
+            is eager, a mixed step does the work of a prefill and a decode step in one
+            forward, and the CPU tests run the policy the GPU runs.
         enable_prefix_cache: reuse KV pages of earlier prompts through the radix cache.
         attention_backend: a key of `tritonllm.attention.ATTENTION_BACKENDS`, or "auto": on
             CUDA "flashinfer" (bf16/fp16, when installed), else "triton" (when installed), else
@@ -241,6 +255,7 @@ class EngineConfig:
     max_running_requests: int = 256
     max_prefill_tokens: int = None  # type: ignore[assignment]
     prefill_delay_steps: int = None  # type: ignore[assignment]
+    mixed_steps: bool = True
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"
     max_model_len: int | None = None

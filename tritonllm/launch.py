@@ -1,14 +1,24 @@
 """``make serve``: tritonserver + the OpenAI sidecar, readiness, clean shutdown.
 
 ``python -m tritonllm.launch [--model PATH|HUB_ID] [--host 127.0.0.1] [--port 9000]
-[--triton-host 127.0.0.1] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]``
+[--triton-host 127.0.0.1] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
+[--on-failure restart|exit] [--drain-timeout 30]``
 
-Without ``--model`` the built-in default, SmolLM2-135M-Instruct, is served from
-``models/smollm2-135m-instruct`` (converted once, on first use, by ``tritonllm.default_model``).
-tritonserver runs on this project's ``model_repository`` with ``TRITONLLM_MODEL`` set; the
-sidecar (``python -m openai_frontend``) runs as a child process. Both are started in their own
-process groups, so Ctrl-C / SIGTERM reach only this launcher, which then stops the
-sidecar first and tritonserver (with its Python stubs) second: no orphan processes.
+Without ``--model`` (or ``TRITONLLM_MODEL``) the built-in default, SmolLM2-135M-Instruct, is
+served from ``models/smollm2-135m-instruct`` (converted once, on first use, by
+``tritonllm.default_model`` in a child process). tritonserver runs on this project's
+``model_repository`` with ``TRITONLLM_MODEL`` set; the sidecar (``python -m openai_frontend``)
+runs as a child process. Both are started in their own process groups, so Ctrl-C / SIGTERM
+reach only this launcher, which then stops the sidecar first and tritonserver (with its Python
+stubs) second: no orphan processes.
+
+Supervision (``supervisor.py``): when tritonserver dies, or the sidecar's end-to-end
+``/health`` fails for ``--unhealthy-timeout`` seconds, tritonserver is restarted after an
+exponential backoff (a dead sidecar likewise); ``--on-failure exit`` instead stops everything
+and exits 1, for a container whose orchestrator restarts it. SIGTERM drains: new requests get
+503 while the ones in flight finish (up to ``--drain-timeout`` seconds), then both stop; Ctrl-C
+(SIGINT) stops at once, aborting what is in flight. This process imports neither torch nor
+transformers.
 
 Ports and addresses: the OpenAI API on ``--host``:``--port`` (default 127.0.0.1:9000);
 tritonserver's HTTP, gRPC and metrics endpoints on ``--triton-host`` (default 127.0.0.1) at
@@ -25,19 +35,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .default_model import DEFAULT_MODEL_DIR, is_converted
+from .supervisor import FAILURE_POLICIES, SupervisePolicy, Supervisor
 from .triton_server import (
     DEFAULT_BIND_ADDRESS,
     MODEL_REPOSITORY,
     REPO_ROOT,
     TritonServer,
     connect_host,
-    start_process_group,
-    stop_process_group,
-    wait_http_ok,
 )
 
 
@@ -52,7 +60,9 @@ class LaunchConfig:
         triton_host: tritonserver's bind address (HTTP, gRPC and metrics).
         grpc_port, http_port, metrics_port: tritonserver's TCP ports on ``triton_host``.
         startup_timeout_s: seconds each server may take to become ready.
-        triton_log: tritonserver's log file (None: a temp file).
+        triton_log: tritonserver's log file (None: a temp file); restarts write
+            ``NAME.1.log``, ``NAME.2.log``, ... beside it.
+        policy: failure handling, health checks and the drain (``SupervisePolicy``).
     """
 
     model: str | None = None
@@ -65,6 +75,7 @@ class LaunchConfig:
     metrics_port: int = 8002
     startup_timeout_s: float = 600.0
     triton_log: Path | None = None
+    policy: SupervisePolicy = SupervisePolicy()
 
     @property
     def base_url(self) -> str:
@@ -75,18 +86,21 @@ class LaunchConfig:
 def resolve_model(model: str | None) -> str:
     """The checkpoint to serve: a local directory (absolute path) or a hub id kept as is.
 
-    With no model, converts the built-in default model once (``default_model``) and serves it.
+    With no model, converts the built-in default model once (``tritonllm.default_model``), in a
+    child process: converting imports torch and transformers, which this process never holds.
 
     Raises:
-        SystemExit: no model given and the default model's wheel is not installed.
+        SystemExit: no model given and the default model could not be converted (e.g. its
+            wheel is not installed; the child's message says how to install it).
     """
     if model is None:
-        from .default_model import ensure_default_model
-
-        try:
-            return str(ensure_default_model())
-        except FileNotFoundError as exc:
-            raise SystemExit(f"error: {exc}") from None
+        if not is_converted(DEFAULT_MODEL_DIR):
+            command = [sys.executable, "-m", "tritonllm.default_model"]
+            if subprocess.run(command, cwd=REPO_ROOT).returncode != 0:
+                raise SystemExit(
+                    f"error: could not convert the default model ({' '.join(command)})"
+                )
+        return str(DEFAULT_MODEL_DIR.resolve())
     path = Path(model).expanduser()
     # A path that does not exist is passed through: transformers resolves hub ids like
     # Qwen/Qwen3-0.6B where a hub is reachable.
@@ -100,72 +114,109 @@ def served_name(model: str) -> str:
 
 
 def sidecar_command(
-    grpc_url: str, port: int, host: str = "127.0.0.1", model_name: str | None = None
+    grpc_url: str,
+    port: int,
+    host: str = "127.0.0.1",
+    model_name: str | None = None,
+    drain_timeout_s: float | None = None,
 ) -> list[str]:
     """The command line of the OpenAI sidecar (``python -m openai_frontend``): it calls the
     tritonserver gRPC endpoint ``grpc_url`` (``HOST:PORT``) and listens on ``host`` / ``port``;
-    ``model_name`` None leaves the sidecar's default served name."""
+    ``model_name`` / ``drain_timeout_s`` None leave the sidecar's defaults."""
     command = [sys.executable, "-m", "openai_frontend", f"--triton-url={grpc_url}"]
     if model_name is not None:
         command.append(f"--model-name={model_name}")
+    if drain_timeout_s is not None:
+        command.append(f"--drain-timeout={drain_timeout_s:g}")
     return command + [f"--host={host}", f"--port={port}"]
 
 
-def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+class _Stop(Exception):
+    """A signal asked the launcher to stop; ``graceful``: SIGTERM (drain) rather than SIGINT."""
+
+    def __init__(self, graceful: bool) -> None:
+        super().__init__("stop")
+        self.graceful = graceful
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop(graceful=signum == signal.SIGTERM)
+
+
+def _triton_factory(cfg: LaunchConfig, model: str):
+    """A function that makes the ``TritonServer`` of each (re)start: same ports, its own log."""
+    starts = 0
+
+    def new_triton() -> TritonServer:
+        nonlocal starts
+        log = cfg.triton_log
+        if log is not None and starts > 0:
+            log = log.with_name(f"{log.stem}.{starts}{log.suffix or '.log'}")
+        starts += 1
+        # TRITONLLM_MODEL goes through env (not model_path) so a hub id is not made a path.
+        return TritonServer(
+            model_path=None,
+            model_repository=MODEL_REPOSITORY,
+            env={"TRITONLLM_MODEL": model},
+            log_path=log,
+            http_port=cfg.http_port,
+            grpc_port=cfg.grpc_port,
+            metrics_port=cfg.metrics_port,
+            bind_address=cfg.triton_host,
+        )
+
+    return new_triton
+
+
+def build_supervisor(cfg: LaunchConfig, model: str, model_name: str) -> Supervisor:
+    """The ``Supervisor`` of ``cfg``'s tritonserver (serving ``model``) and sidecar (serving
+    it as ``model_name``): what ``serve`` runs. Its ``new_triton().command(install)`` and
+    ``sidecar_command`` are the two command lines (``docker/`` and ``deploy/`` run them
+    through this launcher; their tests read them here)."""
+    grpc_url = f"{connect_host(cfg.triton_host)}:{cfg.grpc_port}"
+    command = sidecar_command(grpc_url, cfg.port, cfg.host, model_name, cfg.policy.drain_timeout_s)
+    health = cfg.base_url.removesuffix("/v1") + "/health"
+    return Supervisor(
+        _triton_factory(cfg, model), command, health, cfg.policy, cfg.startup_timeout_s, REPO_ROOT
+    )
 
 
 def serve(cfg: LaunchConfig) -> int:
-    """Start both processes, wait for readiness, print the base URL, run until interrupted.
+    """Start both processes, wait for health, print the base URL, supervise until a signal.
 
     Returns:
-        0 after a Ctrl-C/SIGTERM shutdown; 1 when a process failed to start or died.
+        0 after a SIGTERM (drained) or Ctrl-C shutdown; 1 when a process failed to start, or
+        failed with ``on_failure="exit"``.
     """
     # SIGINT explicitly too: a job started in the background of a non-interactive shell inherits
     # SIGINT as ignored, and Ctrl-C / `kill -INT` must still stop both servers.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
-    model = resolve_model(cfg.model)
-    model_name = cfg.model_name or served_name(model)
-    # TRITONLLM_MODEL goes through env (not model_path) so a hub id is not turned into a path.
-    triton = TritonServer(
-        model_path=None,
-        model_repository=MODEL_REPOSITORY,
-        env={"TRITONLLM_MODEL": model},
-        log_path=cfg.triton_log,
-        http_port=cfg.http_port,
-        grpc_port=cfg.grpc_port,
-        metrics_port=cfg.metrics_port,
-        bind_address=cfg.triton_host,
-    )
-    sidecar: subprocess.Popen | None = None
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    graceful = False
+    supervisor: Supervisor | None = None
     try:
+        model = resolve_model(cfg.model)
+        model_name = cfg.model_name or served_name(model)
+        supervisor = build_supervisor(cfg, model, model_name)
         print(f"starting tritonserver (model {model}) ...", flush=True)
-        triton.start(timeout=cfg.startup_timeout_s)
-        assert triton.process is not None  # start() returns with the server running
-        print(f"tritonserver pid {triton.process.pid}, log {triton.log_path}", flush=True)
-        command = sidecar_command(triton.grpc_url, cfg.port, cfg.host, model_name)
-        sidecar = start_process_group(command, cwd=REPO_ROOT)
-        print(f"sidecar pid {sidecar.pid}", flush=True)
-        health = cfg.base_url.removesuffix("/v1") + "/health"
-        wait_http_ok(health, cfg.startup_timeout_s, sidecar, "sidecar")
+        supervisor.start()
         print(_banner(cfg, model_name), flush=True)
-        while triton.process.poll() is None and sidecar.poll() is None:
-            time.sleep(0.5)
-        print("a server process exited; shutting down", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        print("shutting down ...", flush=True)
+        status = supervisor.run()
+        print("shutting down after a failure (--on-failure exit)", file=sys.stderr, flush=True)
+        return status
+    except _Stop as stop:
+        graceful = stop.graceful
+        print("draining ..." if graceful else "shutting down ...", flush=True)
         return 0
     except RuntimeError as exc:
         print(f"launch failed: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        # Ignore further Ctrl-C while stopping, so the children are always reaped.
+        # Ignore further signals while stopping, so the children are always reaped.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop_process_group(sidecar, 15.0)
-        triton.stop()
+        if supervisor is not None:
+            supervisor.stop(graceful)
         print("stopped", flush=True)
 
 
@@ -175,7 +226,7 @@ def _banner(cfg: LaunchConfig, model_name: str) -> str:
         f"try: curl {cfg.base_url}/chat/completions -H 'Content-Type: application/json' "
         f'-d \'{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hello"}}], '
         f'"max_tokens": 32}}\'\n'
-        "Ctrl-C stops both servers."
+        "Ctrl-C stops both servers (SIGTERM drains first)."
     )
 
 
@@ -183,7 +234,9 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     """The launcher's command line as a ``LaunchConfig``; exits with usage on bad flags."""
     p = argparse.ArgumentParser(prog="python -m tritonllm.launch", description=__doc__)
     p.add_argument(
-        "--model", default=None, help="HF model directory or hub id (default: SmolLM2-135M)"
+        "--model",
+        default=os.environ.get("TRITONLLM_MODEL") or None,
+        help="HF model directory or hub id (default: $TRITONLLM_MODEL or SmolLM2-135M-Instruct)",
     )
     p.add_argument("--model-name", default=None, help="served name (default: dir basename)")
     p.add_argument(
@@ -203,7 +256,40 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     p.add_argument("--metrics-port", type=int, default=8002, help="tritonserver metrics port")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds per server")
     p.add_argument("--triton-log", type=Path, default=None, help="tritonserver log file")
+    defaults = SupervisePolicy()
+    p.add_argument(
+        "--on-failure",
+        choices=FAILURE_POLICIES,
+        default=os.environ.get("TRITONLLM_ON_FAILURE", defaults.on_failure),
+        help="when tritonserver or the sidecar dies or stays unhealthy: restart it with "
+        "backoff, or exit 1 for an orchestrator to restart (default: $TRITONLLM_ON_FAILURE "
+        "or restart)",
+    )
+    p.add_argument(
+        "--unhealthy-timeout",
+        type=float,
+        default=defaults.unhealthy_timeout_s,
+        help="seconds /health may fail in a row before it counts as a failure",
+    )
+    p.add_argument(
+        "--health-interval",
+        type=float,
+        default=defaults.health_interval_s,
+        help="seconds between health checks",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=defaults.drain_timeout_s,
+        help="seconds SIGTERM lets requests in flight finish (new ones get 503)",
+    )
     a = p.parse_args(argv)
+    policy = SupervisePolicy(
+        on_failure=a.on_failure,
+        health_interval_s=a.health_interval,
+        unhealthy_timeout_s=a.unhealthy_timeout,
+        drain_timeout_s=a.drain_timeout,
+    )
     return LaunchConfig(
         model=a.model,
         model_name=a.model_name,
@@ -215,6 +301,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         metrics_port=a.metrics_port,
         startup_timeout_s=a.startup_timeout,
         triton_log=a.triton_log,
+        policy=policy,
     )
 
 

@@ -19,6 +19,8 @@ is a field of ``EngineConfig``; each can be set by the environment variable
 ``TRITONLLM_MAX_PREFILL_TOKENS``       per-step token budget of a prefill batch
 ``TRITONLLM_PREFILL_DELAY_STEPS``      most decode steps new requests wait to share a prefill
                                        step (0 on CPU, 8 on CUDA; ``engine/scheduler.py``)
+``TRITONLLM_MIXED_STEPS``              ``true``/``false``: decoding requests ride along in
+                                       prefill steps (default true; ``engine/scheduler.py``)
 ``TRITONLLM_ENABLE_PREFIX_CACHE``      ``true``/``false``: radix prefix cache
 ``TRITONLLM_ATTENTION_BACKEND``        ``auto`` (default) | ``torch`` | ``flashinfer`` | ``triton``
 ``TRITONLLM_MAX_MODEL_LEN``            prompt + output limit in tokens (default: the model's)

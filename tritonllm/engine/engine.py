@@ -39,16 +39,17 @@ class EngineStats:
         used_pages: total_pages - free_pages (running requests + radix cache).
         cached_pages: pages held by the radix prefix cache (locked or not).
         evictable_pages: radix cache pages no running request uses (reclaimable).
-        max_batch_size_seen: the largest decode batch so far.
+        max_batch_size_seen: the most decode rows (decoding requests) of one step so far.
         num_steps: steps that ran a forward pass.
         num_preemptions: requests preempted for lack of pages.
         gpu_wait_s: seconds `step()` spent so far waiting for the device to finish a launched
             step (in `LaunchedStep.result`); with overlap scheduling a step that waits is
             device-bound, one that does not is host-bound.
-        num_prefill_steps: the steps of `num_steps` that ran a prefill/extend batch (the rest
-            ran decode batches).
-        prefill_tokens: tokens those prefill/extend steps computed (prompt chunks, recomputed
-            preempted requests).
+        num_prefill_steps: the steps of `num_steps` that ran a prefill/extend batch, mixed
+            batches included (the rest ran decode batches).
+        prefill_tokens: prompt tokens those steps computed (prompt chunks, recomputed
+            preempted requests; a mixed batch's decode rows not counted).
+        num_mixed_steps: the prefill steps that also carried decode rows (mixed steps).
     """
 
     num_running: int
@@ -64,6 +65,7 @@ class EngineStats:
     gpu_wait_s: float = 0.0
     num_prefill_steps: int = 0
     prefill_tokens: int = 0
+    num_mixed_steps: int = 0
 
 
 class LLMEngine:
@@ -92,6 +94,7 @@ class LLMEngine:
             config.max_running_requests,
             config.max_prefill_tokens,
             config.prefill_delay_steps,
+            config.mixed_steps,
         )
         self.max_model_len = config.effective_max_model_len
         self.limits = RequestLimits.of(self)  # what check_request validates against
@@ -101,10 +104,7 @@ class LLMEngine:
         self._arrival = itertools.count()
         self._gen_ids = itertools.count()
         self._num_steps = 0
-        self._max_batch = 0
         self._gpu_wait_s = 0.0
-        self._num_prefill_steps = 0
-        self._prefill_tokens = 0
         self._overlap = config.use_overlap_schedule
         self._in_flight: LaunchedStep | None = None  # overlap: launched, not yet processed
         self._detok: Detokenizer | None = None
@@ -196,7 +196,7 @@ class LLMEngine:
         return bool(self._requests or self._pending)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step (a prefill or a decode batch); return the outputs it made,
+        """Run one scheduler step (a prefill, mixed or decode batch); return the outputs it made,
         plus final outputs of requests aborted since the last step.
 
         With overlap scheduling the step launches batch N+1 and then reports the tokens of
@@ -209,11 +209,6 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             launched = None
             if batch is not None:
-                if batch.is_decode:
-                    self._max_batch = max(self._max_batch, len(batch.reqs))
-                else:
-                    self._num_prefill_steps += 1
-                    self._prefill_tokens += batch.num_tokens
                 hook = None
                 if self._in_flight is not None and self.constraints.live:
                     hook = lambda reqs: self._sync_constrained(reqs, outputs)  # noqa: E731
@@ -260,13 +255,13 @@ class LLMEngine:
         self._gpu_wait_s += time.perf_counter() - start
         if samples is None:
             return
-        live, is_prefill = self._requests, not step.batch.is_decode
+        live, prefilled = self._requests, len(step.sample_reqs) - step.batch.num_decode_rows
         tokens, logprobs, top_logprobs = samples.token_ids, samples.logprobs, samples.top_logprobs
         for j, (req, pos) in enumerate(zip(step.sample_reqs, step.token_pos, strict=True)):
             if live.get(req.key) is not req:
                 continue  # finished (overlap: its extra token is discarded) or aborted
             req.token_ids[pos] = tokens[j]
-            if is_prefill:
+            if j < prefilled:  # a prefill row that finished its prompt (they sample first)
                 self.cache.cache_prefix(req)
             outputs.append(self._append_token(req, pos, logprobs[j], top_logprobs[j]))
 
@@ -350,22 +345,23 @@ class LLMEngine:
 
     # ---- introspection and offline use ---------------------------------------------------------
     def stats(self) -> EngineStats:
-        cache = self.cache
+        cache, sched = self.cache, self.scheduler
         total, free = cache.num_usable_pages, cache.num_free_pages
         return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
             total_pages=total,
             free_pages=free,
             used_pages=total - free,
             cached_pages=cache.prefix_cache.num_pages,
             evictable_pages=cache.prefix_cache.num_evictable_pages,
-            max_batch_size_seen=self._max_batch,
+            max_batch_size_seen=sched.max_decode_rows,
             num_steps=self._num_steps,
-            num_preemptions=self.scheduler.num_preemptions,
+            num_preemptions=sched.num_preemptions,
             gpu_wait_s=self._gpu_wait_s,
-            num_prefill_steps=self._num_prefill_steps,
-            prefill_tokens=self._prefill_tokens,
+            num_prefill_steps=sched.num_prefill_steps,
+            prefill_tokens=sched.prefill_tokens,
+            num_mixed_steps=sched.num_mixed_steps,
         )
 
     def generate(

@@ -3,7 +3,8 @@
 `run(batch)` only enqueues device work: the batch's metadata travels in two pinned,
 non-blocking host-to-device copies (one int64, one int32 buffer; the tensors of
 `AttentionMetadata` are views into them), decode batches of up to `cuda_graph_max_bs` sequences
-replay a CUDA graph (`engine.cuda_graph`), and the sampled ids stay on the device (see
+replay a CUDA graph (`engine.cuda_graph`), prefill and mixed batches (a mixed batch's decode
+rows are extend rows of one token) run eagerly, and the sampled ids stay on the device (see
 `engine.overlap`). Nothing here reads a device value on the host.
 """
 
@@ -123,16 +124,19 @@ class ModelRunner:
             rows = np.arange(num_seqs)
             positions, cu, extend = computed, np.arange(num_seqs + 1), 1
             sample_reqs, logits_idx = list(reqs), rows
-        else:
+        else:  # prefill rows, then the decode rows of a mixed batch (one token each, sampling)
+            num_prefill = batch.num_prefill_rows
             ids = []
-            for r, ext in zip(reqs, exts, strict=True):
+            for r, ext in zip(reqs[:num_prefill], exts[:num_prefill], strict=True):
                 ids.extend(r.token_ids[r.num_computed : r.num_computed + ext])
+            ids.extend([r.token_ids[r.num_computed] for r in reqs[num_prefill:]])
             extend = np.asarray(exts, dtype=np.int64)
             cu = np.zeros(num_seqs + 1, dtype=np.int64)
             np.cumsum(extend, out=cu[1:])
             rows = np.repeat(np.arange(num_seqs), extend)
             positions = computed[rows] + np.arange(len(ids)) - cu[rows]
-            sample_rows = [i for i in range(num_seqs) if batch.samples(i)]
+            sample_rows = [i for i in range(num_prefill) if batch.samples(i)]
+            sample_rows += range(num_prefill, num_seqs)
             sample_reqs = [reqs[i] for i in sample_rows]
             # Each sampling row projects its last new token; with only prompt chunks the
             # forward still wants one row.

@@ -1,33 +1,56 @@
 """Continuous batching: which requests run in the next step, and their KV pages.
 
-Policy (one batch kind per step, like mini-sglang):
+Policy with mixed steps (`mixed_steps`; decodes piggybacking on chunked prefills, the batching
+of SARATHI (Agrawal et al. 2023), SGLang's `enable_mixed_chunk` and vLLM v1's unified token
+budget):
 
-- A step is either a *prefill/extend* batch (new prompts, prompt chunks, recomputation of
-  preempted requests) or a *decode* batch (every decoding request adds one token).
-- Prefill is preferred while requests can be admitted, so new requests get a low TTFT, but
-  never twice in a row when requests are decoding: after a prefill step, a decode step runs,
-  so running requests advance at least every other step.
+- A step is a *decode* batch (every decoding request adds one token; a CUDA graph where one is
+  captured) or a *mixed* batch: a prefill/extend batch (new prompts, prompt chunks,
+  recomputation of preempted requests) whose forward also carries every decoding request as a
+  one-token extend row (eager; rows: the prefill rows first, then the decode rows, longest
+  context first). No decode step is lost to a prefill, so prefill may run in consecutive steps
+  (a long prompt's chunks back to back) and requests decode in every step.
+- Token budget: `max_prefill_tokens` per step, the decode rows counted in (one token each, as
+  SGLang's `mixed_with_decode_tokens` and vLLM's `max_num_batched_tokens` count them): the
+  prompt chunks get `max_prefill_tokens - decode rows`, but never less than half the budget
+  (`prefill_budget`). So the budget holds whenever the decode rows take at most half of it
+  (always at the defaults, 8,192 / 16,384 tokens against at most 256 decode rows), and where
+  they take more, prefill still advances at least at the average rate of the alternation
+  below (a full budget every other step) instead of being starved by decoding requests.
 - Admission delay (`prefill_delay_steps`, 0 = off): while requests decode, new requests may
-  wait up to that many decode steps so that arrivals batch into fewer, larger prefill steps.
-  A prefill step that is not a CUDA graph costs about the same host time whatever its size
-  (`benchmarks/prefill_host.py`), so under a steady trickle of arrivals one prefill per
-  arrival starves the decode steps (BENCHMARKS.md, "Host time of an eager prefill step" and
-  "Online: one eager prefill step per arrival starved the decode steps").
-  The wait ends early when the waiting prompts fill a prefill batch (`max_prefill_tokens`),
-  when nothing decodes, and never holds back a prompt that is part-way through chunked
-  prefill. The idea is vLLM's `scheduler_delay_factor`
-  (delay the next prompt batch by a multiple of the last prompt latency), counted in steps.
-- A prefill batch takes at most `max_prefill_tokens` tokens (chunked prefill). Requests that
-  are part-way through their prompt go first, then the waiting queue in FIFO order; a long
-  prompt is split and continues in later prefill steps.
-- Admission needs free pages for the scheduled chunk (after evicting unreferenced prefix-cache
-  pages), plus one spare page per decoding request, so that decodes crossing a page boundary
-  rarely have to preempt. Admission stops at the first request that does not fit (FIFO, no
-  overtaking) or at `max_running_requests`.
-- A decode that crosses a page boundary takes one page. If none is left even after
-  eviction, the newest running request is preempted: its computed pages go to the prefix cache
-  (or are freed), and it returns to the front of the waiting queue, to be recomputed later
-  with its generated tokens appended to the prompt (mostly from the prefix cache).
+  wait up to that many decode steps so that arrivals batch into fewer prefill steps. An eager
+  forward costs about the same host time whatever its size (`benchmarks/prefill_host.py`), and
+  a mixed step is one, where the decode step it replaces would have replayed a CUDA graph in a
+  fraction of that time; so under a steady trickle of arrivals one mixed step per arrival
+  would still slow every decoding request down (BENCHMARKS.md, "Host time of an eager prefill
+  step"). The wait ends early when the waiting prompts fill a step's prefill budget, when
+  nothing decodes, and never holds back a prompt that is part-way through chunked prefill. The
+  idea is vLLM's `scheduler_delay_factor` (delay the next prompt batch by a multiple of the
+  last prompt latency), counted in steps.
+- Prefill rows: requests part-way through their prompt go first, then the waiting queue in
+  FIFO order; a long prompt is split and continues in later steps.
+- Pages: the decode rows take theirs first (oldest first; a decode that crosses a page
+  boundary takes one page, and if none is left even after eviction the newest running request
+  is preempted: its computed pages go to the prefix cache (or are freed), and it returns to the
+  front of the waiting queue, to be recomputed later with its generated tokens appended to the
+  prompt, mostly from the prefix cache). Admission then needs free pages for the scheduled
+  chunk (after evicting unreferenced prefix-cache pages), plus one spare page per decoding
+  request, so that decodes crossing a page boundary rarely have to preempt. Admission stops at
+  the first request that does not fit (FIFO, no overtaking) or at `max_running_requests`; when
+  nothing can be admitted the step is a plain decode batch.
+
+Nothing else changes for a decode row in a mixed batch: under overlap scheduling its input id
+is the in-flight step's placeholder, resolved on the device (`FutureMap.resolve`); the rows
+that sample are each prefill row that reaches the end of its prompt, then every decode row, so
+logprobs, penalties, seeds and the n > 1 children are per row as in a decode batch; a decode
+row that stops (EOS, stop ids, max_tokens) is finished when its sample is processed, and only
+the prefill rows' prompts enter the prefix cache then (a decode row's pages do at release).
+
+Without mixed steps (`mixed_steps=False`, for A/B; mini-sglang's policy, one batch kind per
+step): a step is either a prefill/extend batch (at most `max_prefill_tokens` prompt tokens) or
+a decode batch. Prefill is preferred while requests can be admitted, but never twice in a row
+when requests are decoding: after a prefill step a decode step runs, so running requests
+advance at least every other step. The admission delay applies in the same way.
 """
 
 from __future__ import annotations
@@ -43,17 +66,46 @@ from tritonllm.engine.request import Request, RequestStatus
 @dataclass
 class ScheduledBatch:
     """One step's work: `reqs[i]` runs `extend_lens[i]` new tokens starting at its
-    `num_computed`. `is_decode`: all extend lens are 1 and every request samples.
-    `page_table`: the cache manager's host mirror of the requests' pages."""
+    `num_computed`.
+
+    Attributes:
+        reqs: the batch's requests, prefill rows first, then decode rows.
+        extend_lens: new tokens per row (1 for a decode row).
+        is_decode: a decode batch: every row is a decode row (and samples).
+        page_table: the cache manager's host mirror of the requests' pages.
+        num_decode_rows: how many rows, at the end of `reqs`, are decode rows (one token, the
+            last sampled one, and they sample): all of them in a decode batch (set here), 0 in
+            a prefill-only batch, both kinds of rows in a mixed batch.
+    """
 
     reqs: list[Request]
     extend_lens: list[int]
     is_decode: bool
     page_table: HostPageTable
+    num_decode_rows: int = 0
+
+    def __post_init__(self) -> None:
+        if self.is_decode:
+            self.num_decode_rows = len(self.reqs)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
+
+    @property
+    def num_prefill_rows(self) -> int:
+        """Rows of prompt chunks (or recomputation), at the front of `reqs`."""
+        return len(self.reqs) - self.num_decode_rows
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of the prefill rows (prompt chunks, recomputation)."""
+        return self.num_tokens - self.num_decode_rows
+
+    @property
+    def is_mixed(self) -> bool:
+        """A prefill/extend batch that also carries decode rows."""
+        return 0 < self.num_decode_rows < len(self.reqs)
 
     def samples(self, i: int) -> bool:
         """Whether request i reaches the end of its tokens this step (so it samples)."""
@@ -66,8 +118,11 @@ class Scheduler:
     Args:
         cache: the cache manager (pages, prefix cache, page table).
         max_running_requests: most requests admitted at once.
-        max_prefill_tokens: the token budget of a prefill/extend step.
+        max_prefill_tokens: the token budget of a step's prefill/extend work (with mixed steps
+            the decode rows count in; see `prefill_budget`).
         prefill_delay_steps: the admission delay (decode steps; module docstring).
+        mixed_steps: decoding requests ride along in prefill/extend steps (module docstring);
+            False: one batch kind per step.
     """
 
     def __init__(
@@ -76,21 +131,36 @@ class Scheduler:
         max_running_requests: int,
         max_prefill_tokens: int,
         prefill_delay_steps: int = 0,
+        mixed_steps: bool = False,
     ) -> None:
         self.cache = cache
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        self.mixed_steps = mixed_steps
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._last_was_prefill = False
         self.prefill_delay_steps = prefill_delay_steps
         self._waited_steps = 0  # decode steps run while new requests waited (admission delay)
         self.num_preemptions = 0
+        # What the scheduled batches held (`EngineStats`): the most decode rows of one step, the
+        # batches with prefill rows, their prompt tokens, and the mixed ones among them.
+        self.max_decode_rows = 0
+        self.num_prefill_steps = self.prefill_tokens = self.num_mixed_steps = 0
 
     @property
     def page_table(self) -> HostPageTable:
         """The requests' page rows (the cache manager's), which each batch carries."""
         return self.cache.page_table
+
+    def prefill_budget(self, num_decode_rows: int) -> int:
+        """Prompt tokens a step may schedule beside `num_decode_rows` decode rows (tokens):
+        `max_prefill_tokens`, less the decode rows with mixed steps, but never less than half
+        of it (rounded up; module docstring)."""
+        budget = self.max_prefill_tokens
+        if not self.mixed_steps:
+            return budget
+        return max(budget - num_decode_rows, (budget + 1) // 2)
 
     # ---- queue management -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -122,43 +192,78 @@ class Scheduler:
         decoding = [r for r in self.running if r.is_decoding]
         partial = len(decoding) < len(self.running)
         has_prefills = bool(self.waiting) or partial
-        if (
-            has_prefills
-            and not (self._last_was_prefill and decoding)
-            and not (decoding and not partial and self._delays_admission())
-        ):
-            batch = self._schedule_prefill()
-            if batch is not None:
-                self._last_was_prefill = True
+        delayed = (
+            bool(decoding)
+            and not partial
+            and self._delays_admission(self.prefill_budget(len(decoding)))
+        )
+        if self.mixed_steps:
+            batch = self._schedule_mixed(decoding) if has_prefills and not delayed else None
+            if batch is None and decoding:
+                batch = self._schedule_decode(decoding)
+        else:
+            batch = self._schedule_alternating(decoding, has_prefills, delayed)
+        if batch is not None:
+            self.max_decode_rows = max(self.max_decode_rows, batch.num_decode_rows)
+            if batch.num_prefill_rows:
+                self.num_prefill_steps += 1
+                self.prefill_tokens += batch.num_prefill_tokens
+                self.num_mixed_steps += batch.is_mixed
                 if not self.waiting:
                     self._waited_steps = 0
+            else:
+                self._waited_steps = self._waited_steps + 1 if self.waiting else 0
+        return batch
+
+    def _schedule_mixed(self, decoding: list[Request]) -> ScheduledBatch | None:
+        """Decode rows (their pages first, preempting if need be) and the prefill rows that the
+        budget left by them and the pages allow, as one batch; a decode batch when no prefill
+        row fits, None when nothing runs."""
+        decode = self._schedule_decode(decoding) if decoding else None
+        rows = decode.reqs if decode is not None else []
+        prefill = self._schedule_prefill(self.prefill_budget(len(rows)))
+        if prefill is None or decode is None:
+            return prefill or decode
+        return ScheduledBatch(
+            prefill.reqs + rows,
+            prefill.extend_lens + decode.extend_lens,
+            is_decode=False,
+            page_table=self.page_table,
+            num_decode_rows=len(rows),
+        )
+
+    def _schedule_alternating(
+        self, decoding: list[Request], has_prefills: bool, delayed: bool
+    ) -> ScheduledBatch | None:
+        """Without mixed steps: a prefill batch or a decode batch (module docstring)."""
+        if has_prefills and not (self._last_was_prefill and decoding) and not delayed:
+            batch = self._schedule_prefill(self.max_prefill_tokens)
+            if batch is not None:
+                self._last_was_prefill = True
                 return batch
         self._last_was_prefill = False
         batch = self._schedule_decode(decoding) if decoding else None
-        if batch is not None:
-            self._waited_steps = self._waited_steps + 1 if self.waiting else 0
         if batch is None and has_prefills:
             # Decodes were all preempted (or none existed): use the step for prefill.
-            batch = self._schedule_prefill()
-            if batch is not None and not self.waiting:
-                self._waited_steps = 0
+            batch = self._schedule_prefill(self.max_prefill_tokens)
         return batch
 
-    def _delays_admission(self) -> bool:
+    def _delays_admission(self, budget: int) -> bool:
         """Whether the waiting requests should wait for another decode step (admission delay,
         see the module docstring): fewer than `prefill_delay_steps` decode steps have run since
-        they started waiting and their prompts do not fill a prefill batch."""
+        they started waiting and their prompts do not fill a step's prefill `budget`."""
         if self._waited_steps >= self.prefill_delay_steps:
             return False
         pending = 0
         for req in self.waiting:
             pending += req.num_pending
-            if pending >= self.max_prefill_tokens:
+            if pending >= budget:
                 return False
         return True
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        budget = self.max_prefill_tokens
+    def _schedule_prefill(self, budget: int) -> ScheduledBatch | None:
+        """Prefill rows of at most `budget` tokens: partly prefilled requests first, then
+        admissions from the waiting queue (module docstring); None if none fits."""
         reqs: list[Request] = []
         extends: list[int] = []
         num_decoding = sum(r.is_decoding for r in self.running)

@@ -99,7 +99,7 @@ class GeneratorCore:
         self.engine = engine
         self.requests: RequestTable[_Entry] = RequestTable()
         self._on_tick, self._parent_alive = on_tick, parent_alive
-        self._warn = log_warning
+        self._warn, self._log_error = log_warning, log_error
         self._cancel_check_s = cancel_check_s
         self._new_tokens = 0  # generated since the last tick
         self._last_cancel_scan = time.monotonic()
@@ -180,7 +180,8 @@ class GeneratorCore:
     # --- sender thread -----------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> int:
         """Send the responses of a batch of coalesced outputs; returns how many were sent
-        (none once tritonserver is gone)."""
+        (none once tritonserver is gone). A request whose response cannot be built fails
+        alone, with an internal error; the others' outputs are still delivered."""
         if not self._parent_alive():
             return 0
         now = time.monotonic()
@@ -191,27 +192,48 @@ class GeneratorCore:
             entry = self.requests.get(key)
             if entry is None:
                 continue
-            final = output.request_finished
-            if final:
-                self.requests.pop(key)
-            if entry.cancelled:
-                continue
-            chunk = entry.states[output.index].on_output(output)
-            if chunk is None:
-                continue
-            if chunk.error is not None:
-                # One error response ends the whole Triton request; the other choices go too.
-                entry.cancelled = True
-                if not final:
-                    self.engine.abort(key)
-                entry.sink.send_error(encode_error(ErrorCode.INTERNAL_ERROR, chunk.error))
-                sent += 1
-                continue
-            if not final and self._cancelled(entry, now):
-                self._cancel(key, entry)
-                continue
-            sent += self._send(key, entry, chunk, final)
+            try:
+                sent += self._deliver_one(key, entry, output, now)
+            except Exception as exc:
+                sent += self._fail(key, entry, exc)
         return sent
+
+    def _deliver_one(self, key: str, entry: _Entry, output: RequestOutput, now: float) -> int:
+        """Send the response (if one is due) of one output; returns 1 if one was sent."""
+        final = output.request_finished
+        if final:
+            self.requests.pop(key)
+        if entry.cancelled:
+            return 0
+        chunk = entry.states[output.index].on_output(output)
+        if chunk is None:
+            return 0
+        if chunk.error is not None:
+            # One error response ends the whole Triton request; the other choices go too.
+            entry.cancelled = True
+            if not final:
+                self.engine.abort(key)
+            entry.sink.send_error(encode_error(ErrorCode.INTERNAL_ERROR, chunk.error))
+            return 1
+        if not final and self._cancelled(entry, now):
+            self._cancel(key, entry)
+            return 0
+        return int(self._send(key, entry, chunk, final))
+
+    def _fail(self, key: str, entry: _Entry, exc: Exception) -> int:
+        """End a request whose output could not be turned into a response: an internal error
+        to its client, an abort in the engine; returns 1 if the error was sent."""
+        self._log_error(f"generator: request {key!r} failed: {exc!r}")
+        if entry.cancelled:
+            return 0
+        entry.cancelled = True
+        self.requests.pop(key)
+        self.engine.abort(key)
+        try:
+            entry.sink.send_error(encode_error(ErrorCode.INTERNAL_ERROR, str(exc)))
+            return 1
+        except Exception:  # the stream may already be gone
+            return 0
 
     def _send(self, key: str, entry: _Entry, chunk: ResponseChunk, final: bool) -> bool:
         """Send one response; False when the stream is gone (the request is then cancelled)."""

@@ -1,0 +1,123 @@
+"""Graceful drain: SIGTERM stops taking new requests and lets the ones in flight finish.
+
+On SIGTERM the sidecar starts draining: ``/health`` answers 503 (a load balancer's readiness
+check takes the replica out), every new request gets a 503 OpenAI error with ``Connection:
+close`` and ``Retry-After`` (nothing of it reached Triton, so a balancer may retry it on
+another replica), and the generations in flight go on. The server exits once none is left, or
+after ``timeout_s`` seconds, when the rest are aborted (their streams end with finish_reason
+``"abort"``). SIGINT (Ctrl-C), or a second SIGTERM, stops at once: the generations in flight
+are aborted, as before.
+
+The sidecar keeps no state that ties a client to a replica: a completion's id names a request
+only while its own stream lasts, and every request carries all its context, so a balancer may
+send consecutive requests of one client to any replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .errors import OpenAIError
+
+log = logging.getLogger(__name__)
+
+# Paths that stay open while draining: probes must see the drain, and nothing else is work.
+_OPEN_PATHS = ("/health", "/health/live")
+
+
+@dataclass
+class DrainState:
+    """Whether the sidecar is draining, and until when.
+
+    Attributes:
+        timeout_s: most seconds the generations in flight get to finish after SIGTERM (0: do
+            not drain; SIGTERM then aborts them at once).
+        started_at: ``time.monotonic()`` when the drain began (None: not draining).
+    """
+
+    timeout_s: float = 30.0
+    started_at: float | None = None
+
+    @property
+    def draining(self) -> bool:
+        return self.started_at is not None
+
+    def begin(self) -> None:
+        """Start draining (idempotent)."""
+        if self.started_at is None:
+            self.started_at = time.monotonic()
+            log.warning("draining: new requests get 503 for up to %.0f s", self.timeout_s)
+
+    def expired(self) -> bool:
+        """Whether the drain's time is up."""
+        return self.started_at is not None and time.monotonic() - self.started_at >= self.timeout_s
+
+
+class DrainGate:
+    """ASGI middleware: while ``state`` drains, each new HTTP request other than the health
+    probes gets a 503 ``service_unavailable`` OpenAI error before the app sees it."""
+
+    def __init__(self, app: ASGIApp, state: DrainState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.state.draining or scope["path"] in _OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        response = OpenAIError(
+            "the server is shutting down; retry on another replica",
+            503,
+            "server_error",
+            code="service_unavailable",
+        ).response()
+        response.headers["Connection"] = "close"
+        response.headers["Retry-After"] = "1"
+        await response(scope, receive, send)
+
+
+def server_class() -> Any:
+    """uvicorn's ``Server`` with this module's SIGTERM drain; on shutdown it also aborts the
+    generations still in flight first (uvicorn waits for open responses to finish, and a long
+    stream would otherwise hold the shutdown until the launcher's SIGKILL and leave its work
+    in Triton). Imported lazily: uvicorn is needed only to run the server."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def __init__(self, config: uvicorn.Config, app: Any) -> None:
+            super().__init__(config)
+            self.app = app  # the FastAPI app of ``create_app`` (config.app is typed loosely)
+
+        def _states(self) -> tuple[Any, DrainState]:
+            # ``state.server`` is None until the lifespan started.
+            return self.app.state.server, self.app.state.drain
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            _, drain = self._states()
+            draining = drain.draining or self.should_exit
+            if sig == signal.SIGTERM and drain.timeout_s > 0 and not draining:
+                drain.begin()  # on_tick ends the server once drained
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            server, drain = self._states()
+            if drain.draining and not self.should_exit:
+                if not (server is not None and server.live) or drain.expired():
+                    self.should_exit = True
+            return await super().on_tick(counter)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            server, _ = self._states()
+            if server is not None and server.live:
+                log.warning("aborting %d generation(s) in flight", len(server.live))
+                await server.abort_all(timeout=5.0)
+            await super().shutdown(sockets)
+
+    return Server

@@ -1,0 +1,245 @@
+"""End-to-end health of the service and the watch that fails requests whose backend died.
+
+``GET /health`` answers 200 only when a generation goes through the whole ``llm`` ensemble
+(tokenizer → generator → detokenizer): Triton 2.51 keeps reporting a model READY after its
+Python stub died, and a wedged tokenizer or detokenizer hangs every request while the generator
+alone still answers (ARCHITECTURE.md, "Platform facts"). The check is cheap and cannot load the
+engine however often it is asked:
+
+- a response that any generation in flight received within the last ``interval_s`` seconds is
+  proof enough (the backend makes progress), so a busy server sends no probe at all;
+- otherwise one probe, a 1-token greedy generation, runs at a time; its result is cached for
+  ``interval_s`` seconds and shared by every caller meanwhile.
+
+A probe that gets an *error response* (not merely a slow one) means a part of the pipeline is
+broken, and Triton never repairs a dead stub. Such a failure is held for ``failure_hold_s``
+seconds (a model with two instances fails every other request when one of them died, and
+/health must not flap), and is cleared early once tritonserver is seen down or restarting.
+
+``BackendWatch`` runs while generations are in flight: once none of them has had a response for
+``silence_s`` seconds (3), it checks health, and when the backend is known to have failed it
+ends them all with a 503 at once, instead of leaving them to the stream idle timeout (300 s by
+default): Triton sends nothing more to the requests of a stub it lost.
+
+``GET /health/live`` is the liveness answer: 200 while the sidecar's event loop runs, whatever
+the backend's state (a liveness probe must not restart the sidecar for a dead backend).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from .errors import OpenAIError
+from .generation import Generation
+from .triton_client import InputValue, TritonClient, TritonError
+
+log = logging.getLogger(__name__)
+
+# The probe: a prompt every tokenizer encodes and one greedy token. Its request id says what it
+# is in Triton's logs and statistics.
+PROBE_INPUTS: dict[str, InputValue] = {"text_input": "health", "max_tokens": 1, "temperature": 0.0}
+PROBE_ID_PREFIX = "health-"
+
+
+@dataclass(frozen=True)
+class HealthStatus:
+    """The outcome of one health check.
+
+    Attributes:
+        ok: the service can serve a generation now.
+        reason: ``"ok"`` or why not (shown in the /health body).
+        backend_failed: Triton answered a generation with an error (a dead or failing stub),
+            as opposed to being slow, not ready or unreachable.
+        checked_at: ``time.monotonic()`` of the check.
+    """
+
+    ok: bool
+    reason: str
+    backend_failed: bool = False
+    checked_at: float = 0.0
+
+
+class HealthMonitor:
+    """The sidecar's end-to-end health (see the module docstring).
+
+    Args:
+        client: the shared Triton client.
+        live: the generations in flight (``ServerState.live``); their last responses are the
+            passive evidence of progress.
+        interval_s: seconds a result (or a response of a live generation) stays valid.
+        probe_timeout_s: seconds a probe generation may take before the check fails.
+        failure_hold_s: seconds a probe's error response keeps the status failed.
+    """
+
+    def __init__(
+        self,
+        client: TritonClient,
+        live: set[Generation],
+        interval_s: float = 1.0,
+        probe_timeout_s: float = 10.0,
+        failure_hold_s: float = 60.0,
+    ) -> None:
+        self.client, self.live = client, live
+        self.interval_s, self.probe_timeout_s = interval_s, probe_timeout_s
+        self.failure_hold_s = failure_hold_s
+        self._last: HealthStatus | None = None
+        self._failed: HealthStatus | None = None  # the held failure, if any
+        self._running: asyncio.Task | None = None
+
+    def _recent_progress(self, now: float) -> bool:
+        times = (gen.last_response_at for gen in self.live)
+        return any(t is not None and now - t < self.interval_s for t in times)
+
+    async def check(self) -> HealthStatus:
+        """The current status: cached, evidenced by live generations, or probed (one probe at
+        a time, shared by concurrent callers). Never raises."""
+        now = time.monotonic()
+        if self._last is not None and now - self._last.checked_at < self.interval_s:
+            return self._last
+        held = self._failed is not None and now - self._failed.checked_at < self.failure_hold_s
+        if not held and self._recent_progress(now):
+            self._last = HealthStatus(True, "ok", checked_at=now)
+            return self._last
+        if self._running is None:
+            self._running = asyncio.ensure_future(self._probe())
+            self._running.add_done_callback(lambda _: setattr(self, "_running", None))
+        # Shielded: a caller that goes away (a probe's HTTP client timing out) must not cancel
+        # the probe that other callers share.
+        return await asyncio.shield(self._running)
+
+    async def _probe(self) -> HealthStatus:
+        if not await self.client.is_ready():
+            self._failed = None  # tritonserver is down or (re)starting: old failures are moot
+            return self._record(
+                HealthStatus(False, "triton not ready", checked_at=time.monotonic())
+            )
+        failure = await self._generate_one()
+        now = time.monotonic()
+        if failure is not None:
+            reason, backend_failed = failure
+            status = HealthStatus(False, reason, backend_failed, now)
+            if backend_failed:
+                self._failed = status
+            return self._record(status)
+        if self._failed is not None and now - self._failed.checked_at < self.failure_hold_s:
+            return self._record(HealthStatus(False, self._failed.reason, True, now))
+        self._failed = None
+        return self._record(HealthStatus(True, "ok", checked_at=now))
+
+    async def _generate_one(self) -> tuple[str, bool] | None:
+        """Send the probe generation: None when it finished, else ``(reason,
+        backend_failed)``. A probe that timed out is aborted; it fails the check, but it is
+        not ``backend_failed`` (slow is not dead)."""
+        request_id = f"{PROBE_ID_PREFIX}{uuid.uuid4().hex}"
+        try:
+            stream = await self.client.stream(request_id, PROBE_INPUTS)
+        except TritonError as exc:
+            return f"probe not sent: {exc.message}", not exc.unavailable
+
+        async def read_all() -> None:
+            while await stream.read() is not None:
+                pass
+
+        try:
+            await asyncio.wait_for(read_all(), self.probe_timeout_s)
+        except TritonError as exc:
+            return f"generation failed: {exc.message}", not exc.unavailable
+        except asyncio.TimeoutError:
+            self.client.close_soon(stream, request_id)
+            return f"no generation within {self.probe_timeout_s:g} s", False
+        return None
+
+    def _record(self, status: HealthStatus) -> HealthStatus:
+        if not status.ok and (self._last is None or self._last.reason != status.reason):
+            log.warning("unhealthy: %s", status.reason)
+        self._last = status
+        return status
+
+
+class BackendWatch:
+    """While generations are in flight and every one of them has had no response for
+    ``silence_s`` seconds, checks health (every ``interval_s`` seconds at most); when the
+    backend is known to have failed, fails them with a 503 ``service_unavailable``.
+
+    A backend that streams to any of them is not probed at all (the probe is a request through
+    ``llm``, and Triton's statistics count it).
+
+    Args:
+        monitor: the health monitor.
+        interval_s, silence_s: seconds.
+    """
+
+    def __init__(self, monitor: HealthMonitor, interval_s: float = 1.0, silence_s: float = 3.0):
+        self.monitor, self.interval_s, self.silence_s = monitor, interval_s, silence_s
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start the watch on the running event loop."""
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stop the watch."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def _silent(self, now: float) -> list[Generation]:
+        """The live generations, if every one has been silent for ``silence_s``; else []."""
+        live = list(self.monitor.live)
+        for gen in live:
+            last = gen.last_response_at if gen.last_response_at is not None else gen.started_at
+            if now - last < self.silence_s:
+                return []
+        return live
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if not self._silent(time.monotonic()):
+                continue
+            try:
+                status = await self.monitor.check()
+            except Exception:  # the watch must outlive any surprise
+                log.exception("health check failed")
+                continue
+            if status.backend_failed:
+                self.fail_silent(status.reason)
+
+    def fail_silent(self, reason: str) -> int:
+        """Fail the live generations if all are silent (see ``_silent``); returns how many."""
+        error = OpenAIError(
+            f"the backend failed: {reason}", 503, "server_error", code="service_unavailable"
+        )
+        count = sum(gen.fail(error) for gen in self._silent(time.monotonic()))
+        if count:
+            log.warning("failed %d generation(s) in flight: %s", count, reason)
+        return count
+
+
+router = APIRouter()
+
+
+@router.get("/health", response_model=None)
+async def health(request: Request) -> JSONResponse:
+    """200 ``{"status": "ok"}`` when a generation goes through the ``llm`` ensemble (see the
+    module docstring); 503 with the reason otherwise, and while the sidecar drains."""
+    drain = request.app.state.drain
+    if drain.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    status = await request.app.state.health.check()
+    return JSONResponse({"status": status.reason}, status_code=200 if status.ok else 503)
+
+
+@router.get("/health/live", response_model=None)
+async def live() -> JSONResponse:
+    """200 while the sidecar runs (liveness: says nothing about the backend)."""
+    return JSONResponse({"status": "live"}, status_code=200)
