@@ -85,7 +85,10 @@ class StructuredOutputFields(BaseModel):
                     code="missing_required_parameter",
                 )
             schema = fmt.json_schema.schema_
-            given.append(("response_format", {"json": schema} if schema else {"json_object": True}))
+            if schema:
+                given.append(("response_format.json_schema.schema", {"json": schema}))
+            else:
+                given.append(("response_format", {"json_object": True}))
         for name, kind in (
             ("guided_json", "json"),
             ("guided_regex", "regex"),

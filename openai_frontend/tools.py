@@ -106,10 +106,12 @@ class ToolFields(BaseModel):
         return json.dumps([t.model_dump(exclude_none=True) for t in self.tools], ensure_ascii=False)
 
     def tool_constraint(self, mode: ToolMode) -> tuple[str, dict[str, Any]] | None:
-        """The structured-outputs constraint of a ``required`` or named tool choice."""
+        """(the field an invalid schema is reported as, the structured-outputs constraint) of
+        a ``required`` or named tool choice (the named tool's ``parameters``, or ``tools``)."""
         if mode.kind == "named":
-            (tool,) = [t for t in self.tools or () if t.function.name == mode.name][:1]
-            return ("tool_choice", {"json": tool.function.parameters or ANY_OBJECT})
+            i = [t.function.name for t in self.tools or ()].index(mode.name or "")
+            parameters = (self.tools or [])[i].function.parameters or ANY_OBJECT
+            return (f"tools[{i}].function.parameters", {"json": parameters})
         if mode.kind != "required":
             return None
         items = [
@@ -126,7 +128,7 @@ class ToolFields(BaseModel):
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not mode.parallel:
             schema["maxItems"] = 1
-        return ("tool_choice", {"json": schema})
+        return ("tools", {"json": schema})
 
 
 def constrained_calls(mode: ToolMode, text: str) -> list[ToolCall] | None:

@@ -53,7 +53,8 @@ async def create_chat_completion(
     try:
         gen = await start_generation(request, body, "chatcmpl", "messages", chat_inputs)
     except OpenAIError as exc:
-        rename_param(exc, body, "tool_choice" if mode.kind in ("named", "required") else None)
+        tool = body.tool_constraint(mode)
+        rename_param(exc, body, tool[0] if tool is not None else None)
         raise
     state = get_state(request)
     if body.stream:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -48,7 +49,7 @@ class ConstraintCompiler:
         self,
         model_dir: str,
         vocab_size: int,
-        stop_token_ids: list[int],
+        stop_token_ids: Sequence[int],
         max_threads: int | None = None,
     ) -> None:
         self.model_dir = model_dir

@@ -163,7 +163,7 @@ def render_chat(
             "messages",
             "the tokenizer has no chat template; send text_input instead",
         )
-    options = {}
+    options: dict[str, Any] = {}
     if enable_thinking is not None:
         if not template_uses(str(template), "enable_thinking"):
             raise RequestError(
