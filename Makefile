@@ -42,7 +42,7 @@ chat: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH exec $(PY) -m tritonllm.chat $(if $(MODEL),--model "$(MODEL)",) $(CHAT_ARGS)
 
 test: setup
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q $(PYTEST_ARGS)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-gpu: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -m gpu $(PYTEST_ARGS)

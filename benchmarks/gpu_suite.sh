@@ -11,6 +11,10 @@
 #   bash benchmarks/gpu_suite.sh offline8b online8b  # the same tables for the Qwen3-8B shape
 #   bash benchmarks/gpu_suite.sh bench           # = decode offline online
 #   bash benchmarks/gpu_suite.sh bench8b         # = offline8b online8b
+#   bash benchmarks/gpu_suite.sh tests-tp2 offline-tp2 online-tp2  # tensor parallelism, 2 GPUs:
+#       its GPU tests, the offline table at TP=1 and TP=2 (bounds of 1 and 2 GPUs), one online
+#       level (concurrency 64) through tritonserver with TP=2 (issue 20)
+#   bash benchmarks/gpu_suite.sh bench-tp2       # = offline-tp2 online-tp2
 #
 # Results go to $OUT (default /tmp/tritonllm-gpu): a BENCHMARKS.md with the new sections (copy
 # them into the repository's), and results-<steps>-<time>.tar.gz with every log, JSON and plot
@@ -28,7 +32,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage() {
-  echo "usage: $0 tests|kernels|gemm|profile|decode|offline|online|ceiling|offline8b|online8b|bench|bench8b ..." >&2
+  echo "usage: $0 tests|kernels|gemm|profile|decode|offline|online|ceiling|offline8b|online8b|bench|bench8b|tests-tp2|offline-tp2|online-tp2|bench-tp2 ..." >&2
   exit 2
 }
 # Every step name is checked before anything is built or written.
@@ -36,6 +40,7 @@ usage() {
 for step in "$@"; do
   case "$step" in
   tests | kernels | gemm | profile | decode | offline | online | ceiling | offline8b | online8b | bench | bench8b) ;;
+  tests-tp2 | offline-tp2 | online-tp2 | bench-tp2) ;;
   *) usage ;;
   esac
 done
@@ -44,6 +49,7 @@ for step in "$@"; do
   case "$step" in
   bench) steps+=(decode offline online) ;;
   bench8b) steps+=(offline8b online8b) ;;
+  bench-tp2) steps+=(offline-tp2 online-tp2) ;;
   *) steps+=("$step") ;;
   esac
 done
@@ -65,7 +71,7 @@ summary="$out/suite-summary.txt"
 status=0
 # What this run writes into $out besides BENCHMARKS.md and the summary: packed, then removed.
 written=("$out/benchmarks" "$out/linear-sweep.json" "$out/profile" "$out/server.log"
-  "$out/server-8b.log" "$out/ceiling-server.log")
+  "$out/server-8b.log" "$out/ceiling-server.log" "$out/server-tp2.log")
 
 # run STEP DEFAULT_LIMIT LOG COMMAND...: COMMAND under the step's time limit, output to LOG and
 # the terminal; records the exit status (124/137: timed out) in the summary.
@@ -94,7 +100,7 @@ build() { # build SHAPE: the random-weight checkpoint models/SHAPE (skipped when
 
 for step in "${steps[@]}"; do
   case "$step" in
-  tests | profile | decode | offline | online)
+  tests | profile | decode | offline | online | tests-tp2 | offline-tp2 | online-tp2)
     build qwen3-0.6b
     break
     ;;
@@ -134,6 +140,21 @@ for step in "${steps[@]}"; do
   ceiling)
     run ceiling 240 "$out/ceiling.log" python3 -m benchmarks.ceiling --benchmarks-md "$md" \
       --ceiling-log "$out/ceiling-server.log"
+    ;;
+  tests-tp2)
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/gpu-tests-tp2.log"
+    TRITONLLM_GPU_TEST_MODEL="$(pwd)/models/qwen3-0.6b" run tests-tp2 600 "$out/gpu-tests-tp2.log" \
+      python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests/test_gpu_tp.py >/dev/null
+    tail -15 "$out/gpu-tests-tp2.log"
+    ;;
+  offline-tp2)
+    run offline-tp2 600 "$out/offline-tp2.log" python3 -m benchmarks.offline --benchmarks-md "$md" \
+      --model models/qwen3-0.6b --hf-subset 0 --tensor-parallel-size 1,2 --plots-dir "$plots"
+    ;;
+  online-tp2)
+    run online-tp2 600 "$out/online-tp2.log" python3 -m benchmarks.online --benchmarks-md "$md" \
+      --model models/qwen3-0.6b --server-log "$out/server-tp2.log" --plots-dir "$plots" \
+      --tensor-parallel-size 2 --concurrency 64
     ;;
   offline8b)
     build qwen3-8b

@@ -1,12 +1,13 @@
 """Offline engine throughput on the nano-vllm workload, against its bandwidth bound and HF.
 
     python -m benchmarks.offline [--model DIR] [--num-requests 256] [--device cuda]
-        [--attention-backend flashinfer] [--hf-subset 16] [--no-append]
+        [--attention-backend flashinfer] [--hf-subset 16] [--tensor-parallel-size 1,2]
+        [--no-append]
 
 Without `--model` the random-weight `qwen3-0.6b` checkpoint is built into `models/qwen3-0.6b`.
-One table: the engine (all requests submitted at once), the bandwidth bound of the workload
-measured in the same run (`benchmarks.bandwidth`), and Hugging Face `generate` on a subset.
-Methodology: BENCHMARKS.md's header (`benchmarks.common.BENCHMARKS_HEADER`).
+One table: the engine (all requests at once) at each tensor-parallel size, the workload's
+bandwidth bound for that many GPUs measured in the same run (`benchmarks.bandwidth`,
+`benchmarks.tensor_parallel`), HF `generate` on a subset; methodology: BENCHMARKS.md's header.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import bandwidth, common
+from benchmarks import bandwidth, common, tensor_parallel
 from benchmarks.common import Workload, fmt, fmt_bytes, log
 
 
@@ -79,10 +80,9 @@ def engine_config(
 
 
 def make_engine(config: Any) -> Any:
-    """An `LLMEngine` for `config` (an `EngineConfig`)."""
-    from tritonllm.engine.engine import LLMEngine
-
-    return LLMEngine(config)
+    """An `LLMEngine` for `config` (an `EngineConfig`); its ranks' processes behind the same
+    interface at `tensor_parallel_size` > 1 (`benchmarks.tensor_parallel.ProcessEngine`)."""
+    return tensor_parallel.make_engine(config)
 
 
 def sampling_params(max_tokens: int, temperature: float) -> Any:
@@ -155,7 +155,8 @@ def run_levels(
     decode_step: bool = False,
 ) -> tuple[dict[int, ThroughputRun], float | None]:
     """The offline engine on each concurrency level's workload (one engine, closed loop), then,
-    with `decode_step`, the same engine's batch-1 decode step (`decode_step.batch1_decode_step`).
+    with `decode_step`, the same engine's batch-1 decode step (`decode_step.batch1_decode_step`;
+    not at a tensor-parallel size > 1, whose engine is in other processes).
 
     Used by `benchmarks.online` in a subprocess so the engine's GPU memory is freed before the
     server starts.
@@ -171,7 +172,8 @@ def run_levels(
     for c, w in workloads.items():
         runs[c] = run_engine(engine, w, device, temperature, concurrency=c, tag=f"c{c}")
         log(f"offline engine, concurrency {c}: {runs[c].output_tokens_per_s:,.0f} tok/s")
-    if not decode_step:
+    if not decode_step or isinstance(engine, tensor_parallel.ProcessEngine):
+        tensor_parallel.close_engine(engine)  # its rank processes, at size > 1
         return runs, None
     from benchmarks.decode_step import batch1_decode_step
 
@@ -180,61 +182,32 @@ def run_levels(
     return runs, step
 
 
-def hf_generate(model: Path | str, workload: Workload, device: str) -> ThroughputRun:
-    """Hugging Face `generate` on `workload` as one left-padded batch, greedy, without EOS stop.
-
-    All rows run to the longest output length (`min_new_tokens = max_new_tokens`); the run
-    counts the workload's own output tokens, `generated_tokens` counts all of them.
-    """
-    from transformers import AutoModelForCausalLM
-
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
-    width = max(len(p) for p in workload.prompts)
-    ids = torch.zeros(len(workload), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(workload.prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    new_tokens = max(workload.output_lens)
-    kwargs = dict(
-        attention_mask=mask,
-        do_sample=False,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        pad_token_id=0,
-    )
-    with torch.inference_mode():
-        hf.generate(ids[:1, -8:], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
-        common.synchronize(device)
-        start = time.perf_counter()
-        out = hf.generate(ids, **kwargs)
-        common.synchronize(device)
-        seconds = time.perf_counter() - start
-    generated = out[:, width:].numel()
-    del hf
-    return ThroughputRun(
-        len(workload), workload.num_prompt_tokens, workload.num_output_tokens, seconds, generated
-    )
-
-
 @dataclass(frozen=True)
 class OfflineResult:
-    """Everything one offline benchmark run measured."""
+    """Everything one offline benchmark run measured (`engines`: the engine's run at each
+    tensor-parallel size, in the order run; `engine` is the first)."""
 
     workload: Workload
-    engine: ThroughputRun
-    copy_bandwidth: float  # bytes/s
+    engines: dict[int, ThroughputRun]
+    copy_bandwidth: float  # bytes/s of one GPU (the slowest of those used)
     traffic: bandwidth.DecodeTraffic
     hf: ThroughputRun | None
     weight_bytes: int
     kv_bytes_per_token: int
 
     @property
+    def engine(self) -> ThroughputRun:
+        return next(iter(self.engines.values()))
+
+    @property
     def bound_seconds(self) -> float:
-        """The least decode time of the workload (seconds) at the measured copy bandwidth."""
-        return self.traffic.bound_seconds(self.copy_bandwidth)
+        """The least decode time of the workload (seconds) at the measured copy bandwidth, on
+        the GPUs of the first tensor-parallel size run."""
+        return self.bound_seconds_at(next(iter(self.engines)))
+
+    def bound_seconds_at(self, size: int) -> float:
+        """The same on `size` GPUs (`benchmarks.tensor_parallel`)."""
+        return self.traffic.bound_seconds(self.copy_bandwidth * size)
 
 
 def workload_bound(
@@ -269,42 +242,47 @@ def run(args: argparse.Namespace) -> OfflineResult:
             common.PUBLISHED_PROMPT_TOKENS,
             common.PUBLISHED_OUTPUT_TOKENS,
         ), "workload drifted"
-    # Bandwidth first, while the GPU is empty (the engine's KV pool takes most of its memory).
-    copy_bw = bandwidth.measure_copy_bandwidth(args.device)
+    # Bandwidth first, while the GPUs are empty (the engine's KV pool takes most of the memory).
+    copy_bw = tensor_parallel.copy_bandwidth(args.device, max(args.tensor_parallel_size))
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    config = engine_config(
-        model,
-        args.device,
-        args.attention_backend,
-        args.num_requests,
-        engine_args=common.engine_args(args),
-    )
-    engine = make_engine(config)
-    warm_up(engine, args.device)
-    result = run_engine(engine, workload, args.device, args.temperature)
-    log(f"engine: {result.output_tokens:,} tokens in {result.seconds:.2f} s")
-    stats = engine.stats()  # warm-up included
-    log(
-        f"engine steps: {stats.num_steps:,}, of which {stats.num_prefill_steps:,} prefill/extend "
-        f"({stats.num_mixed_steps:,} mixed with decode rows), {stats.num_preemptions} preemptions"
-    )
-    del engine
-    gc.collect()
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    results = {}
+    for size in args.tensor_parallel_size:
+        config = engine_config(
+            model,
+            args.device,
+            args.attention_backend,
+            args.num_requests,
+            engine_args={**common.engine_args(args), "tensor_parallel_size": str(size)},
+        )
+        engine = make_engine(config)
+        warm_up(engine, args.device)
+        results[size] = result = run_engine(engine, workload, args.device, args.temperature)
+        log(f"engine TP={size}: {result.output_tokens:,} tokens in {result.seconds:.2f} s")
+        stats = engine.stats()  # warm-up included
+        log(
+            f"engine steps: {stats.num_steps:,}, of which {stats.num_prefill_steps:,} "
+            f"prefill/extend ({stats.num_mixed_steps:,} mixed with decode rows), "
+            f"{stats.num_preemptions} preemptions"
+        )
+        tensor_parallel.close_engine(engine)
+        del engine
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
     traffic, weight_bytes, kv_per_token = workload_bound(
         model, workload, config.torch_dtype.itemsize
     )
     hf = None
     if args.hf_subset > 0:
+        from benchmarks.hf_peer import hf_generate  # it imports this module
+
         hf = hf_generate(model, workload.subset(args.hf_subset), args.device)
-    return OfflineResult(workload, result, copy_bw, traffic, hf, weight_bytes, kv_per_token)
+    return OfflineResult(workload, results, copy_bw, traffic, hf, weight_bytes, kv_per_token)
 
 
 def report(res: OfflineResult, args: argparse.Namespace) -> tuple[str, list[str]]:
     """The markdown table and the notes of one run."""
-    bound_s = res.bound_seconds
     w = res.workload
     headers = [
         "system",
@@ -329,15 +307,24 @@ def report(res: OfflineResult, args: argparse.Namespace) -> tuple[str, list[str]
             of_bound,
         ]
 
-    bound = ThroughputRun(len(w), w.num_prompt_tokens, w.num_output_tokens, bound_s)
-    rows = [
-        row(
-            f"tritonllm engine ({args.attention_backend})",
-            res.engine,
-            f"{bound_s / res.engine.seconds:.1%}",
-        ),
-        row(f"bandwidth bound ({fmt_bytes(res.copy_bandwidth, 'B/s')} copy)", bound, "100%"),
-    ]
+    rows = []
+    for size, run in res.engines.items():
+        tp = "" if size == 1 else f", TP={size}"
+        bound_s = res.bound_seconds_at(size)
+        of_bound = f"{bound_s / run.seconds:.1%}"
+        rows.append(row(f"tritonllm engine ({args.attention_backend}{tp})", run, of_bound))
+    for size in res.engines:
+        bound = ThroughputRun(
+            len(w), w.num_prompt_tokens, w.num_output_tokens, res.bound_seconds_at(size)
+        )
+        gpus = "" if size == 1 else f"{size} GPUs, "
+        rows.append(
+            row(
+                f"bandwidth bound ({gpus}{fmt_bytes(res.copy_bandwidth, 'B/s')} copy)",
+                bound,
+                "100%",
+            )
+        )
     if res.hf is not None:
         rows.append(
             row(f"HF transformers generate (batch {res.hf.num_requests}, padded)", res.hf, "-")
@@ -348,7 +335,8 @@ def report(res: OfflineResult, args: argparse.Namespace) -> tuple[str, list[str]
         f"bound: {res.traffic.decode_steps:,} decode steps x {fmt_bytes(res.weight_bytes)} "
         f"weights + {res.kv_bytes_per_token:,} B KV per live token per step = "
         f"{fmt_bytes(res.traffic.total_bytes)} over {fmt_bytes(res.copy_bandwidth, 'B/s')} "
-        "measured device-to-device copy bandwidth (read + written)",
+        "measured device-to-device copy bandwidth (read + written; N GPUs: N times it, the "
+        "slowest GPU's, see benchmarks.tensor_parallel)",
     ]
     if res.hf is not None:
         notes.append(
@@ -370,6 +358,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--hf-subset", type=int, default=16, help="requests for the HF peer (0: skip)")
+    tensor_parallel.add_argument(p)
     p.add_argument(
         "--plots-dir",
         help="draw the plot against the bound and write the run's JSON summary into this "

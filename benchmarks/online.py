@@ -1,7 +1,7 @@
 """Serving benchmark: streaming OpenAI chat clients against tritonserver + the sidecar.
 
     python -m benchmarks.online [--model DIR] [--concurrency 1,16,64,256]
-        [--num-prompts-per-level N] [--device cuda] [--no-append]
+        [--num-prompts-per-level N] [--device cuda] [--tensor-parallel-size 2] [--no-append]
 
 For each concurrency level, `c` closed-loop clients stream chat completions (a client sends its
 next request when the last one finished) with random prompts and fixed output lengths
@@ -9,8 +9,9 @@ next request when the last one finished) with random prompts and fixed output le
 engine's tokens/s on the very same prompt ids with the same concurrency cap, measured first in
 a subprocess (so its GPU memory is freed before the server starts), in the same run. With
 `--ceiling`, the platform ceiling (`benchmarks.ceiling`) too, and the generator's responses/s
-against it; `--plots-dir` draws the plots (`benchmarks.plots`). What is reported:
-`benchmarks.online_report`.
+against it; `--plots-dir` draws the plots (`benchmarks.plots`). `--tensor-parallel-size N`
+splits both engines, the served one and the offline one, across N ranks (GPUs). What is
+reported: `benchmarks.online_report`.
 """
 
 from __future__ import annotations
@@ -86,6 +87,12 @@ def _offline_worker(queue: Any, kwargs: dict[str, Any]) -> None:
         queue.put(f"{type(exc).__name__}: {exc}")
 
 
+def engine_args(args: argparse.Namespace) -> dict[str, str]:
+    """The `EngineConfig` fields both engines get beyond the defaults: `--engine-arg` and
+    `--tensor-parallel-size`."""
+    return {**common.engine_args(args), "tensor_parallel_size": str(args.tensor_parallel_size)}
+
+
 def offline_tokens_per_s(
     args: argparse.Namespace, model: Path, workloads: dict[int, Workload]
 ) -> tuple[dict[int, float], float]:
@@ -103,7 +110,7 @@ def offline_tokens_per_s(
         attention_backend=args.attention_backend,
         workloads=workloads,
         temperature=args.temperature,
-        engine_args=common.engine_args(args),
+        engine_args=engine_args(args),
     )
     proc = ctx.Process(target=_offline_worker, args=(queue, kwargs))
     proc.start()
@@ -208,7 +215,7 @@ def serve_and_run(
         "TRITONLLM_MAX_RUNNING_REQUESTS": str(max(args.concurrency)),
         "TRITONLLM_MAX_MODEL_LEN": "4096",
     }
-    env.update({f"TRITONLLM_{k.upper()}": v for k, v in common.engine_args(args).items()})
+    env.update({f"TRITONLLM_{k.upper()}": v for k, v in engine_args(args).items()})
     log_path = Path(args.server_log) if args.server_log else None
     server = TritonServer(model_path=model, env=env, log_path=log_path)
     log(f"starting tritonserver ({env})")
@@ -285,6 +292,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--openai-url", help="use a running sidecar (http://HOST:PORT)")
     p.add_argument("--server-log", help="tritonserver log file (default: a temp file)")
     p.add_argument(
+        "--tensor-parallel-size",
+        type=common.positive_int,
+        default=1,
+        help="ranks (GPUs) both engines split the model across",
+    )
+    p.add_argument(
         "--ceiling",
         action="store_true",
         help="also measure the platform ceiling (benchmarks.ceiling) at the same levels, before "
@@ -308,7 +321,8 @@ def main(argv: list[str] | None = None) -> OnlineRun:
         f"{args.endpoint} completions, streamed, closed loop; prompts: random ids in "
         f"[{args.min_len}, {args.max_input_len}] decoded to text (+ chat template); outputs "
         f"[{args.min_output_len}, {args.max_output_len}] tokens with ignore_eos; temperature "
-        f"{args.temperature}; device {args.device}, attention {args.attention_backend}",
+        f"{args.temperature}; device {args.device}, attention {args.attention_backend}, "
+        f"tensor parallel size {args.tensor_parallel_size}",
         "offline engine: the same prompt ids, same concurrency cap (closed loop), same run",
         "generator responses/s: tritonllm_responses_total over the level's wall time; of "
         "ceiling: against the ensemble ceiling at the same concurrency, same run",

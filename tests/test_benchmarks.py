@@ -142,6 +142,9 @@ def test_append_section_writes_header_once_and_dated_sections(tmp_path):
 
 
 def test_offline_benchmark_generates_exactly_the_workload(tiny_model_dir):
+    """Each tensor-parallel size asked (`--tensor-parallel-size 1,2`: TP=2 behind
+    `EngineProcess`) generates exactly the workload, against the bound of as many GPUs as
+    ranks; the HF peer runs its padded batch."""
     res = offline.main(
         [
             "--model",
@@ -161,13 +164,19 @@ def test_offline_benchmark_generates_exactly_the_workload(tiny_model_dir):
             "--hf-subset",
             "2",
             "--no-append",
+            "--tensor-parallel-size",
+            "1,2",
         ]
     )
     w = res.workload
     assert len(w) == 4 and all(8 <= len(p) <= 40 for p in w.prompts)
-    assert res.engine.output_tokens == w.num_output_tokens
-    assert res.engine.prompt_tokens == w.num_prompt_tokens
-    assert res.engine.seconds > 0
+    assert list(res.engines) == [1, 2] and res.engine is res.engines[1]
+    for run in res.engines.values():
+        assert run.output_tokens == w.num_output_tokens
+        assert run.prompt_tokens == w.num_prompt_tokens
+        assert run.seconds > 0
+    assert res.bound_seconds == res.bound_seconds_at(1)
+    assert res.bound_seconds_at(2) == pytest.approx(res.bound_seconds_at(1) / 2)
     assert res.traffic.decode_steps == max(w.output_lens) - 1
     assert res.copy_bandwidth > 0 and res.bound_seconds > 0
     # HF's padded batch runs every row to the longest output of the subset.
@@ -405,6 +414,28 @@ def test_gpu_suite_runs_the_issue16_steps_and_packs_their_results(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["BENCHMARKS.md", "suite-summary.txt", archive.name]
     )
+
+
+def test_gpu_suite_runs_the_tensor_parallel_steps_of_issue20(tmp_path):
+    """tests-tp2 runs the two-GPU tests on the built 0.6B checkpoint; bench-tp2 the offline
+    table at sizes 1 and 2 and one online level at size 2, with their logs packed."""
+    import tarfile
+
+    result, calls, out = _suite(tmp_path, ["tests-tp2", "bench-tp2"])
+    assert result.returncode == 0, result.stderr
+    assert [c.split()[1] for c in calls] == [
+        "tritonllm.build_model",
+        "pytest",
+        "benchmarks.offline",
+        "benchmarks.online",
+    ]
+    assert calls[1].endswith("tests/test_gpu_tp.py") and "-m gpu" in calls[1]
+    assert "--tensor-parallel-size 1,2" in calls[2] and "--hf-subset 0" in calls[2]
+    assert "--tensor-parallel-size 2 --concurrency 64" in calls[3]
+    assert f"--server-log {out}/server-tp2.log" in calls[3]
+    (archive,) = out.glob("results-tests-tp2-offline-tp2-online-tp2-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        assert {"gpu-tests-tp2.log", "offline-tp2.log", "online-tp2.log"} <= set(tar.getnames())
 
 
 def test_gpu_suite_skips_steps_the_time_budget_cannot_hold(tmp_path):

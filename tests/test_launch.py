@@ -445,3 +445,18 @@ def test_readme_plain_tritonserver_recipe_serves(tiny_model_dir, tmp_path):
     finally:
         stop_process_group(process, 30)
         _kill_marked(entry)
+
+
+def test_tensor_parallel_flag_reaches_the_servers_environment(tmp_path):
+    """``--tensor-parallel-size 2`` becomes ``TRITONLLM_TENSOR_PARALLEL_SIZE=2`` in the
+    environment of every tritonserver the supervisor starts, restarts included (what the
+    generator reads); without it, nothing is set."""
+    from tritonllm.launch import build_supervisor
+
+    model = str(tmp_path)
+    with_tp = build_supervisor(parse_args(["--tensor-parallel-size", "2"]), model, "m")
+    without = build_supervisor(parse_args([]), model, "m")
+    first, restart = with_tp.new_triton(), with_tp.new_triton()
+    tp = {"TRITONLLM_MODEL": model, "TRITONLLM_TENSOR_PARALLEL_SIZE": "2"}
+    assert first.env == restart.env == tp
+    assert without.new_triton().env == {"TRITONLLM_MODEL": model}

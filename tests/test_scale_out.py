@@ -202,8 +202,8 @@ def test_replicas_behind_nginx_drain_and_die_without_failing_requests(
             assert kind == "error" and error.code == "service_unavailable", ends
         failed_in = max(seconds for _, _, seconds in ends)
         assert failed_in < 20, ends
-        health = httpx.get(f"http://{addr_a}/health", timeout=30)
-        assert health.status_code == 503, health.text
+        # /health turned 503: the launcher says so once it stayed 503 for --unhealthy-timeout
+        # (a single GET here races the launcher's own restart and the 1 s health cache).
         replica_a.wait_for("tritonserver unhealthy for", 30)
         restart_from = time.monotonic()
         replica_a.wait_for("tritonserver restarted; healthy", 300)

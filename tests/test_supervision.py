@@ -102,12 +102,14 @@ def _small_process(pid: int) -> tuple[bool, int]:
 
 def test_launcher_builds_the_default_model_without_importing_torch(tmp_path, monkeypatch):
     """Building the built-in model runs in a child process: the launcher never imports torch or
-    transformers (the serve path imports nothing else lazily but tempfile)."""
+    transformers (the serve path imports nothing else lazily but tempfile). The child builds the
+    tiny Qwen3 here (same ``--out`` interface) to keep the test short."""
     code = (
         "import sys\n"
         "from pathlib import Path\n"
         "import tritonllm.launch as launch\n"
         f"launch.DEFAULT_MODEL_DIR = Path({str(tmp_path / 'tiny')!r})\n"
+        "launch.DEFAULT_MODEL_BUILDER = ('-m', 'tritonllm.build_model', '--shape', 'tiny')\n"
         "model = launch.resolve_model(None)\n"
         "launch.parse_args([])\n"
         "assert Path(model, 'config.json').is_file(), model\n"

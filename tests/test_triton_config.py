@@ -87,6 +87,25 @@ def test_engine_process_defaults_to_a_process_on_cuda_only():
         serving_config({}, {"TRITONLLM_ENGINE_PROCESS": "sometimes"})
 
 
+def test_tensor_parallel_size_is_parsed_and_always_runs_the_engine_in_processes():
+    """``TRITONLLM_TENSOR_PARALLEL_SIZE`` over the parameter; more than one rank always runs in
+    processes, and an explicit ``engine_process=false`` with it is refused with both names."""
+    from tritonllm.config import EngineConfig
+
+    assert engine_config({}, {}).tensor_parallel_size == 1
+    params = {"tensor_parallel_size": "3"}
+    assert engine_config(params, {}).tensor_parallel_size == 3
+    assert engine_config(params, {"TRITONLLM_TENSOR_PARALLEL_SIZE": "2"}).tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(model="m", tensor_parallel_size=0)
+    default = serving_config({}, {})
+    assert default.use_engine_process("cpu", 2) and default.use_engine_process("cuda", 2)
+    assert not default.use_engine_process("cpu", 1)
+    off = serving_config({"engine_process": "false"}, {})
+    with pytest.raises(ValueError, match="engine_process=false cannot run tensor_parallel_size=2"):
+        off.use_engine_process("cuda", 2)
+
+
 def test_every_engine_field_is_documented():
     from dataclasses import fields
 
@@ -138,6 +157,8 @@ def test_engine_modules_read_no_environment():
         # Triton's own switch between compiling and interpreting, set before kernels import.
         root / "kernels" / "__init__.py",
         root / "kernels" / "compile_check.py",
+        # Writes NCCL's multicast switches for the ranks (disable_multicast); reads nothing.
+        root / "tritonllm" / "distributed" / "group.py",
     }
     readers = re.compile(r"os\.environ|os\.getenv|getenv\(")
     offenders = []
@@ -146,6 +167,7 @@ def test_engine_modules_read_no_environment():
         "tritonllm/attention",
         "tritonllm/layers",
         "tritonllm/models",
+        "tritonllm/distributed",
         "kernels",
     ):
         for path in sorted((root / folder).rglob("*.py")):

@@ -37,6 +37,7 @@ DTYPES = {
     "top_k": np.int32,
     "min_tokens": np.int32,
     "input_ids": np.int32,
+    "logprobs": np.int32,
 }
 BOOLS = {"stream", "ignore_eos", "enable_thinking", "health_probe", "exclude_input_in_output"}
 

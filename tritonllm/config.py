@@ -243,6 +243,10 @@ class EngineConfig:
         engine_profile: diagnostics: a file path; the engine process (`EngineProcess`) then
             runs its loop under cProfile and writes the stats (pstats format) there every 10 s
             and when it exits. None: no profile.
+        tensor_parallel_size: ranks the model is split across (`tritonllm.distributed`): one
+            process per rank, each on its own GPU (`device` and the next ones) or all on the
+            CPU (gloo), started by `EngineProcess`, whose child is rank 0. 1: the whole model
+            in one engine, no process group.
     """
 
     model: str
@@ -269,6 +273,7 @@ class EngineConfig:
     pdl: bool = True
     tensor_core_decode_min_batch: int = TENSOR_CORE_DECODE_MIN_BATCH
     engine_profile: str | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.page_size is None:  # frozen: derived once, here
@@ -302,6 +307,8 @@ class EngineConfig:
             raise ValueError(
                 f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}"
             )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_core_decode_min_batch < 0:
             raise ValueError(
                 "tensor_core_decode_min_batch must be >= 0, "

@@ -48,6 +48,9 @@ from .triton_server import (
     connect_host,
 )
 
+# The child that converts the built-in model: ``python -m tritonllm.default_model --out DIR``.
+DEFAULT_MODEL_BUILDER = ("-m", "tritonllm.default_model")
+
 
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -63,6 +66,8 @@ class LaunchConfig:
         triton_log: tritonserver's log file (None: a temp file); restarts write
             ``NAME.1.log``, ``NAME.2.log``, ... beside it.
         policy: failure handling, health checks and the drain (``SupervisePolicy``).
+        tensor_parallel_size: ranks the engine splits the model across
+            (``TRITONLLM_TENSOR_PARALLEL_SIZE``; None: the repository's setting, 1).
     """
 
     model: str | None = None
@@ -76,6 +81,7 @@ class LaunchConfig:
     startup_timeout_s: float = 600.0
     triton_log: Path | None = None
     policy: SupervisePolicy = SupervisePolicy()
+    tensor_parallel_size: int | None = None
 
     @property
     def base_url(self) -> str:
@@ -95,7 +101,7 @@ def resolve_model(model: str | None) -> str:
     """
     if model is None:
         if not is_converted(DEFAULT_MODEL_DIR):
-            command = [sys.executable, "-m", "tritonllm.default_model"]
+            command = [sys.executable, *DEFAULT_MODEL_BUILDER, "--out", str(DEFAULT_MODEL_DIR)]
             if subprocess.run(command, cwd=REPO_ROOT).returncode != 0:
                 raise SystemExit(
                     f"error: could not convert the default model ({' '.join(command)})"
@@ -154,10 +160,13 @@ def _triton_factory(cfg: LaunchConfig, model: str):
             log = log.with_name(f"{log.stem}.{starts}{log.suffix or '.log'}")
         starts += 1
         # TRITONLLM_MODEL goes through env (not model_path) so a hub id is not made a path.
+        env = {"TRITONLLM_MODEL": model}
+        if cfg.tensor_parallel_size is not None:
+            env["TRITONLLM_TENSOR_PARALLEL_SIZE"] = str(cfg.tensor_parallel_size)
         return TritonServer(
             model_path=None,
             model_repository=MODEL_REPOSITORY,
-            env={"TRITONLLM_MODEL": model},
+            env=env,
             log_path=log,
             http_port=cfg.http_port,
             grpc_port=cfg.grpc_port,
@@ -256,6 +265,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     p.add_argument("--metrics-port", type=int, default=8002, help="tritonserver metrics port")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds per server")
     p.add_argument("--triton-log", type=Path, default=None, help="tritonserver log file")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, help="ranks (GPUs) per model")
     defaults = SupervisePolicy()
     p.add_argument(
         "--on-failure",
@@ -302,6 +312,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         startup_timeout_s=a.startup_timeout,
         triton_log=a.triton_log,
         policy=policy,
+        tensor_parallel_size=a.tensor_parallel_size,
     )
 
 

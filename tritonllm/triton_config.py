@@ -50,6 +50,10 @@ is a field of ``EngineConfig``; each can be set by the environment variable
 ``TRITONLLM_ENGINE_PROFILE``           diagnostics: a file path; the engine process runs its
                                        loop under cProfile and writes the stats there every
                                        10 s and at exit (``engine/engine_process.py``)
+``TRITONLLM_TENSOR_PARALLEL_SIZE``     ranks the model is split across (default 1): one
+                                       process per rank, on GPUs ``device``, ``device + 1``,
+                                       ... (NCCL) or all on the CPU (gloo); always runs the
+                                       engine in processes (``tritonllm/distributed/``)
 =====================================  ===================================================
 
 Any other ``EngineConfig`` field is read the same way (``TRITONLLM_`` + its upper-case name).
@@ -84,16 +88,29 @@ class ServingConfig:
         engine_process: run the engine in a child process (``EngineProcess``) rather than on a
             thread of the generator's Python stub (``EngineThread``); None: a process when the
             engine's device is CUDA (the stub's GIL bounds a fast GPU engine, ARCHITECTURE.md
-            "Platform facts"), the thread otherwise. See ``use_engine_process``.
+            "Platform facts"), the thread otherwise; a tensor-parallel engine always runs in
+            processes. See ``use_engine_process``.
     """
 
     metrics_interval_s: float = 0.05
     max_responses_per_s: float = 2000.0
     engine_process: bool | None = None
 
-    def use_engine_process(self, device: str) -> bool:
+    def use_engine_process(self, device: str, tensor_parallel_size: int = 1) -> bool:
         """Whether the generator runs an engine on ``device`` (``cpu``, ``cuda``, ``cuda:N``)
-        in its own process."""
+        split across ``tensor_parallel_size`` ranks in its own process (always, for more than
+        one rank: each rank is a process).
+
+        Raises:
+            ValueError: ``engine_process`` false with more than one rank.
+        """
+        if tensor_parallel_size > 1:
+            if self.engine_process is False:
+                raise ValueError(
+                    f"engine_process=false cannot run tensor_parallel_size={tensor_parallel_size}"
+                    " (each tensor-parallel rank is a process)"
+                )
+            return True
         if self.engine_process is None:
             return device.split(":")[0] == "cuda"
         return self.engine_process

@@ -33,6 +33,10 @@ class CudaGraphRunner:
         max_pages_per_seq: page-table width of the graphs (pages of one max-length sequence).
         vocab_size: logits width.
         device: a CUDA device.
+        capture_error_mode: `torch.cuda.graph`'s: "global" (the default), or "thread_local" for
+            a tensor-parallel rank, whose NCCL watchdog thread may query events of earlier
+            collectives while this thread captures (legal from another thread, but "global"
+            would fail the capture for it).
     """
 
     def __init__(
@@ -43,8 +47,10 @@ class CudaGraphRunner:
         max_pages_per_seq: int,
         vocab_size: int,
         device: torch.device,
+        capture_error_mode: str = "global",
     ) -> None:
         self.model, self.backend = model, backend
+        self.capture_error_mode = capture_error_mode
         self.batch_sizes = sorted(batch_sizes)
         self.max_bs = self.batch_sizes[-1]
         self.max_pages_per_seq = max_pages_per_seq
@@ -90,7 +96,9 @@ class CudaGraphRunner:
                     self.model(*args)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            with torch.cuda.graph(
+                graph, pool=pool, stream=stream, capture_error_mode=self.capture_error_mode
+            ):
                 out = self.model(*args)
             self.graphs[bs], self.outputs[bs] = graph, out
         torch.cuda.synchronize(self.device)

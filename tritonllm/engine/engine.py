@@ -76,12 +76,15 @@ class LLMEngine:
     KV pages through the radix cache once the first has prefilled, `abort(id)` aborts all of
     them, and the output that ends the last one has `request_finished` set (the engine is the
     one place that counts a request's live choices).
+
+    `runner`: the model runner to drive (default `ModelRunner(config)`); rank 0 of a
+    tensor-parallel engine passes its own (`engine.engine_child`).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         self.config = config
         self.model_config = config.model_config
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config) if runner is None else runner
         prefix_cache: PrefixCache = (
             RadixCache(config.page_size) if config.enable_prefix_cache else NoPrefixCache()
         )

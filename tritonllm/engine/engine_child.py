@@ -7,12 +7,18 @@ thread, or the whole parent, dies), builds `LLMEngine(config)`, reports ready wi
 command pipe only while the engine is idle, applies commands between steps, and sends one step
 message per step (`engine.process_messages`). It exits on a stop command or on end-of-file of
 the command pipe.
+
+With tensor parallelism (`EngineConfig.tensor_parallel_size` > 1) that child is rank 0: it
+joins the process group, and its engine's model runner sends every forward to the other ranks
+(`RankLink.pipes`). Ranks 1..N-1 run `worker_main`: the same binding to the parent, then a
+`ModelRunner` over their shard, running each forward rank 0 sends until end-of-file.
 """
 
 from __future__ import annotations
 
 import cProfile
 import ctypes
+import dataclasses
 import functools
 import multiprocessing
 import os
@@ -21,13 +27,24 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from tritonllm.config import EngineConfig
+from tritonllm.distributed import init_tensor_parallel, rank_device
 from tritonllm.engine.client import LoopTimes
 from tritonllm.engine.engine import LLMEngine
 from tritonllm.engine.engine_thread import admit_and_step
-from tritonllm.engine.process_messages import ABORT, FAILED, READY, SUBMIT, encode_step
+from tritonllm.engine.model_runner import ModelRunner
+from tritonllm.engine.process_messages import (
+    ABORT,
+    FAILED,
+    READY,
+    SUBMIT,
+    StepBroadcast,
+    decode_forward,
+    encode_step,
+)
 from tritonllm.engine.request_limits import RequestLimits
 
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # <linux/prctl.h>
@@ -36,18 +53,35 @@ PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # <linux/prctl.h>
 PROFILE_DUMP_S = 10.0
 
 
+@dataclass(frozen=True)
+class RankLink:
+    """What a tensor-parallel rank's process starts with (a spawn argument).
+
+    Attributes:
+        rank, size: the rank and the tensor-parallel size.
+        store_path: the process group's rendezvous file (`distributed.init_tensor_parallel`).
+        pipes: rank 0: the write ends of the step pipes to ranks 1..N-1, in rank order; the
+            others: the read end of their own.
+    """
+
+    rank: int
+    size: int
+    store_path: str
+    pipes: list[Connection]
+
+
 def engine_main(
-    config: EngineConfig, commands: Connection, results: Connection, parent_pid: int
+    config: EngineConfig,
+    commands: Connection,
+    results: Connection,
+    parent_pid: int,
+    link: RankLink | None = None,
 ) -> None:
-    """The child's entry point: build the engine, report ready (or the error), serve."""
-    _bind_to_parent(parent_pid, multiprocessing.current_process().name)
-    # Like Triton's Python stubs, the engine outlives SIGINT/SIGTERM sent to its process group
-    # (a terminal's Ctrl-C, `stop_process_group`): it keeps serving the requests in flight
-    # while the server drains them, and exits when its parent stops it or dies.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """The child's entry point: build the engine (as rank 0 of `link`'s group when given),
+    report ready (or the error), serve."""
+    _start_child(parent_pid)
     try:
-        engine = LLMEngine(config)
+        engine = _build_engine(config, link)
     except BaseException as exc:
         detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         try:
@@ -70,6 +104,41 @@ def engine_main(
         if profiler is not None and dump_profile is not None:
             profiler.disable()
             dump_profile()
+
+
+def worker_main(config: EngineConfig, link: RankLink, parent_pid: int) -> None:
+    """Entry point of tensor-parallel ranks 1..N-1: join the group, build this rank's
+    `ModelRunner`, then run each forward rank 0 sends until its pipe closes. An error ends the
+    process (traceback on stderr); `EngineProcess` then fails the engine."""
+    _start_child(parent_pid)
+    device = rank_device(config.device, link.rank)
+    tp = init_tensor_parallel(link.rank, link.size, link.store_path, device)
+    runner = ModelRunner(dataclasses.replace(config, device=device), tp)
+    (steps,) = link.pipes
+    while True:
+        try:
+            data = steps.recv_bytes()
+        except (EOFError, OSError):
+            return  # rank 0 is gone or stopped
+        runner.run_follower(*decode_forward(data))
+
+
+def _build_engine(config: EngineConfig, link: RankLink | None) -> LLMEngine:
+    if link is None:
+        return LLMEngine(config)
+    device = rank_device(config.device, 0)
+    tp = init_tensor_parallel(0, link.size, link.store_path, device)
+    config = dataclasses.replace(config, device=device)
+    return LLMEngine(config, ModelRunner(config, tp, StepBroadcast(link.pipes)))
+
+
+def _start_child(parent_pid: int) -> None:
+    _bind_to_parent(parent_pid, multiprocessing.current_process().name)
+    # Like Triton's Python stubs, the engine outlives SIGINT/SIGTERM sent to its process group
+    # (a terminal's Ctrl-C, `stop_process_group`): it keeps serving the requests in flight
+    # while the server drains them, and exits when its parent stops it or dies.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _bind_to_parent(parent_pid: int, name: str) -> None:

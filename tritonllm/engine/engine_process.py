@@ -19,6 +19,10 @@ Lifetime: the child never outlives the parent. It exits on end-of-file of its co
 thread, which started it, exits (`PR_SET_PDEATHSIG`), so a SIGKILLed Triton stub takes its
 engine with it even mid-step. A child that dies on its own fails every request in flight with
 finish_reason "error"; later submits raise RuntimeError.
+
+Tensor parallelism (`tensor_parallel_size` > 1): the child is rank 0, and ranks 1..N-1 are
+spawned beside it from the same receiver thread (`engine.rank_processes`). Any rank's death
+ends the engine: the others are killed and the requests in flight fail as above.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from tritonllm.engine.engine import EngineStats
 from tritonllm.engine.engine_child import engine_main
 from tritonllm.engine.engine_thread import CallbackTable
 from tritonllm.engine.process_messages import ABORT, FAILED, STOP, SUBMIT, decode_step
+from tritonllm.engine.rank_processes import WorkerRanks
 from tritonllm.engine.request_limits import RequestLimits
 from tritonllm.sampling_params import SamplingParams
 
@@ -114,9 +119,12 @@ class EngineProcess(EngineClient):
         ctx.set_executable(python_executable())
         child_commands, self._commands = ctx.Pipe(duplex=False)
         self._results, child_results = ctx.Pipe(duplex=False)
+        tp = config.tensor_parallel_size > 1
+        self._ranks = WorkerRanks(ctx, config, os.getpid()) if tp else None
         self._process = ctx.Process(
             target=engine_main,
-            args=(config, child_commands, child_results, os.getpid()),
+            args=(config, child_commands, child_results, os.getpid())
+            + ((self._ranks.rank0,) if self._ranks else ()),
             name=name,
             daemon=True,
         )
@@ -205,9 +213,11 @@ class EngineProcess(EngineClient):
         self._stop_child(timeout)
 
     def is_alive(self) -> bool:
-        """Whether the engine serves: ready, not shut down, its process running, and not
-        stalled (see `stall_timeout_s`)."""
+        """Whether the engine serves: ready, not shut down, its process (every rank's) running,
+        and not stalled (see `stall_timeout_s`)."""
         if not (self._running and self._process.is_alive()):
+            return False
+        if self._ranks and not self._ranks.alive():
             return False
         stall = self.stall_timeout_s
         silent = time.monotonic() - self._last_progress
@@ -220,9 +230,17 @@ class EngineProcess(EngineClient):
 
     # ---- parent internals ------------------------------------------------------------------
     def _not_running(self) -> str:
-        if self._process.exitcode is not None and self._process.exitcode != 0:
-            return f"the engine process died ({_describe_exit(self._process.exitcode)})"
+        dead = self._ranks and self._ranks.dead_rank
+        if dead or self._process.exitcode not in (None, 0):
+            return f"the engine process died ({self._exit_cause()})"
         return "the engine process is shut down"
+
+    def _exit_cause(self) -> str:
+        """Why the engine ended: rank 0's exit, or the rank 1..N-1 whose exit ended it."""
+        dead = self._ranks and self._ranks.dead_rank
+        if dead:
+            return f"tensor-parallel rank {dead[0]}: {_describe_exit(dead[1])}"
+        return _describe_exit(self._process.exitcode)
 
     def _post(self, command: tuple) -> None:
         """Write one command to the child. On the receiver thread it is deferred (see
@@ -272,6 +290,8 @@ class EngineProcess(EngineClient):
             if process.exitcode is None:  # SIGTERM is ignored there (see `_engine_main`)
                 process.kill()
                 process.join(5.0)
+        if self._ranks:
+            self._ranks.stop(timeout)
         if threading.current_thread() is not self._receiver:
             self._receiver.join(timeout)
 
@@ -280,6 +300,8 @@ class EngineProcess(EngineClient):
         exits."""
         try:
             self._process.start()
+            if self._ranks:  # watched: a rank's exit ends the engine unless it is stopping
+                self._ranks.start(self._process, stopping=lambda: self._closed)
         except Exception as exc:
             self._start_error = f"could not start the engine process: {exc!r}"
             self._results.close()
@@ -298,9 +320,11 @@ class EngineProcess(EngineClient):
             self._process.kill()
         self._results.close()
         # The child closed its end: let it finish exiting (returning from this thread first
-        # would have the kernel SIGKILL it, see PR_SET_PDEATHSIG).
+        # would have the kernel SIGKILL it, see PR_SET_PDEATHSIG), and so the other ranks.
         self._process.join(EXIT_GRACE_S)
         self._on_child_exit()
+        if self._ranks:
+            self._ranks.join(EXIT_GRACE_S)
 
     def _deliver_results(self) -> None:
         results = self._results
@@ -327,7 +351,7 @@ class EngineProcess(EngineClient):
             message = (
                 FAILED,
                 "the engine process exited before it was ready "
-                f"({_describe_exit(self._process.exitcode)}; see its stderr)",
+                f"({self._exit_cause()}; see its stderr)",
             )
         if message[0] == FAILED:
             self._start_error = f"engine failed to start: {message[1]}"
@@ -345,7 +369,7 @@ class EngineProcess(EngineClient):
             unexpected, self._running = self._running, False
         if not unexpected:
             return  # shut down: requests in flight get no further outputs
-        message = f"the engine process died ({_describe_exit(self._process.exitcode)})"
+        message = f"the engine process died ({self._exit_cause()})"
         logger.error("%s; failing %d requests in flight", message, len(self._routes))
         # Its requests and pages are gone with it.
         self._stats = dataclasses.replace(

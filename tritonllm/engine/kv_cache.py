@@ -42,12 +42,13 @@ class KVCache:
         return self.v[layer]
 
 
-def derive_num_pages(config: EngineConfig) -> int:
+def derive_num_pages(config: EngineConfig, page_bytes: int | None = None) -> int:
     """Pool size in pages (including page 0) for `config`.
 
     `config.num_pages` if set. On CPU: `config.cpu_default_num_pages`. On CUDA: call after the
     weights are loaded; `gpu_memory_utilization` of the memory free now, minus a margin for
-    activations, divided by the page size in bytes.
+    activations, divided by the page size in bytes (`page_bytes`, default `config.page_bytes`;
+    a tensor-parallel rank passes the size of its own heads' pages).
     """
     if config.num_pages is not None:
         return config.num_pages
@@ -58,4 +59,4 @@ def derive_num_pages(config: EngineConfig) -> int:
     # Leave room for activations and logits of a max_prefill_tokens batch.
     activation_margin = 1 << 30
     budget = int(free * config.gpu_memory_utilization) - activation_margin
-    return max(2, budget // config.page_bytes)
+    return max(2, budget // (page_bytes or config.page_bytes))

@@ -6,12 +6,18 @@ non-blocking host-to-device copies (one int64, one int32 buffer; the tensors of
 replay a CUDA graph (`engine.cuda_graph`), prefill and mixed batches (a mixed batch's decode
 rows are extend rows of one token) run eagerly, and the sampled ids stay on the device (see
 `engine.overlap`). Nothing here reads a device value on the host.
+
+Tensor parallelism (`tp`): every rank holds a `ModelRunner` over its shard of the model.
+Rank 0's `run` sends the step's host arrays (`StepInputs`) to the other ranks before its
+forward, samples from the all-gathered logits alone, and broadcasts the sampled ids, which
+every rank keeps in its own future map; ranks 1..N-1 run `run_follower` on what they receive.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +25,7 @@ import torch
 from tritonllm.attention import get_attention_backend
 from tritonllm.attention.base import AttentionMetadata, AttentionOptions
 from tritonllm.config import EngineConfig
+from tritonllm.distributed import TensorParallelGroup
 from tritonllm.engine.kv_cache import KVCache, derive_num_pages
 from tritonllm.engine.overlap import FutureMap, LaunchedStep
 from tritonllm.engine.request import Request
@@ -27,6 +34,33 @@ from tritonllm.engine.scheduler import ScheduledBatch
 from tritonllm.layers.fused import LayerKernels
 from tritonllm.models import load_model
 
+if TYPE_CHECKING:
+    from tritonllm.engine.process_messages import StepBroadcast
+
+
+@dataclass
+class StepInputs:
+    """The host side of a forward: the two arrays `build_inputs` uploads, and their layout.
+
+    Attributes:
+        int64: `[3T + L]`: T token ids (future-map slots instead when `all_future`), their T
+            positions, their T K/V slots, the L logits indices.
+        int32: `[4B + 1 + B * W]`: seq_lens, extend_lens, prefix_lens (B each),
+            cu_extend_lens (B + 1), the page table (B rows of W page ids).
+        num_seqs, num_tokens: B and T.
+        is_decode: a decode batch (one new token per sequence).
+        all_future: every id is a placeholder (`int64[:T]` holds future-map slots).
+        any_future: some ids are placeholders (`engine.overlap`).
+    """
+
+    int64: np.ndarray
+    int32: np.ndarray
+    num_seqs: int
+    num_tokens: int
+    is_decode: bool
+    all_future: bool
+    any_future: bool
+
 
 @dataclass
 class ForwardInputs:
@@ -34,7 +68,8 @@ class ForwardInputs:
 
     input_ids: `[T]` int64 (placeholders already resolved on the device); positions: `[T]`
     int64; meta: the attention metadata; logits_indices: `[S]` int64 (last new token of each
-    sampling request); sample_reqs: those S requests, in order.
+    sampling request); sample_reqs: those S requests, in order; host: the host arrays the
+    device tensors were uploaded from.
     """
 
     input_ids: torch.Tensor
@@ -42,6 +77,7 @@ class ForwardInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sample_reqs: list[Request]
+    host: StepInputs
 
 
 class ModelRunner:
@@ -52,13 +88,35 @@ class ModelRunner:
     the memory left after the weights), then captures the decode graphs when
     `config.use_cuda_graph` and the backend supports them. Every other engine setting reaches
     the model, the backend and the sampler as a constructor argument.
+
+    Args:
+        config: the engine settings (`config.device`: this rank's device).
+        tp: this rank's tensor-parallel group (None: size 1, no process group). The rank
+            loads its shard; its KV cache and attention backend hold its heads only; the ranks
+            agree on the smallest pool size.
+        followers: rank 0 only: the links to ranks 1..N-1 that `run` sends each step to.
+
+    Raises:
+        ValueError: `tp` does not match `config.tensor_parallel_size` (a size above 1 needs
+            its ranks' processes: `EngineProcess` starts them).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tp: TensorParallelGroup | None = None,
+        followers: StepBroadcast | None = None,
+    ) -> None:
         self.config = config
         self.model_config = config.model_config
         self.device = config.torch_device
         self.page_size = config.page_size
+        if (1 if tp is None else tp.size) != config.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={config.tensor_parallel_size} runs one process per rank: "
+                "use EngineProcess (an engine in this process holds the whole model)"
+            )
+        self.tp, self.followers = tp, followers
         if self.device.type == "cuda":
             _set_kernel_switches(config)
         self.model = load_model(
@@ -68,14 +126,25 @@ class ModelRunner:
             config.torch_dtype,
             max_positions=config.effective_max_model_len,
             kernels=LayerKernels(fused=config.fused_layers, linear=config.linear_kernel),
+            tp=tp,
         )
-        self.num_pages = derive_num_pages(config)
+        # The shape this rank's KV cache and attention see: its heads only under tp.
+        local = self.model_config
+        if tp is None:
+            self.num_pages = derive_num_pages(config)
+        else:
+            assert self.model.shard is not None  # built with tp
+            local = self.model.shard.local_config(self.model_config)
+            elem = torch.empty((), dtype=config.torch_dtype).element_size()
+            page_bytes = local.kv_bytes_per_token * elem * config.page_size
+            # Rank 0 schedules pages for all: every rank's pool has the smallest size.
+            self.num_pages = tp.min_int(derive_num_pages(config, page_bytes))
         self.kv_cache = KVCache(
-            self.model_config, self.num_pages, config.page_size, config.torch_dtype, self.device
+            local, self.num_pages, config.page_size, config.torch_dtype, self.device
         )
         backend_cls = get_attention_backend(config.resolved_attention_backend)
         options = AttentionOptions(tensor_core_decode_min_batch=config.tensor_core_decode_min_batch)
-        self.backend = backend_cls(self.model_config, self.kv_cache, self.device, options)
+        self.backend = backend_cls(local, self.kv_cache, self.device, options)
         self.model.set_attention_backend(self.backend)
         self.sampler = Sampler(self.device, config.seed, fused=config.fused_layers)
         self.future = FutureMap(config.max_running_requests, self.device)
@@ -94,6 +163,7 @@ class ModelRunner:
                 config.max_pages_per_seq,
                 self.model_config.vocab_size,
                 self.device,
+                capture_error_mode="global" if tp is None else "thread_local",
             )
 
     # ---- inputs -----------------------------------------------------------------------------
@@ -162,23 +232,33 @@ class ModelRunner:
         all_future = max(ids) < 0
         if all_future:
             int64[:num_tokens] = -int64[:num_tokens] - 1
-        d64, d32 = self._upload(int64), self._upload(int32)
+        any_future = all_future or min(ids) < 0
+        host = StepInputs(
+            int64, int32, num_seqs, num_tokens, batch.is_decode, all_future, any_future
+        )
+        return self.device_inputs(host, sample_reqs)
+
+    def device_inputs(self, host: StepInputs, sample_reqs: list[Request]) -> ForwardInputs:
+        """Upload `host` (two copies) and view it as the forward's inputs."""
+        num_seqs, num_tokens = host.num_seqs, host.num_tokens
+        d64, d32 = self._upload(host.int64), self._upload(host.int32)
         input_ids = d64[:num_tokens]
-        if all_future:
+        if host.all_future:
             input_ids = self.future.lookup(input_ids)
-        elif min(ids) < 0:
+        elif host.any_future:
             input_ids = self.future.resolve(input_ids)
+        lens = host.int32[: 2 * num_seqs]
         meta = AttentionMetadata(
             num_seqs=num_seqs,
-            is_decode=batch.is_decode,
+            is_decode=host.is_decode,
             seq_lens=d32[:num_seqs],
             extend_lens=d32[num_seqs : 2 * num_seqs],
             prefix_lens=d32[2 * num_seqs : 3 * num_seqs],
             cu_extend_lens=d32[3 * num_seqs : 4 * num_seqs + 1],
-            page_table=d32[4 * num_seqs + 1 :].view(num_seqs, width),
+            page_table=d32[4 * num_seqs + 1 :].view(num_seqs, -1),
             out_cache_loc=d64[2 * num_tokens : 3 * num_tokens],
-            seq_lens_cpu=seq_lens.tolist(),
-            extend_lens_cpu=list(exts),
+            seq_lens_cpu=lens[:num_seqs].tolist(),
+            extend_lens_cpu=lens[num_seqs:].tolist(),
         )
         return ForwardInputs(
             input_ids,
@@ -186,6 +266,7 @@ class ModelRunner:
             meta,
             d64[3 * num_tokens :],
             sample_reqs,
+            host,
         )
 
     def ids_to_device(self, ids: list[int]) -> torch.Tensor:
@@ -231,16 +312,47 @@ class ModelRunner:
         returned step and later takes its samples with `LaunchedStep.result()`.
         `before_sample(sample_reqs)` runs after the forward is enqueued and before the
         sampler fills token masks (overlap scheduling: the engine may process the step in
-        flight there, see `structured.admission`)."""
+        flight there, see `structured.admission`).
+
+        Raises:
+            SystemExit: tensor-parallel rank 0 only, when the step failed (a rank is gone, a
+                collective failed, ...): the ranks would be out of step, so no caller may go
+                on; the process ends and `EngineProcess` fails the engine.
+        """
+        if self.tp is None:
+            return self._launch(batch, before_sample)
+        try:
+            return self._launch(batch, before_sample)
+        except Exception as exc:
+            raise SystemExit(f"tensor-parallel rank 0: step failed: {exc!r}") from exc
+
+    def _launch(
+        self, batch: ScheduledBatch, before_sample: Callable[[list[Request]], None] | None
+    ) -> LaunchedStep:
         fwd = self.build_inputs(batch)
+        if self.followers is not None:  # before the forward: its collectives need every rank
+            self.followers.send(fwd.host, len(fwd.sample_reqs))
         logits = self.forward(fwd)
         if not fwd.sample_reqs:
             return LaunchedStep(batch, [])
         if before_sample is not None:
             before_sample(fwd.sample_reqs)
         samples = self.sampler.sample_device(logits, fwd.sample_reqs, self.ids_to_device)
+        if self.tp is not None:  # the other ranks' future maps get the same ids
+            self.tp.broadcast(samples.token_ids)
         slots = self.future.store(samples.token_ids)
         return LaunchedStep.from_samples(batch, fwd.sample_reqs, samples, slots)
+
+    @torch.inference_mode()
+    def run_follower(self, host: StepInputs, num_samples: int) -> None:
+        """Ranks 1..N-1 of a tensor-parallel engine: run the forward rank 0 sent (`host`),
+        then receive rank 0's `num_samples` sampled ids into this rank's future map (the same
+        slots as rank 0's), so that later steps' placeholders resolve alike on every rank."""
+        self.forward(self.device_inputs(host, []))
+        if num_samples:
+            assert self.tp is not None  # only tensor-parallel ranks follow
+            ids = torch.empty(num_samples, dtype=torch.int64, device=self.device)
+            self.future.store(self.tp.broadcast(ids))
 
 
 def _set_kernel_switches(config: EngineConfig) -> None:

@@ -6,6 +6,10 @@ params)`, `(ABORT, request_id)`, `(STOP,)`. Up the result pipe the child first s
 per engine step: `encode_step`'s bytes, the step's outputs, the engine's stats and the loop's
 times.
 
+Tensor parallelism adds one message kind, from rank 0 to ranks 1..N-1, each down its own pipe
+(`StepBroadcast`): `encode_forward`'s bytes, the host arrays of one forward (`StepInputs`) and
+how many ids rank 0 samples from it. End-of-file on that pipe stops the rank.
+
 A step message carries each `RequestOutput` (and the stats and times) as a plain tuple of its
 fields, rebuilt in the parent: unpickling dataclass objects costs several times more, and the
 parent decodes on its receiver thread, which shares the Triton stub's GIL (BENCHMARKS.md,
@@ -17,9 +21,11 @@ from __future__ import annotations
 import dataclasses
 import operator
 import pickle
+from multiprocessing.connection import Connection
 
 from tritonllm.engine.client import LoopTimes
 from tritonllm.engine.engine import EngineStats
+from tritonllm.engine.model_runner import StepInputs
 from tritonllm.engine.request import RequestOutput
 
 # Commands (parent → child) and the tags of the child's first message.
@@ -30,6 +36,7 @@ READY, FAILED = "ready", "failed"
 _output_row = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestOutput)))
 _stats_row = operator.attrgetter(*(f.name for f in dataclasses.fields(EngineStats)))
 _times_row = operator.attrgetter(*(f.name for f in dataclasses.fields(LoopTimes)))
+_inputs_row = operator.attrgetter(*(f.name for f in dataclasses.fields(StepInputs)))
 
 
 def encode_step(outputs: list[RequestOutput], stats: EngineStats, times: LoopTimes) -> bytes:
@@ -42,3 +49,40 @@ def decode_step(data: bytes) -> tuple[list[RequestOutput], EngineStats, LoopTime
     """(outputs, stats, loop times) of a message made by `encode_step`."""
     rows, stats, times = pickle.loads(data)
     return [RequestOutput(*row) for row in rows], EngineStats(*stats), LoopTimes(*times)
+
+
+def encode_forward(host: StepInputs, num_samples: int) -> bytes:
+    """The bytes of one forward for ranks 1..N-1 (see `decode_forward`)."""
+    return pickle.dumps((_inputs_row(host), num_samples), pickle.HIGHEST_PROTOCOL)
+
+
+def decode_forward(data: bytes) -> tuple[StepInputs, int]:
+    """(host inputs, number of sampled ids) of a message made by `encode_forward`."""
+    row, num_samples = pickle.loads(data)
+    return StepInputs(*row), num_samples
+
+
+class StepBroadcast:
+    """Rank 0's ends of the pipes to ranks 1..N-1: each forward goes to all of them.
+
+    Args:
+        connections: one writable `Connection` per other rank, in rank order.
+    """
+
+    def __init__(self, connections: list[Connection]) -> None:
+        self.connections = connections
+
+    def send(self, host: StepInputs, num_samples: int) -> None:
+        """Send one forward to every other rank.
+
+        Raises:
+            OSError: a rank is gone (its pipe is closed).
+        """
+        data = encode_forward(host, num_samples)
+        for conn in self.connections:
+            conn.send_bytes(data)
+
+    def close(self) -> None:
+        """Close the pipes: the other ranks see end-of-file and exit."""
+        for conn in self.connections:
+            conn.close()

@@ -6,8 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tritonllm.distributed import TensorParallelGroup
 from tritonllm.layers.fused import LayerKernels, use_fused
 from tritonllm.layers.linear import Linear
+from tritonllm.layers.parallel import RowParallelLinear
 
 
 class SwiGLUMLP(nn.Module):
@@ -19,10 +21,16 @@ class SwiGLUMLP(nn.Module):
         hidden_size, intermediate_size: the block's widths.
         kernels: the layers' kernel choices (SiLU-mul kernel, the projections' `Linear` mode;
             default `LayerKernels()`).
+        tp: a tensor-parallel group: `intermediate_size` is then this rank's columns
+            (gate/up column-parallel) and `down_proj` is row-parallel (one all-reduce).
     """
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, kernels: LayerKernels | None = None
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        kernels: LayerKernels | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         kernels = kernels or LayerKernels()
@@ -30,7 +38,11 @@ class SwiGLUMLP(nn.Module):
         self.fused = kernels.fused
         mode = kernels.linear_mode
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, mode=mode)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, mode=mode)
+        self.down_proj: Linear
+        if tp is None:
+            self.down_proj = Linear(intermediate_size, hidden_size, bias=False, mode=mode)
+        else:
+            self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp, mode=mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -4,6 +4,11 @@ The three differ only in config-driven details: Qwen3 applies a per-head RMSNorm
 before RoPE, Qwen2 has q/k/v biases, Llama may use Llama 3 RoPE frequency scaling. Module
 names mirror Hugging Face's (`model.layers.N.self_attn...`), so the loader only has to fuse
 q/k/v and gate/up.
+
+With a tensor-parallel group (`tp`) each rank builds its shard of the model
+(`distributed.ModelShard`): its attention heads and MLP columns (column-parallel q/k/v and
+gate/up, row-parallel o and down, `layers.parallel`), a vocabulary-parallel embedding and LM
+head. Without one (size 1) the layers are the plain single-device ones.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ from torch import nn
 
 from tritonllm.attention.base import AttentionBackend, AttentionMetadata
 from tritonllm.config import ModelConfig
+from tritonllm.distributed import ModelShard, TensorParallelGroup
 from tritonllm.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLUMLP
 from tritonllm.layers.fused import LayerKernels
+from tritonllm.layers.parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 
 
 class BackendRef:
@@ -25,7 +32,11 @@ class BackendRef:
 
 
 class Attention(nn.Module):
-    """Fused qkv projection, optional q/k norm, RoPE, paged attention, output projection."""
+    """Fused qkv projection, optional q/k norm, RoPE, paged attention, output projection.
+
+    With `tp`, the heads of `shard` only (`cfg` stays the full model's shape): qkv_proj holds
+    their rows, o_proj their columns (row-parallel: one all-reduce).
+    """
 
     def __init__(
         self,
@@ -34,21 +45,30 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         backend_ref: BackendRef,
         kernels: LayerKernels,
+        tp: TensorParallelGroup | None = None,
+        shard: ModelShard | None = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
+        local = cfg if shard is None else shard.local_config(cfg)
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            local.num_heads,
+            local.num_kv_heads,
             cfg.head_dim,
         )
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         mode = kernels.linear_mode
         self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, mode=mode
         )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, mode=mode)
+        self.o_proj: Linear
+        if tp is None:
+            self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, mode=mode)
+        else:
+            self.o_proj = RowParallelLinear(
+                self.q_size, cfg.hidden_size, cfg.o_proj_bias, tp, mode=mode
+            )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if cfg.qk_norm:
@@ -95,10 +115,16 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         backend_ref: BackendRef,
         kernels: LayerKernels,
+        tp: TensorParallelGroup | None = None,
+        shard: ModelShard | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id, rotary, backend_ref, kernels)
-        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, kernels)
+        self.self_attn = Attention(cfg, layer_id, rotary, backend_ref, kernels, tp, shard)
+        if shard is None:
+            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, kernels)
+        else:
+            width = shard.intermediate.size
+            self.mlp = SwiGLUMLP(cfg.hidden_size, width, kernels, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.fused)
 
@@ -130,15 +156,27 @@ class DecoderModel(nn.Module):
     """Embedding, decoder layers, final norm (Hugging Face's `model.` submodule)."""
 
     def __init__(
-        self, cfg: ModelConfig, max_positions: int, backend_ref: BackendRef, kernels: LayerKernels
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        backend_ref: BackendRef,
+        kernels: LayerKernels,
+        tp: TensorParallelGroup | None = None,
+        shard: ModelShard | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding
+        if tp is None or shard is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(
+                shard.vocab, shard.vocab_rows, cfg.hidden_size, tp
+            )
         self.rotary_emb = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, kernels.fused
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.rotary_emb, backend_ref, kernels)
+            DecoderLayer(cfg, i, self.rotary_emb, backend_ref, kernels, tp, shard)
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.fused)
@@ -156,6 +194,11 @@ class CausalLM(nn.Module):
         max_positions: rows of the RoPE cache (default: `cfg.max_position_embeddings`).
         kernels: which Triton kernels the layers run on CUDA (default `LayerKernels()`: the
             layer kernels on, cuBLAS GEMMs).
+        tp: this rank's tensor-parallel group (None: the whole model on one device); the rank
+            builds its shard, `self.shard` (`ModelShard.of`).
+
+    Raises:
+        ValueError: a tensor-parallel size the model's heads cannot be split into.
     """
 
     def __init__(
@@ -163,15 +206,28 @@ class CausalLM(nn.Module):
         cfg: ModelConfig,
         max_positions: int | None = None,
         kernels: LayerKernels | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         kernels = kernels or LayerKernels()
         self.config = cfg
+        self.shard = None if tp is None else ModelShard.of(cfg, tp.rank, tp.size)
         self.backend_ref = BackendRef()
         self.model = DecoderModel(
-            cfg, max_positions or cfg.max_position_embeddings, self.backend_ref, kernels
+            cfg,
+            max_positions or cfg.max_position_embeddings,
+            self.backend_ref,
+            kernels,
+            tp,
+            self.shard,
         )
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, mode=kernels.linear_mode)
+        mode = kernels.linear_mode
+        self.lm_head: Linear
+        if tp is None or self.shard is None:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, mode=mode)
+        else:
+            rows = self.shard.vocab_rows
+            self.lm_head = ParallelLMHead(cfg.hidden_size, rows, cfg.vocab_size, tp, mode=mode)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -151,7 +151,7 @@ class TritonPythonModel:
         served_model_dir(params)  # a missing model directory fails the load with how to build it
         config, serving = engine_config(params), serving_config(params)
         engine: EngineClient
-        if serving.use_engine_process(config.device):
+        if serving.use_engine_process(config.device, config.tensor_parallel_size):
             engine = EngineProcess(config)  # RuntimeError with the reason fails the load
         else:
             engine = EngineThread(LLMEngine(config))
