@@ -31,6 +31,7 @@ from .security import (
     header_timeout_protocol,
     parse_api_keys,
 )
+from .tool_parsers import TOOL_PARSERS
 from .triton_client import TritonClient
 
 # Largest request body accepted (bytes). Far above any prompt a 128k-token context can take, and
@@ -127,6 +128,7 @@ def create_app(
     cors_origins: tuple[str, ...] = (),
     cache_salt_from_api_key: bool = False,
     control_secret: str | None = None,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """An OpenAI-compatible app in front of the Triton ensemble at ``triton_url`` (gRPC).
 
@@ -146,11 +148,15 @@ def create_app(
         cache_salt_from_api_key: each tenant gets its own prefix cache (``security.py``).
         control_secret: the generator's control secret, sent with every abort (the server's
             ``TRITONLLM_CONTROL_SECRET``).
+        tool_call_parser: the model family's tool-call syntax (``tool_parsers.TOOL_PARSERS``).
     Raises:
-        ValueError: ``cache_salt_from_api_key`` without ``api_keys``.
+        ValueError: ``cache_salt_from_api_key`` without ``api_keys``, or an unknown
+            ``tool_call_parser``.
     """
     if cache_salt_from_api_key and not api_keys:
         raise ValueError("cache_salt_from_api_key needs API keys")
+    if tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {tool_call_parser!r}")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -161,6 +167,7 @@ def create_app(
             model_name=model_name,
             stream_idle_timeout_s=stream_idle_timeout_s,
             cache_salt_from_api_key=cache_salt_from_api_key,
+            tool_call_parser=tool_call_parser,
         )
         app.state.health = health.HealthMonitor(client, state.live)
         watch = health.BackendWatch(app.state.health)
@@ -264,6 +271,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds a connection may take to send a request's headers (idle connections "
         "and half-sent requests are closed after it)",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=sorted(TOOL_PARSERS),
+        help="the served model's tool-call syntax (hermes: Qwen2.5/Qwen3/Hermes <tool_call> "
+        "blocks, also this service's rendering for templates without tools)",
+    )
     return p.parse_args(argv)
 
 
@@ -288,6 +302,7 @@ def main(argv: list[str] | None = None) -> None:
         cors_origins=tuple(args.cors_allow_origin),
         cache_salt_from_api_key=args.cache_salt_from_api_key,
         control_secret=os.environ.get(CONTROL_SECRET_ENV, "").strip() or None,
+        tool_call_parser=args.tool_call_parser,
     )
     protocol = header_timeout_protocol(args.header_timeout)
     config = uvicorn.Config(

@@ -33,6 +33,9 @@ from pydantic import (
 
 from tritonllm.contract import limits
 
+from .structured import StructuredOutputFields
+from .tools import ToolFields
+
 # Every limit is the contract's (tritonllm.contract.limits), the one the engine checks too; the
 # bounds of the ensemble's INT32 / INT64 inputs make larger values invalid requests, not crashes.
 INT32_MAX = limits.INT32_MAX
@@ -125,6 +128,10 @@ class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     tool_call_id: str | None = Field(default=None, validate_default=True)
+    # An assistant's earlier calls ([{"id", "type", "function": {"name", "arguments"}}]) and a
+    # tool result's function name: rendered by the chat template (tokenization/tools.py).
+    tool_calls: list[dict[str, Any]] | None = None
+    name: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -142,9 +149,10 @@ class ChatMessage(_Lenient):
         return call_id
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields, StructuredOutputFields):
     """The body of ``POST /v1/chat/completions``; ``max_completion_tokens`` (tokens) wins over
-    ``max_tokens``."""
+    ``max_tokens``. Tools: ``tools.ToolFields``; structured outputs and token masks:
+    ``structured.StructuredOutputFields``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(
@@ -152,8 +160,6 @@ class ChatCompletionRequest(SamplingFields):
     )
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, **limits.LOGPROBS.field_bounds())
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @property
@@ -161,7 +167,7 @@ class ChatCompletionRequest(SamplingFields):
         return bool(self.logprobs)
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, StructuredOutputFields):
     """The body of ``POST /v1/completions``.
 
     ``prompt`` is a string, a list of strings, a list of token ids or a list of token-id lists
@@ -169,7 +175,7 @@ class CompletionRequest(SamplingFields):
     choices, indexed prompt-major (``prompt_index * n + i``) as OpenAI does. ``max_tokens: 0``
     (with ``echo``: the prompt and its logprobs only) generates nothing. ``add_special_tokens``
     (vLLM's; absent: false, the text as is) encodes text prompts with the tokenizer's special
-    tokens.
+    tokens. Structured outputs and token masks: ``structured.StructuredOutputFields``.
     """
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
@@ -271,11 +277,28 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class FunctionCall(BaseModel):
+    """A called function: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
-    """The generated message of a non-streamed chat completion."""
+    """The generated message of a non-streamed chat completion (``content`` null when it is
+    only tool calls)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -311,6 +334,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's streamed tool-call deltas
 
 
 class ChatChunkChoice(BaseModel):

@@ -17,6 +17,7 @@ from tritonllm.contract import limits
 from .errors import OpenAIError, unsupported
 from .extensions import check_extensions
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from .structured import constraint_inputs
 from .triton_client import InputSpec, InputValue
 
 # Request field → the value at which it changes nothing (None: never a no-op once given).
@@ -103,6 +104,20 @@ def _message_text(index: int, message: ChatMessage) -> str:
     return "".join(parts)
 
 
+def _message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """One message for the tokenizer: role, text and its tool fields."""
+    out: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": _message_text(index, message),
+    }
+    if message.tool_calls:
+        out["tool_calls"] = message.tool_calls
+    for key in ("tool_call_id", "name"):
+        if getattr(message, key) is not None:
+            out[key] = getattr(message, key)
+    return out
+
+
 def chat_inputs(
     req: ChatCompletionRequest, specs: Mapping[str, InputSpec], backend_stream: bool
 ) -> dict[str, InputValue]:
@@ -111,26 +126,25 @@ def chat_inputs(
     ``developer`` messages are sent as ``system`` (OpenAI treats them alike for chat models).
 
     Raises:
-        OpenAIError: 400 for unsupported features (tools, non-text content, ...), or
-            ``top_logprobs`` without ``logprobs: true`` (as OpenAI answers).
+        OpenAIError: 400 for unsupported features (non-text content, ...), an invalid tool
+            choice or constraint, or ``top_logprobs`` without ``logprobs: true`` (as OpenAI
+            answers).
     """
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError(
             "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value"
         )
-    if req.tools:
-        raise unsupported("tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise unsupported("response_format", "response_format other than text")
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": _message_text(i, m)}
-        for i, m in enumerate(req.messages)
-    ]
+    mode = req.tool_mode()
+    messages = [_message(i, m) for i, m in enumerate(req.messages)]
     # Chat without a limit runs until EOS, a stop or the context limit (OpenAI semantics): the
     # backend reads an absent max_tokens that way.
     max_tokens = req.max_completion_tokens or req.max_tokens
     inputs: dict[str, InputValue] = {"messages": json.dumps(messages, ensure_ascii=False)}
+    tools = req.tools_json()
+    if tools is not None:
+        _put(inputs, specs, "tools", tools, None)
     inputs.update(sampling_inputs(req, specs, max_tokens, backend_stream))
+    inputs.update(constraint_inputs(req, specs, req.tool_constraint(mode)))
     if req.logprobs:
         _put(inputs, specs, "logprobs", req.top_logprobs or 0, None)
     thinking = (req.chat_template_kwargs or {}).get("enable_thinking")
@@ -178,4 +192,5 @@ def completion_inputs(
     if req.echo:
         _put(inputs, specs, "exclude_input_in_output", False, None)
         _put(inputs, specs, "prompt_logprobs", req.logprobs, None)
+    inputs.update(constraint_inputs(req, specs))
     return inputs

@@ -517,3 +517,12 @@ def test_prefill_host_times_prefill_and_decode_steps_separately(tiny_model_dir, 
         with pytest.raises(SystemExit):  # argparse's usage error, not a traceback
             prefill_host.parse_args(bad)
     assert "usage:" in capsys.readouterr().err
+
+
+def test_structured_decode_times_full_batches_with_constrained_rows(tiny_model_dir):
+    """The structured-output decode benchmark keeps every row (constrained ones under its
+    schema) decoding through the timed steps (it exits otherwise)."""
+    from benchmarks.structured_decode import time_structured_step
+
+    seconds = time_structured_step(str(tiny_model_dir), "cpu", "torch", 3, 2, 8, 3, 0.6, {})
+    assert seconds > 0

@@ -144,7 +144,7 @@ def test_unsupported_fields_are_400_unless_noop():
         {"top_k": 2},
         {"logprobs": True},
         {"n": 2},
-        {"tools": [{"type": "function"}]},
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
         {"logit_bias": {"50256": -100}},
     ):
         with pytest.raises(OpenAIError) as info:
@@ -305,6 +305,7 @@ STRICT_FIELDS = [
         for name in ("stream", "ignore_eos")
     ],
     ("chat", "logprobs", True, _BAD_BOOL),
+    ("chat", "parallel_tool_calls", True, _BAD_BOOL),
     ("completion", "echo", True, _BAD_BOOL),
     ("completion", "add_special_tokens", True, _BAD_BOOL),
 ]

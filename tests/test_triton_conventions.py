@@ -258,7 +258,6 @@ def test_trtllm_log_probs_and_choices(triton_server, tokenizer, hf_greedy, hf_lo
     ("extra", "name"),
     [
         ({"beam_width": np.array([[2]], np.int32)}, "beam_width"),
-        ({"bad_words": np.array([["world"]], dtype=object)}, "bad_words"),
         ({"return_context_logits": np.array([[True]])}, "return_context_logits"),
         ({"length_penalty": np.array([[0.5]], np.float32)}, "length_penalty"),
     ],

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from tritonllm.contract import limits
 from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
+from tritonllm.structured.spec import StructuredOutputs
 
 # Kept for callers that import them from here; the values live in the contract.
 MAX_LOGPROBS = limits.MAX_LOGPROBS
@@ -56,6 +57,13 @@ class SamplingParams:
         prompt_logprobs: None, or 0..20: also return the logprob of each prompt token after
             the first, plus this many top alternatives (log_softmax of the model's raw logits;
             `engine/prompt_logprobs.py`). Such a request takes no prefix from the prefix cache.
+        structured_outputs: the output must match this JSON schema / regex / choice / grammar
+            (`tritonllm.structured`; validated when built); the grammar also ends the
+            generation ("stop") once its output is complete. Not with min_tokens > 0.
+        allowed_token_ids: vLLM's: only these ids may be sampled (each in [0, vocab), checked
+            by the engine's limits); None: no restriction.
+        bad_words: vLLM's / TensorRT-LLM's: words that must not be generated (a word's last
+            token is masked after its other tokens; `tritonllm.structured.constraint`).
     Raises:
         RequestError: (code ``invalid_value``) a field out of its range or of the wrong type;
             the error names the field, its allowed range and (shortened) the value given.
@@ -78,6 +86,9 @@ class SamplingParams:
     n: int = 1
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable.
@@ -88,7 +99,15 @@ class SamplingParams:
         ids = tuple(ids)
         _check(all(_int(t) for t in ids), "stop_token_ids", "a list of token ids", ids)
         object.__setattr__(self, "stop_token_ids", ids)
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            ok = not isinstance(allowed, str | bytes) and all(_int(t) for t in allowed)
+            _check(ok, "allowed_token_ids", "a list of token ids", allowed)
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+        object.__setattr__(self, "bad_words", words)
         self._validate()
+        self._validate_constraints()
 
     @property
     def is_greedy(self) -> bool:
@@ -97,6 +116,53 @@ class SamplingParams:
     @property
     def top_k_enabled(self) -> bool:
         return self.top_k >= 1
+
+    @property
+    def has_token_constraint(self) -> bool:
+        """Whether sampling is masked per token (structured outputs, allowed ids, bad words)."""
+        return bool(
+            self.structured_outputs is not None
+            or self.allowed_token_ids is not None
+            or self.bad_words
+        )
+
+    def _validate_constraints(self) -> None:
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputs),
+            "structured_outputs",
+            "a StructuredOutputs",
+            self.structured_outputs,
+        )
+        if self.allowed_token_ids is not None:
+            _check(
+                len(self.allowed_token_ids) > 0 and all(t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                "a non-empty list of non-negative token ids",
+                self.allowed_token_ids,
+            )
+        _check(
+            len(self.bad_words) <= limits.MAX_BAD_WORDS,
+            "bad_words",
+            f"at most {limits.MAX_BAD_WORDS} strings",
+            len(self.bad_words),
+        )
+        _check(
+            all(
+                isinstance(w, str) and 0 < len(w.strip()) and len(w) <= limits.MAX_BAD_WORD_CHARS
+                for w in self.bad_words
+            ),
+            "bad_words",
+            f"non-blank strings of at most {limits.MAX_BAD_WORD_CHARS} characters",
+            self.bad_words,
+        )
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            # The grammar may allow only EOS while min_tokens masks it: no token would be left.
+            raise RequestError(
+                ErrorCode.UNSUPPORTED_PARAMETER,
+                "min_tokens",
+                "min_tokens > 0 cannot be combined with structured outputs",
+            )
 
     def _validate(self) -> None:
         _check(

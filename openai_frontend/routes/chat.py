@@ -1,13 +1,21 @@
-"""POST /v1/chat/completions: OpenAI chat JSON → ``llm`` ensemble (``messages``) → JSON or SSE."""
+"""POST /v1/chat/completions: OpenAI chat JSON → ``llm`` ensemble (``messages``) → JSON or SSE.
+
+Tool calls (``tools.ToolFields``): ``auto`` outputs go through the server's tool-call parser,
+streamed as OpenAI's ``delta.tool_calls`` (a call's id, type and name first, then its
+arguments' fragments); a named choice streams its arguments as they are generated; a
+``required`` choice's JSON array is parsed once complete and sent as whole calls.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
-from ..generation import Generation
+from ..errors import OpenAIError
+from ..generation import Choice, Generation
 from ..logprobs import chat_logprobs
 from ..protocol import (
     AssistantMessage,
@@ -17,8 +25,14 @@ from ..protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     DeltaMessage,
+    FunctionCall,
+    ToolCall,
 )
 from ..sampling import chat_inputs
+from ..structured import rename_param
+from ..tool_parsers import ToolCall as ParsedCall
+from ..tool_parsers import ToolCallDelta, get_tool_parser, new_call_id, parse_output
+from ..tools import ToolMode, constrained_calls
 from .common import collect_choices, get_state, start_generation
 from .sse import ChunkEncoder, stream_response
 
@@ -35,43 +49,142 @@ async def create_chat_completion(
         OpenAIError: before the first byte (see ``start_generation``); later errors of a
             stream are sent in-band.
     """
-    gen = await start_generation(request, body, "chatcmpl", "messages", chat_inputs)
-    model = get_state(request).model_name
+    mode = body.tool_mode()
+    try:
+        gen = await start_generation(request, body, "chatcmpl", "messages", chat_inputs)
+    except OpenAIError as exc:
+        tool = body.tool_constraint(mode)
+        rename_param(exc, body, tool[0] if tool is not None else None)
+        raise
+    state = get_state(request)
     if body.stream:
         choice = ChatChunkChoice(delta=DeltaMessage())
-        template = ChatCompletionChunk(id=gen.request_id, model=model, choices=[choice])
+        template = ChatCompletionChunk(id=gen.request_id, model=state.model_name, choices=[choice])
         encoder = ChunkEncoder(template, body.include_usage)
-        return stream_response(gen, _events(gen, encoder), encoder)
+        events = _events(gen, encoder, mode, state.tool_call_parser)
+        return stream_response(gen, events, encoder)
     choices = await collect_choices(request, gen)
     return ChatCompletion(
         id=gen.request_id,
-        model=model,
-        choices=[
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content=c.text),
-                logprobs=chat_logprobs(c.logprobs),
-                finish_reason=c.finish_reason,
-            )
-            for i, c in enumerate(choices)
-        ],
+        model=state.model_name,
+        choices=[_choice(i, c, mode, state.tool_call_parser) for i, c in enumerate(choices)],
         usage=gen.usage,
     )
 
 
-async def _events(gen: Generation, encoder: ChunkEncoder) -> AsyncGenerator[str, None]:
-    # OpenAI's chunk sequence per choice: the role first, content deltas, then an empty delta
-    # that carries finish_reason. Deltas are written as dicts: unset fields are left out, not
-    # null. Content chunks carry the logprobs of their tokens (also when a token completes no
-    # character yet and the content is "").
-    for index in range(gen.n):
+def _finish_reason(reason: str | None, mode: ToolMode, called: bool) -> str | None:
+    # OpenAI: "tool_calls" when the model called tools on its own or had to; "stop" for a
+    # forced (named) function.
+    if called and reason == "stop" and mode.kind in ("auto", "required"):
+        return "tool_calls"
+    return reason
+
+
+def _choice(index: int, c: Choice, mode: ToolMode, parser: str) -> ChatChoice:
+    content: str | None = c.text
+    calls: list[ParsedCall] | None = None
+    if mode.kind == "auto":
+        content, calls = parse_output(get_tool_parser(parser), c.text)
+        calls = calls[:1] if calls and not mode.parallel else calls
+        content = content.strip() or None if calls else content
+    elif mode.kind in ("named", "required"):
+        calls = constrained_calls(mode, c.text)
+        content = None if calls else c.text
+    tool_calls = None
+    if calls:
+        tool_calls = [
+            ToolCall(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
+            for t in calls
+        ]
+    return ChatChoice(
+        index=index,
+        message=AssistantMessage(content=content, tool_calls=tool_calls),
+        logprobs=chat_logprobs(c.logprobs),
+        finish_reason=_finish_reason(c.finish_reason, mode, bool(calls)),
+    )
+
+
+class _ChoiceStream:
+    """One streamed choice's tool-call state: what each text delta becomes."""
+
+    def __init__(self, mode: ToolMode, parser: str) -> None:
+        self.mode = mode
+        self.parser = get_tool_parser(parser) if mode.kind == "auto" else None
+        self.buffer: list[str] = []  # required: the whole JSON array
+        self.called = False
+        self.named_id = new_call_id() if mode.kind == "named" else None
+
+    def start(self) -> list[dict[str, Any]]:
+        """Deltas before any text (a named call's head)."""
+        if self.named_id is None:
+            return []
+        self.called = True
+        return [_calls_delta([ToolCallDelta(0, "", self.named_id, self.mode.name)])]
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        if self.parser is not None:
+            parsed = self.parser.feed(text)
+            return self._parsed(parsed.content, parsed.calls)
+        if self.mode.kind == "named":
+            return [_calls_delta([ToolCallDelta(0, text)])] if text else []
+        if self.mode.kind == "required":
+            self.buffer.append(text)
+            return []
+        return [{"content": text}]
+
+    def finish(self) -> list[dict[str, Any]]:
+        if self.parser is not None:
+            parsed = self.parser.finish()
+            return self._parsed(parsed.content, parsed.calls)
+        if self.mode.kind != "required":
+            return []
+        text = "".join(self.buffer)
+        calls = constrained_calls(self.mode, text)
+        if not calls:
+            return [{"content": text}] if text else []
+        self.called = True
+        return [
+            _calls_delta([ToolCallDelta(i, c.arguments, c.id, c.name)]) for i, c in enumerate(calls)
+        ]
+
+    def _parsed(self, content: str, calls: list[ToolCallDelta]) -> list[dict[str, Any]]:
+        if not self.mode.parallel:
+            calls = [c for c in calls if c.index == 0]
+        out = [{"content": content}] if content else []
+        if calls:
+            self.called = True
+            out.append(_calls_delta(calls))
+        return out
+
+
+def _calls_delta(calls: list[ToolCallDelta]) -> dict[str, Any]:
+    return {"tool_calls": [c.openai() for c in calls]}
+
+
+async def _events(
+    gen: Generation, encoder: ChunkEncoder, mode: ToolMode, parser: str
+) -> AsyncGenerator[str, None]:
+    # OpenAI's chunk sequence per choice: the role first, content (or tool-call) deltas, then
+    # an empty delta that carries finish_reason. Deltas are written as dicts: unset fields are
+    # left out, not null. Chunks carry the logprobs of their tokens (also when a token
+    # completes no character yet and the content is "").
+    streams = [_ChoiceStream(mode, parser) for _ in range(gen.n)]
+    for index, stream in enumerate(streams):
         yield encoder.event(index=index, delta={"role": "assistant", "content": ""})
-    async for delta in gen.deltas():
-        if delta.text or delta.logprobs:
+        for delta in stream.start():
+            yield encoder.event(index=index, delta=delta)
+    async for piece in gen.deltas():
+        stream = streams[piece.index]
+        deltas = stream.feed(piece.text) if piece.text else []
+        if piece.finish_reason:
+            deltas += stream.finish()
+        logprobs = chat_logprobs(piece.logprobs)
+        if logprobs is not None and not deltas:
+            deltas = [{"content": ""}]
+        for j, delta in enumerate(deltas):
             yield encoder.event(
-                index=delta.index,
-                logprobs=chat_logprobs(delta.logprobs),
-                delta={"content": delta.text},
+                index=piece.index, logprobs=logprobs if j == 0 else None, delta=delta
             )
-        if delta.finish_reason:
-            yield encoder.event(delta.finish_reason, index=delta.index, delta={})
+        if piece.finish_reason:
+            reason = _finish_reason(piece.finish_reason, mode, stream.called)
+            yield encoder.event(reason, index=piece.index, delta={})

@@ -32,15 +32,17 @@ CLIENT_CLOSED_REQUEST = 499
 @dataclass
 class ServerState:
     """Per-app state: the shared Triton client, the served model name, how long a generation
-    may go without a response (seconds; None: no limit) and the generations in flight
-    (``live``: started, not yet closed); ``cache_salt_from_api_key``: each API key's requests
-    get their tenant's prefix-cache salt (``security.py``)."""
+    may go without a response (seconds; None: no limit), the generations in flight
+    (``live``: started, not yet closed), the model's tool-call parser, and
+    ``cache_salt_from_api_key``: each API key's requests get their tenant's prefix-cache salt
+    (``security.py``)."""
 
     client: TritonClient
     model_name: str
     stream_idle_timeout_s: float | None = None
     cache_salt_from_api_key: bool = False
     live: set[Generation] = field(default_factory=set)
+    tool_call_parser: str = "hermes"  # tool_parsers.TOOL_PARSERS
     max_prompt_chars: int | None = None  # the tokenizer's limit, once fetched
     max_model_len: int | None = None  # the engine's context limit, once asked (tokens)
 

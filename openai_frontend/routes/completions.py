@@ -19,10 +19,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
+from ..errors import OpenAIError
 from ..generation import Delta, Generation
 from ..logprobs import completion_logprobs
 from ..protocol import Completion, CompletionChoice, CompletionRequest, PromptTokensDetails, Usage
 from ..sampling import completion_inputs
+from ..structured import rename_param
 from .common import collect_choices, get_state, new_id, start_generation
 from .sse import ChunkEncoder, stream_response
 
@@ -77,6 +79,8 @@ async def _start_all(request: Request, body: CompletionRequest, request_id: str)
     failure = next((r for r in results if isinstance(r, BaseException)), None)
     if failure is not None:
         Generations(gens).close()
+        if isinstance(failure, OpenAIError):
+            rename_param(failure, body, None)  # a constraint error names the client's field
         raise failure
     return Generations(gens)
 

@@ -122,3 +122,9 @@ MAX_PARAMETERS_BYTES = 64 << 10  # sampling_parameters (JSON)
 # refused; without max_tokens each choice gets min(room in the context, this // n). OpenAI caps
 # a completion's output of its GPT-4o models at the same 16,384 tokens.
 MAX_REQUEST_OUTPUT_TOKENS = 16384
+
+# --- structured outputs and token masks (tritonllm/structured) ------------------------------
+MAX_GRAMMAR_CHARS = 100_000  # a JSON schema's canonical text, a regex or an EBNF grammar
+MAX_CHOICES = 256  # guided_choice strings
+MAX_BAD_WORDS = 64  # bad_words entries (each 1..MAX_BAD_WORD_CHARS characters)
+MAX_BAD_WORD_CHARS = 256

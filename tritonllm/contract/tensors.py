@@ -83,6 +83,8 @@ PROMPT_INPUT_IDS = _opt("input_ids", "INT32", (-1,))
 # true: the tokenizer adds the tokenizer's special tokens (a BOS) to text_input (absent: false).
 ADD_SPECIAL_TOKENS = _opt("add_special_tokens", "BOOL")
 ENABLE_THINKING = _opt("enable_thinking", "BOOL")
+# Tool calling: the OpenAI `tools` list as JSON, rendered by the chat template (messages only).
+TOOLS = _opt("tools", "BYTES")
 # false: each choice's first response starts with the prompt (absent: true, never echoed).
 EXCLUDE_INPUT_IN_OUTPUT = _opt("exclude_input_in_output", "BOOL")
 # The vLLM backend's JSON object of sampling parameters (values may be strings such as "0.1").
@@ -111,6 +113,12 @@ SAMPLING_INPUTS: tuple[TensorSpec, ...] = (
     _opt("cache_salt", "BYTES"),
     # Also score the prompt: each prompt token's logprob plus this many top alternatives.
     _opt("prompt_logprobs", "INT32"),
+    # Structured outputs: vLLM's StructuredOutputsParams as a JSON object, exactly one of
+    # {"json": schema}, {"json_object": true}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}
+    # (tritonllm.structured.spec).
+    _opt("structured_outputs", "BYTES"),
+    _opt("allowed_token_ids", "INT32", (-1,)),  # only these ids may be sampled
+    _opt("bad_words", "BYTES", (-1,)),  # words never generated (vLLM / TensorRT-LLM semantics)
 )
 
 # --- tokenizer -------------------------------------------------------------------------------
@@ -131,6 +139,7 @@ TOKENIZER = ModelSpec(
         EXCLUDE_INPUT_IN_OUTPUT,
         ADD_SPECIAL_TOKENS,
         PROMPT_LIMITS,
+        TOOLS,
     ),
     outputs=(INPUT_IDS, ECHO_TEXT, LIMITS_JSON),
 )
@@ -218,6 +227,7 @@ LLM = ModelSpec(
         ENABLE_THINKING,
         EXCLUDE_INPUT_IN_OUTPUT,
         ADD_SPECIAL_TOKENS,
+        TOOLS,
         *SAMPLING_INPUTS,
         STREAM,
         SAMPLING_PARAMETERS,
@@ -245,7 +255,7 @@ TRTLLM_INPUTS: tuple[TensorSpec, ...] = (
     _opt("min_length", "INT32"),  # -> min_tokens (older name)
     _opt("min_tokens", "INT32"),
     _opt("stop_words", "BYTES", (-1,)),  # -> stop
-    _opt("bad_words", "BYTES", (-1,)),  # refused unless empty
+    _opt("bad_words", "BYTES", (-1,)),  # -> bad_words
     _opt("end_id", "INT32"),  # generation ends at this id instead of the model's EOS
     _opt("pad_id", "INT32"),  # accepted: no output is padded
     EXCLUDE_INPUT_IN_OUTPUT,

@@ -21,8 +21,9 @@ from tritonllm.engine.radix_cache import RadixCache
 from tritonllm.engine.request import Request, RequestOutput, RequestStatus
 from tritonllm.engine.request_limits import RequestLimits
 from tritonllm.engine.scheduler import Scheduler
-from tritonllm.engine.stop_strings import StopStringChecker
+from tritonllm.engine.stop_strings import StopStringChecker, check_stop_strings
 from tritonllm.sampling_params import SamplingParams
+from tritonllm.structured.admission import ConstraintAdmission
 from tritonllm.tokenization.detokenizer import Detokenizer
 
 
@@ -110,6 +111,7 @@ class LLMEngine:
         self._overlap = config.use_overlap_schedule
         self._in_flight: LaunchedStep | None = None  # overlap: launched, not yet processed
         self._detok: Detokenizer | None = None
+        self.constraints = ConstraintAdmission(config)  # structured outputs, token masks
 
     # ---- requests ------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
@@ -140,6 +142,7 @@ class LLMEngine:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.model_config.eos_token_ids)
+        choices = []
         for index in range(params.n):  # the choices share the prompt's pages once cached
             req = Request(request_id, list(prompt_ids), params, next(self._arrival), index)
             req.max_tokens, req.stop_ids = max_tokens, frozenset(stop)
@@ -148,7 +151,12 @@ class LLMEngine:
             if params.stop:
                 req.stop_checker = StopStringChecker(self._detokenizer(), params.stop)
             self._requests[req.key] = req
-            self.scheduler.add(req)
+            choices.append(req)
+        if params.has_token_constraint:  # queued once its constraint has compiled (`step`)
+            self.constraints.defer(choices)
+        else:
+            for req in choices:
+                self.scheduler.add(req)
 
     def _detokenizer(self) -> Detokenizer:
         # Loaded on first use: only requests with stop strings need text in the engine.
@@ -180,6 +188,7 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str, release: bool, error: str | None = None) -> None:
         if release:
             self.scheduler.abort(req)
+        self.constraints.live.discard(req)
         req.finish_reason = reason
         del self._requests[req.key]
         num_output = req.num_output_tokens - num_unknown_tail(req.token_ids)
@@ -198,10 +207,15 @@ class LLMEngine:
         """
         outputs, self._pending = self._pending, []
         try:
+            if self.constraints.num_compiling:
+                self._admit_compiled(outputs)
             batch = self.scheduler.schedule()
             launched = None
             if batch is not None:
-                launched = self.runner.run(batch)
+                hook = None
+                if self._in_flight is not None and self.constraints.live:
+                    hook = lambda reqs: self._sync_constrained(reqs, outputs)  # noqa: E731
+                launched = self.runner.run(batch, hook)
                 launched.commit()
                 self._num_steps += 1
             previous, self._in_flight = self._in_flight, launched
@@ -210,7 +224,9 @@ class LLMEngine:
             if previous is not None:
                 self._process(previous, outputs)
             elif batch is None and self._requests and not outputs:
-                raise RuntimeError("scheduler stalled: requests pending but nothing runnable")
+                if not self.constraints.num_compiling:
+                    raise RuntimeError("scheduler stalled: requests pending but nothing runnable")
+                self._admit_compiled(outputs, timeout_s=0.05)  # only compiles are left to wait for
         except BaseException:
             # Outputs made before the failure (aborts, finished requests) are no longer in
             # `_requests`: keep them so `abort_all` still delivers them and no request is lost.
@@ -218,6 +234,22 @@ class LLMEngine:
             self._in_flight = None
             raise
         return outputs
+
+    def _admit_compiled(self, outputs: list[RequestOutput], timeout_s: float = 0.0) -> None:
+        """Queue the requests whose constraint has compiled; fail those whose compile failed."""
+        for req, error in self.constraints.ready(timeout_s):
+            if error is None:
+                self.scheduler.add(req)
+            else:
+                self._finish(req, "error", release=True, error=f"constraint compile: {error}")
+                outputs.append(self._pending.pop())
+
+    def _sync_constrained(self, sample_reqs: list[Request], outputs: list[RequestOutput]) -> None:
+        """Overlap scheduling: process the step in flight now, before the masks of the step
+        being launched are filled, when one of its rows needs it (`ConstraintAdmission`)."""
+        if self._in_flight is not None and self.constraints.needs_sync(sample_reqs):
+            step, self._in_flight = self._in_flight, None
+            self._process(step, outputs)
 
     def _process(self, step: LaunchedStep, outputs: list[RequestOutput]) -> None:
         """Fill in the sampled tokens of a finished step; stop checks; append to `outputs`."""
@@ -250,16 +282,21 @@ class LLMEngine:
         token = req.token_ids[pos]
         p = req.params
         num_out = pos + 1 - req.num_prompt_tokens  # every id after `pos` is a placeholder
-        reason = None
-        if token in req.stop_ids and num_out >= p.min_tokens:
+        reason = error = None
+        constraint = req.constraint
+        if constraint is not None and not constraint.accept(token):
+            reason, error = "error", f"token {token} violates the request's constraint"
+        elif token in req.stop_ids and num_out >= p.min_tokens:
             reason = "stop"
+        elif constraint is not None and constraint.terminated:
+            reason = "stop"  # the grammar's output is complete (it accepted a stop token)
         elif num_out >= req.max_tokens or pos + 1 >= self.max_model_len:
             reason = "length"
         lps = None if lp is None else [lp]
         tops = None if top is None else [top]
         released, trim = [token], 0
         if req.stop_checker is not None:
-            released, trim, stopped, lps, tops = self._check_stop_strings(
+            released, trim, stopped, lps, tops = check_stop_strings(
                 req, req.stop_checker, token, reason, lps, tops
             )
             if stopped:
@@ -268,41 +305,9 @@ class LLMEngine:
             del req.token_ids[pos + 1 :]  # overlap: a token computed after the finish
             req.finish_reason = reason
             self.scheduler.abort(req)  # running (pages released) or preempted (dequeued)
+            self.constraints.live.discard(req)
             del self._requests[req.key]
-        return self._output(req, released, num_out, lps, tops, trim)
-
-    def _check_stop_strings(
-        self,
-        req: Request,
-        checker: StopStringChecker,
-        token: int,
-        reason: str | None,
-        lp: list[float] | None,
-        top: list[dict[int, float]] | None,
-    ) -> tuple[list[int], int, bool, list[float] | None, list[dict[int, float]] | None]:
-        """Run the request's stop-string checker (`checker`) on its new token.
-
-        Returns (released ids, trim chars, stopped, logprobs, top logprobs) for this step's
-        output; a request that ends for another reason (`reason`) releases what was held. The
-        logprobs of held ids wait in `req.held_logprobs` and are released with their ids, so
-        an output's logprobs always align 1:1 with its `new_token_ids`.
-        """
-        num_held = checker.num_held
-        result = checker.process([token])
-        released = list(result.release_ids)
-        if result.stopped:
-            req.num_withheld = num_held + 1 - len(released)
-        elif reason is not None:
-            released += checker.flush()
-        if lp is not None and top is not None:  # logprobs come with their top alternatives
-            # The checker releases its oldest held ids first; `token` is the newest.
-            held = req.held_logprobs
-            held.append((lp[0], top[0]))
-            count = len(released)
-            lp = [value for value, _ in held[:count]]
-            top = [alternatives for _, alternatives in held[:count]]
-            del held[:count]
-        return released, result.trim_chars, result.stopped, lp, top
+        return self._output(req, released, num_out, lps, tops, trim, error)
 
     def _output(
         self,

@@ -15,6 +15,7 @@ every rank keeps in its own future map; ranks 1..N-1 run `run_follower` on what 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -318,9 +319,16 @@ class ModelRunner:
         return self.model(fwd.input_ids, fwd.positions, meta, fwd.logits_indices)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> LaunchedStep:
+    def run(
+        self,
+        batch: ScheduledBatch,
+        before_sample: Callable[[list[Request]], None] | None = None,
+    ) -> LaunchedStep:
         """Enqueue the forward and sampling of `batch`; no host sync. The engine commits the
         returned step and later takes its samples with `LaunchedStep.result()`.
+        `before_sample(sample_reqs)` runs after the forward is enqueued and before the
+        sampler fills token masks (overlap scheduling: the engine may process the step in
+        flight there, see `structured.admission`).
 
         Raises:
             SystemExit: tensor-parallel rank 0 only, when the step failed (a rank is gone, a
@@ -328,13 +336,15 @@ class ModelRunner:
                 on; the process ends and `EngineProcess` fails the engine.
         """
         if self.tp is None:
-            return self._launch(batch)
+            return self._launch(batch, before_sample)
         try:
-            return self._launch(batch)
+            return self._launch(batch, before_sample)
         except Exception as exc:
             raise SystemExit(f"tensor-parallel rank 0: step failed: {exc!r}") from exc
 
-    def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
+    def _launch(
+        self, batch: ScheduledBatch, before_sample: Callable[[list[Request]], None] | None
+    ) -> LaunchedStep:
         fwd = self.build_inputs(batch)
         if self.followers is not None:  # before the forward: its collectives need every rank
             self.followers.send(fwd.host, len(fwd.sample_reqs))
@@ -346,6 +356,8 @@ class ModelRunner:
             logits = logits[:num_sampled]
         if not fwd.sample_reqs:
             return LaunchedStep(batch, [], scores=scores)
+        if before_sample is not None:
+            before_sample(fwd.sample_reqs)
         samples = self.sampler.sample_device(logits, fwd.sample_reqs, self.ids_to_device)
         if self.tp is not None:  # the other ranks' future maps get the same ids
             self.tp.broadcast(samples.token_ids)

@@ -13,9 +13,11 @@ import torch
 from tritonllm.engine.prompt_logprobs import PromptScores
 from tritonllm.engine.stop_strings import StopStringChecker
 from tritonllm.sampling_params import SamplingParams
+from tritonllm.structured.constraint import TokenConstraint
 
 
 class RequestStatus(enum.Enum):
+    COMPILING = "compiling"  # its token constraint is compiling (not yet in the scheduler)
     WAITING = "waiting"  # in the waiting queue (new or preempted)
     RUNNING = "running"  # admitted: holds KV pages (prefilling or decoding)
     FINISHED = "finished"
@@ -59,6 +61,8 @@ class Request:
     generator: torch.Generator | None = None
     stop_ids: frozenset[int] = frozenset()
     stop_checker: StopStringChecker | None = None  # only for requests with stop strings
+    # Structured outputs / allowed ids / bad words: the mask state (set when admitted).
+    constraint: TokenConstraint | None = None
     # With logprobs and stop strings: (logprob, top logprobs) of each id the stop checker holds,
     # oldest first (parallel to its held ids); released together with those ids.
     held_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)

@@ -53,10 +53,10 @@ class RequestLimits:
         whole KV pool, and at most `max_request_output_tokens // params.n`.
 
         Raises:
-            RequestError: an empty prompt, prompt or stop token ids outside the vocabulary, or
-                `n * max_tokens` over `max_request_output_tokens` (``invalid_value``), prompt +
-                max_tokens over max_model_len or more KV pages than the pool has
-                (``context_length_exceeded``).
+            RequestError: an empty prompt, prompt, stop or allowed token ids outside the
+                vocabulary, or `n * max_tokens` over `max_request_output_tokens`
+                (``invalid_value``), prompt + max_tokens over max_model_len or more KV pages
+                than the pool has (``context_length_exceeded``).
         """
         vocab = self.vocab_size
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
@@ -65,6 +65,14 @@ class RequestLimits:
                 ErrorCode.INVALID_VALUE,
                 "stop_token_ids",
                 f"stop_token_ids must be in [0, {vocab}), got {bad[:5]}",
+            )
+        allowed = params.allowed_token_ids or ()
+        bad = [t for t in allowed if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                ErrorCode.INVALID_VALUE,
+                "allowed_token_ids",
+                f"allowed_token_ids must be in [0, {vocab}), got {bad[:5]}",
             )
         return self.max_tokens(prompt_ids, params)
 

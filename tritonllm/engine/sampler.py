@@ -28,6 +28,14 @@ distribution. Its noise comes from Philox keyed by the sampler's seed, with coun
 `step << 32 | row * counters_per_row + ...` (`kernels.sampling`), `step` counting the sampler's
 fast-path calls from 1: every call draws fresh numbers, and the same seed and sequence of batches
 draw the same ones. The CPU path never takes it.
+
+Token masks (structured outputs, allowed token ids, bad words; `tritonllm.structured`) come
+first, before penalties: the rows of constrained requests get their next-token bitmask filled
+on the host (`structured.constraint.fill_bitmasks`: xgrammar's matchers, in one batch call),
+copied in one pinned non-blocking upload and applied in place (`xgrammar.apply_token_bitmask_
+inplace`: its Triton kernel on CUDA, its C++ loop on CPU; masked logits become -inf), so every
+path after it, the fused one included, samples only allowed tokens, greedy or not. Decode
+logits of a CUDA graph are masked after the replay, in the graph's output buffer.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import torch
 from tritonllm.engine.request import Request
 from tritonllm.layers.fused import use_fused
 from tritonllm.sampling_params import SamplingParams
+from tritonllm.structured.masks import TokenMaskBuffers
 
 
 def exponential_(out: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -135,6 +144,7 @@ class Sampler:
         self.generator.manual_seed(seed)
         self.seed = seed
         self.fast_steps = 0  # fast-path calls so far: the high word of their Philox counters
+        self._masks = TokenMaskBuffers(device)
 
     def make_generator(self, seed: int) -> torch.Generator:
         """A per-request generator on the sampling device."""
@@ -163,6 +173,9 @@ class Sampler:
         if ids_to_device is None:
             ids_to_device = lambda ids: to_device(ids, torch.int64, device)  # noqa: E731
         params = [r.params for r in reqs]
+        masked = [i for i, r in enumerate(reqs) if r.constraint is not None and not r.finish_reason]
+        if masked:
+            self._masks.apply(logits, masked, [reqs[i] for i in masked])
         penalised = [i for i, r in enumerate(reqs) if r.uses_penalties]
         fast = use_fused(self.fused, logits) and _is_plain(logits, reqs)
         if fast and not penalised:

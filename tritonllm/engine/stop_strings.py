@@ -42,8 +42,12 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tritonllm.tokenization.detokenizer import Detokenizer
+
+if TYPE_CHECKING:  # request.py imports this module
+    from tritonllm.engine.request import Request
 
 
 @dataclass
@@ -192,3 +196,36 @@ class StopStringChecker:
         self._held.clear()
         self._finished = True
         return StopResult(released, trim, stopped=True)
+
+
+def check_stop_strings(
+    req: Request,
+    checker: StopStringChecker,
+    token: int,
+    reason: str | None,
+    lp: list[float] | None,
+    top: list[dict[int, float]] | None,
+) -> tuple[list[int], int, bool, list[float] | None, list[dict[int, float]] | None]:
+    """Run the stop-string checker of `req` (`checker`) on its new token (the engine's step).
+
+    Returns (released ids, trim chars, stopped, logprobs, top logprobs) for this step's
+    output; a request that ends for another reason (`reason`) releases what was held. The
+    logprobs of held ids wait in `req.held_logprobs` and are released with their ids, so
+    an output's logprobs always align 1:1 with its `new_token_ids`.
+    """
+    num_held = checker.num_held
+    result = checker.process([token])
+    released = list(result.release_ids)
+    if result.stopped:
+        req.num_withheld = num_held + 1 - len(released)
+    elif reason is not None:
+        released += checker.flush()
+    if lp is not None and top is not None:  # logprobs come with their top alternatives
+        # The checker releases its oldest held ids first; `token` is the newest.
+        held = req.held_logprobs
+        held.append((lp[0], top[0]))
+        count = len(released)
+        lp = [value for value, _ in held[:count]]
+        top = [alternatives for _, alternatives in held[:count]]
+        del held[:count]
+    return released, result.trim_chars, result.stopped, lp, top

@@ -29,6 +29,7 @@ from tritonllm.contract import limits, tensors
 from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
 from tritonllm.sampling_params import SamplingParams
 from tritonllm.serving.vllm_params import sampling_values
+from tritonllm.structured.spec import StructuredOutputs
 
 # Sampling input -> (a list input?, the Python type of its elements), from the contract.
 _TYPES = {"INT32": int, "INT64": int, "FP32": float, "BOOL": bool, "BYTES": str}
@@ -131,6 +132,8 @@ def tensor_sampling_values(inputs: Mapping[str, np.ndarray | None]) -> dict[str,
         if is_list:
             flat = np.asarray(array).reshape(-1)
             values[name] = [text(t, name) if kind is str else kind(t) for t in flat]
+        elif name == "structured_outputs":  # a JSON object (tritonllm.structured.spec)
+            values[name] = StructuredOutputs.from_wire(scalar(array, name, str), name)
         else:
             values[name] = scalar(array, name, kind)
     return values

@@ -17,12 +17,14 @@ TensorRT-LLM input                          ``llm`` input
 ``seed`` / ``random_seed`` (UINT64)          ``seed`` (INT64: below 2**63)
 ``min_tokens`` / ``min_length``              ``min_tokens``
 ``stop_words`` (BYTES list)                  ``stop`` (stop strings, OpenAI semantics)
+``bad_words`` (BYTES list)                   ``bad_words`` (banned as vLLM bans them: each
+                                             word with and without a leading space)
 ``end_id``                                   ``stop_token_ids = [end_id]`` + ``ignore_eos``
 ``return_log_probs``                         ``logprobs = 0`` (-> ``output_log_probs``,
                                              ``cum_log_probs``)
 ``pad_id``, ``return_num_input_tokens``,     accepted: outputs are never padded, the counts are
 ``return_num_output_tokens``                 always sent
-``beam_width`` > 1, ``bad_words``,           refused (``unsupported_parameter``), naming it
+``beam_width`` > 1,                          refused (``unsupported_parameter``), naming it
 ``length_penalty`` != 1, ``return_context_logits``,
 ``return_generation_logits``,
 ``return_perf_metrics``
@@ -127,8 +129,8 @@ def llm_inputs(inputs: Mapping[str, np.ndarray | None]) -> Translation:
     if length_penalty != 1.0:
         raise _unsupported("length_penalty", length_penalty, "beam search only: 1.0")
     bad_words = _words(given.get("bad_words"), "bad_words")
-    if bad_words:
-        raise _unsupported("bad_words", bad_words, "no banned word lists")
+    if bad_words:  # banned as vLLM bans them (tritonllm.structured.constraint)
+        out.inputs["bad_words"] = np.array([w.encode("utf-8") for w in bad_words], np.object_)
     for name in UNSUPPORTED_FLAGS:
         if scalar(given.get(name), name, bool, False):
             raise _unsupported(name, True, "only false")

@@ -7,7 +7,9 @@ sends them). The backend converts each value to its ``vllm.SamplingParams`` fiel
 each value is converted to the type of this engine's ``SamplingParams`` field of the same name,
 with booleans read as JSON booleans or ``"true"``/``"false"`` (vLLM's ``bool("false")`` is
 True). Keys this service cannot honour are refused by name; a few vLLM keys whose given value
-changes nothing here are accepted (``NO_OP_VALUES``).
+changes nothing here are accepted (``NO_OP_VALUES``). ``structured_outputs`` (or vLLM's older
+``guided_decoding``) is vLLM's object (``tritonllm.structured.spec``), given as an object or
+its JSON text.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
+from tritonllm.structured.spec import StructuredOutputs
 
 # Field -> its kind: "int", "float", "bool", "string", "strings" (a string or a list of
 # strings), "ints".
@@ -38,7 +41,13 @@ FIELD_KINDS: dict[str, str] = {
     "logprobs": "int",
     "n": "int",
     "cache_salt": "string",
+    "structured_outputs": "structured",
+    "allowed_token_ids": "ints",
+    "bad_words": "strings",
 }
+# vLLM's older name of a field -> the field (vLLM < 0.10 calls structured outputs
+# `guided_decoding`, a GuidedDecodingParams of the same shape).
+ALIASES = {"guided_decoding": "structured_outputs"}
 # vLLM keys accepted with these values only: with them vLLM does what this service always does.
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "skip_special_tokens": (True,),
@@ -77,15 +86,20 @@ def sampling_values(raw: str | Mapping[str, Any], source: str) -> dict[str, Any]
                     f"{' or '.join(json.dumps(v) for v in NO_OP_VALUES[key])})",
                 )
             continue
-        kind = FIELD_KINDS.get(key)
+        field = ALIASES.get(key, key)
+        kind = FIELD_KINDS.get(field)
         if kind is None:
             raise RequestError(
                 ErrorCode.UNSUPPORTED_PARAMETER,
                 param,
                 f"{param} is not supported by this server",
             )
-        if value is not None:
-            values[key] = _convert(value, kind, param)
+        if value is None:
+            continue
+        if kind == "structured":
+            values[field] = StructuredOutputs.from_wire(value, param)
+        else:
+            values[field] = _convert(value, kind, param)
     return values
 
 

@@ -3,8 +3,11 @@
 ``QWEN3_CHAT_TEMPLATE`` reproduces the prompt format of Qwen3's chat template (ChatML turns
 ``<|im_start|>role\\n...<|im_end|>\\n``; earlier assistant turns lose their ``<think>`` reasoning,
 turns after the last user query keep it; consecutive ``tool`` results are grouped into one user
-turn of ``<tool_response>`` blocks; ``enable_thinking=False`` pre-fills an empty think block). It
-is written here, without function-calling support, since the service takes no ``tools``.
+turn of ``<tool_response>`` blocks; ``enable_thinking=False`` pre-fills an empty think block)
+and its function calling: with ``tools`` the system turn lists their signatures in ``<tools>``
+with the ``<tool_call>`` instructions, and an assistant's ``tool_calls`` render as
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks after its content. Templates
+that do not render tools get them as plain messages (``tokenization.tools.fallback_messages``).
 """
 
 from __future__ import annotations
@@ -17,10 +20,21 @@ from jinja2.exceptions import TemplateError
 
 from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
 from tritonllm.tokenization.control_tokens import guard_for
+from tritonllm.tokenization.tools import fallback_messages, message_tool_fields, validate_tools
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 QWEN3_CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0].role == 'system' -%}{{- messages[0].content + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' -}}'
+    "{%- endif -%}"
     "{%- set ns = namespace(last_query=messages | length - 1, found=false) -%}"
     # The last real user query: later assistant turns keep their reasoning.
     "{%- for i in range(messages | length - 1, -1, -1) -%}"
@@ -33,7 +47,8 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- for m in messages -%}"
     "{%- set content = m.content if m.content is string else '' -%}"
-    "{%- if m.role == 'user' or m.role == 'system' -%}"
+    "{%- if m.role == 'system' and loop.first and tools -%}"
+    "{%- elif m.role == 'user' or m.role == 'system' -%}"
     "{{- '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' -}}"
     "{%- elif m.role == 'assistant' -%}"
     "{%- set reasoning = m.reasoning_content if m.reasoning_content is string else '' -%}"
@@ -48,6 +63,13 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- else -%}"
     "{{- '<|im_start|>assistant\\n' + content -}}"
     "{%- endif -%}"
+    "{%- for call in (m.tool_calls or []) -%}"
+    "{%- if (loop.first and content) or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{%- set f = call.function if call.function else call -%}"
+    '{{- \'<tool_call>\\n{"name": "\' + f.name + \'", "arguments": \' -}}'
+    "{{- f.arguments if f.arguments is string else (f.arguments | tojson) -}}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- elif m.role == 'tool' -%}"
     "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}"
@@ -68,13 +90,15 @@ QWEN3_CHAT_TEMPLATE = (
 )
 
 
-def validate_messages(messages: Any) -> list[dict[str, str]]:
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check chat messages: a non-empty list of ``{"role": str, "content": str}``.
 
-    Roles are ``system``, ``user``, ``assistant``, ``tool``. Extra keys are ignored.
+    Roles are ``system``, ``user``, ``assistant``, ``tool``. An assistant message may carry
+    ``tool_calls`` (then its content may be null), a tool message ``tool_call_id`` and
+    ``name`` (``tokenization.tools.message_tool_fields``). Other keys are ignored.
 
     Returns:
-        The messages as plain ``{"role", "content"}`` dicts.
+        The messages as plain ``{"role", "content"}`` dicts, plus their tool fields.
     Raises:
         RequestError: (``invalid_value``, param ``messages``) with a message naming the first
             offending entry.
@@ -92,9 +116,12 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
             raise _bad_messages(
                 f"messages[{i}].role {short_repr(role)} is not one of {', '.join(CHAT_ROLES)}"
             )
+        tool_fields = message_tool_fields(i, message)
+        if content is None and "tool_calls" in tool_fields:
+            content = ""
         if not isinstance(content, str):
             raise _bad_messages(f"messages[{i}].content must be a string")
-        cleaned.append({"role": role, "content": content})
+        cleaned.append({"role": role, "content": content, **tool_fields})
     return cleaned
 
 
@@ -112,7 +139,10 @@ def template_uses(template: str, variable: str) -> bool:
 
 
 def render_chat(
-    tokenizer: Any, messages: Sequence[dict[str, str]], enable_thinking: bool | None = None
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    enable_thinking: bool | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text of ``messages`` with the generation prompt, by the tokenizer's own chat
     template (``tokenizer_config.json`` / ``chat_template.jinja`` of the model directory).
@@ -120,24 +150,28 @@ def render_chat(
     Args:
         enable_thinking: passed to the template only when given; None leaves the template's
             default (Qwen3: thinking on).
+        tools: OpenAI function tools; passed to a template that names ``tools``; for any other
+            template the tools and tool-call history become plain Hermes-format messages
+            (``tokenization.tools.fallback_messages``).
     Raises:
         RequestError: invalid messages (see ``validate_messages``), no chat template
             (``unsupported_parameter``), or ``enable_thinking`` given for a template that has
             no such option (``unsupported_parameter``).
     """
     guard = guard_for(tokenizer)
-    return guard.unmark(_render_marked(tokenizer, messages, enable_thinking))
+    return guard.unmark(_render_marked(tokenizer, messages, enable_thinking, tools))
 
 
 def encode_chat(
     tokenizer: Any,
-    messages: Sequence[dict[str, str]],
+    messages: Sequence[dict[str, Any]],
     enable_thinking: bool | None = None,
     check_chars: Callable[[int, str], None] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The prompt ids of ``messages`` (``render_chat``'s text), where only the template places
-    control tokens: special-token text inside the messages is encoded as text
-    (``control_tokens.ContentGuard``).
+    """The prompt ids of ``messages`` (``render_chat``'s text, ``tools`` as there), where only
+    the template places control tokens: special-token text inside the messages is encoded as
+    text (``control_tokens.ContentGuard``).
 
     Args:
         check_chars: called with the rendered prompt's length in characters and ``"messages"``
@@ -146,14 +180,17 @@ def encode_chat(
         RequestError: as ``render_chat``, or from ``check_chars``.
     """
     guard = guard_for(tokenizer)
-    rendered = _render_marked(tokenizer, messages, enable_thinking)
+    rendered = _render_marked(tokenizer, messages, enable_thinking, tools)
     if check_chars is not None:
         check_chars(len(guard.unmark(rendered)), "messages")
     return guard.encode(rendered)
 
 
 def _render_marked(
-    tokenizer: Any, messages: Sequence[dict[str, str]], enable_thinking: bool | None
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    enable_thinking: bool | None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The template's text of ``messages`` with special-token text in their strings marked."""
     cleaned = validate_messages(messages)
@@ -164,7 +201,7 @@ def _render_marked(
             "messages",
             "the tokenizer has no chat template; send text_input instead",
         )
-    options = {}
+    options: dict[str, Any] = {}
     if enable_thinking is not None:
         if not template_uses(str(template), "enable_thinking"):
             raise RequestError(
@@ -173,6 +210,12 @@ def _render_marked(
                 "enable_thinking is not supported: the model's chat template has no such option",
             )
         options["enable_thinking"] = enable_thinking
+    tools = validate_tools(tools) if tools else None
+    if template_uses(str(template), "tools"):
+        if tools:
+            options["tools"] = tools
+    else:
+        cleaned = fallback_messages(cleaned, tools)
     try:
         return tokenizer.apply_chat_template(
             guard_for(tokenizer).mark(cleaned),
@@ -191,9 +234,10 @@ def _render_marked(
 def render_prompt(
     tokenizer: Any,
     text_input: str | None = None,
-    messages: Sequence[dict[str, str]] | None = None,
+    messages: Sequence[dict[str, Any]] | None = None,
     enable_thinking: bool | None = None,
     check_chars: Callable[[int, str], None] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Prompt token ids from exactly one of ``text_input`` or ``messages``.
 
@@ -225,10 +269,12 @@ def render_prompt(
         raise RequestError(
             ErrorCode.INVALID_VALUE, "messages", "give exactly one of text_input or messages"
         )
+    if tools and messages is None:
+        raise RequestError(ErrorCode.INVALID_VALUE, "tools", "tools needs messages (chat)")
     if messages is None:
         if not isinstance(text_input, str):
             raise RequestError(ErrorCode.INVALID_VALUE, "text_input", "text_input must be a string")
         if check_chars is not None:
             check_chars(len(text_input), "text_input")
         return list(tokenizer.encode(text_input, add_special_tokens=False))
-    return encode_chat(tokenizer, messages, enable_thinking, check_chars)
+    return encode_chat(tokenizer, messages, enable_thinking, check_chars, tools)

@@ -1,5 +1,5 @@
-"""Triton adapter: ``text_input`` | ``messages`` (JSON) [+ ``enable_thinking``] | ``input_ids``
-→ ``input_ids``.
+"""Triton adapter: ``text_input`` | ``messages`` (JSON) [+ ``enable_thinking``, ``tools``] |
+``input_ids`` → ``input_ids``.
 
 The work is ``tritonllm.tokenization.chat``; bad input becomes a Triton error response
 (``tritonllm.contract.errors`` wire form) for that request only. Before any work an input is
@@ -32,6 +32,7 @@ from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
 from tritonllm.serving.inputs import scalar
 from tritonllm.tokenization.chat import render_chat, render_prompt
 from tritonllm.tokenization.prompt_limits import PromptLimits, max_token_chars
+from tritonllm.tokenization.tools import parse_tools_json
 from tritonllm.triton_config import engine_config, model_parameters, served_model_dir
 
 
@@ -74,17 +75,25 @@ def _tensors(tokenizer, prompt_limits, request):
     # None (absent): the template's own default; only templates with the option accept it.
     thinking = scalar(_input(request, "enable_thinking"), "enable_thinking", bool)
     special = scalar(_input(request, "add_special_tokens"), "add_special_tokens", bool)
+    tools = parse_tools_json(scalar(_bounded(request, "tools"), "tools", str))
     if special and text_input is not None:
         prompt_limits.check_chars(len(text_input), "text_input")
         ids = list(tokenizer.encode(text_input, add_special_tokens=True))
     else:
         ids = render_prompt(
-            tokenizer, text_input, messages, thinking, check_chars=prompt_limits.check_chars
+            tokenizer,
+            text_input,
+            messages,
+            thinking,
+            check_chars=prompt_limits.check_chars,
+            tools=tools,
         )
     tensors = [pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int32))]
     exclude = scalar(_input(request, "exclude_input_in_output"), "exclude_input_in_output", bool)
     if exclude is False:
-        echo = text_input if messages is None else render_chat(tokenizer, messages, thinking)
+        echo = text_input
+        if messages is not None:
+            echo = render_chat(tokenizer, messages, thinking, tools)
         tensors.append(pb_utils.Tensor("echo_text", np.array([echo.encode()], dtype=object)))
     return tensors
 

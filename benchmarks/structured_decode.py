@@ -1,0 +1,171 @@
+"""Decode step time with structured outputs: part of a batch under a JSON schema vs none.
+
+`python -m benchmarks.structured_decode [--model DIR] [--batch-size 64]
+[--constrained-fractions 0,0.5,1] [--prompt-len 256] [--steps 48]`
+
+For each fraction, `--batch-size` requests with `--prompt-len` random prompts decode together,
+that fraction of them (rounded down) under `SCHEMA` (a JSON array of at least 1000 small objects:
+strings, integers, enums, so the constrained rows stay inside the grammar for the whole run),
+the rest unconstrained; every request is prefilled and past 4 warm-up decode steps, then
+`--steps` decode steps are timed (device synchronised on both ends). A constrained row costs its
+bitmask fill on the host (xgrammar), the upload and the in-place mask kernel, and, with overlap
+scheduling, the wait for the step in flight before its mask is filled
+(`tritonllm.structured.admission`). The table gives each fraction's step time and its ratio to
+the unconstrained one (fraction 0). Defaults: CUDA graphs and overlap scheduling on (the
+engine's defaults on CUDA), sampling at `--temperature`.
+
+Exits with an error when a request left the batch before the timed steps ended (then the
+numbers would not be those of a full batch).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+
+import torch
+
+from benchmarks import common
+from benchmarks.decode_step import time_steps
+from benchmarks.offline import engine_config
+from tritonllm.engine.engine import LLMEngine
+from tritonllm.sampling_params import SamplingParams
+from tritonllm.structured.spec import StructuredOutputs
+
+ITEM = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+}
+SCHEMA = {"type": "array", "items": ITEM, "minItems": 1000}
+
+
+def structured_engine(
+    model: str,
+    device: str,
+    backend: str,
+    batch_size: int,
+    num_constrained: int,
+    prompt_len: int,
+    max_tokens: int,
+    temperature: float,
+    engine_args: dict[str, str],
+) -> LLMEngine:
+    """An engine with `batch_size` decoding requests (`num_constrained` of them under
+    `SCHEMA`), prefilled and past 4 warm-up decode steps (device synchronised)."""
+    engine = LLMEngine(
+        engine_config(model, device, backend, max(batch_size, 1), engine_args=engine_args)
+    )
+    rng = random.Random(0)
+    schema = StructuredOutputs("json", json.dumps(SCHEMA))
+    # Compiled (and cached) first, so every request decodes from the first timed step on.
+    engine.constraints.compiler.submit(SamplingParams(structured_outputs=schema)).result()
+    for i in range(batch_size):
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=i,
+            ignore_eos=True,
+            structured_outputs=schema if i < num_constrained else None,
+        )
+        engine.add_request(f"r{i}", [rng.randint(0, 10000) for _ in range(prompt_len)], params)
+    sched = engine.scheduler
+    while len([r for r in sched.running if r.is_decoding]) < batch_size:
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    common.synchronize(device)
+    return engine
+
+
+def time_structured_step(
+    model: str,
+    device: str,
+    backend: str,
+    batch_size: int,
+    num_constrained: int,
+    prompt_len: int,
+    steps: int,
+    temperature: float,
+    engine_args: dict[str, str],
+) -> float:
+    """Mean seconds of one decode step of `batch_size` rows, `num_constrained` under `SCHEMA`.
+
+    Raises:
+        SystemExit: a request finished before the timed steps ended.
+    """
+    engine = structured_engine(
+        model,
+        device,
+        backend,
+        batch_size,
+        num_constrained,
+        prompt_len,
+        steps + 16,
+        temperature,
+        engine_args,
+    )
+    seconds = time_steps(engine, steps, device)
+    live = len(engine.scheduler.running)
+    constrained = len(engine.constraints.live)
+    del engine
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    if live != batch_size or constrained != num_constrained:
+        raise SystemExit(f"{batch_size - live} requests left the batch during the timed steps")
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = common.argument_parser(__doc__.splitlines()[0], "extra EngineConfig field")
+    p.add_argument("--batch-size", type=common.positive_int, default=64)
+    p.add_argument("--constrained-fractions", default="0,0.5,1")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=48)
+    args = p.parse_args(argv)
+    model = str(common.ensure_model(args.model, args.shape))
+    extra = common.engine_args(args)
+    bs = args.batch_size
+    # Untimed first: one-time costs (kernel JIT, graph capture, the grammar compile and its
+    # cache, allocator growth) would otherwise land in the first configuration's numbers.
+    time_structured_step(model, args.device, args.attention_backend, 2, 1, 16, 4, 0.0, extra)
+    rows, base = [], None
+    for fraction in [float(f) for f in args.constrained_fractions.split(",")]:
+        n = int(bs * fraction)
+        seconds = time_structured_step(
+            model,
+            args.device,
+            args.attention_backend,
+            bs,
+            n,
+            args.prompt_len,
+            args.steps,
+            args.temperature,
+            extra,
+        )
+        base = seconds if base is None and n == 0 else base
+        ratio = "" if base is None else f"{seconds / base:.3f}"
+        rows.append([str(bs), str(n), f"{seconds * 1e3:.3f}", f"{bs / seconds:,.0f}", ratio])
+        common.log(f"bs={bs} constrained={n}: {seconds * 1e3:.3f} ms/step {ratio}")
+    headers = ["batch", "JSON-schema rows", "step (ms)", "tok/s", "vs unconstrained"]
+    notes = [
+        f"{args.attention_backend} attention, prompt {args.prompt_len} tokens, temperature "
+        f"{args.temperature}, mean of {args.steps} decode steps after prefill and 4 warm-up "
+        "steps; engine defaults (CUDA graphs, overlap scheduling, mixed steps) unless "
+        f"--engine-arg: {extra or 'none'}",
+        "constrained rows: `benchmarks.structured_decode.SCHEMA` (an array of >= 1000 small "
+        "objects) with xgrammar masks; unconstrained rows sample as in decode_step",
+    ]
+    common.publish(
+        "Structured-output decode step", common.markdown_table(headers, rows), notes, args
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Tool calling in chat requests: ``tools``, ``tool_choice``, ``parallel_tool_calls``.
+
+What each ``tool_choice`` does (OpenAI's semantics; the guarantees are vLLM's design):
+
+- ``none``: the tools are rendered in the prompt, the output is plain content;
+- ``auto`` (the default with tools): the output is parsed with the model family's tool-call
+  parser (``tool_parsers``); calls found become ``tool_calls`` with finish_reason
+  ``"tool_calls"``, the rest is content; ``parallel_tool_calls: false`` keeps the first call;
+- ``required``: the output is constrained (structured outputs) to a JSON array of
+  ``{"name": <one of the tools>, "parameters": <its parameters schema>}`` (exactly one item
+  with ``parallel_tool_calls: false``), so it always parses and validates;
+  finish_reason ``"tool_calls"``;
+- a named function: the output is constrained to that function's ``parameters`` schema and is
+  the call's arguments; finish_reason ``"stop"`` (OpenAI's, for a forced function).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, StrictBool
+
+from .errors import OpenAIError
+from .tool_parsers import ToolCall, new_call_id
+
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+class FunctionDef(BaseModel):
+    """A tool's function: its name, description and parameters (a JSON schema)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    """One entry of ``tools``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How a request's output relates to tools: ``kind`` is ``off`` (no tools), ``none``,
+    ``auto``, ``required`` or ``named`` (then ``name`` is the function)."""
+
+    kind: str
+    name: str | None = None
+    parallel: bool = True
+
+
+class ToolFields(BaseModel):
+    """The tool fields of a chat request (module docstring)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    def tool_mode(self) -> ToolMode:
+        """Raises: OpenAIError 400 for a tool_choice without tools or naming an unknown one."""
+        choice = self.tool_choice
+        parallel = self.parallel_tool_calls is not False
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise OpenAIError(
+                    "tool_choice needs tools", param="tool_choice", code="invalid_value"
+                )
+            return ToolMode("off")
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.name
+            if name not in {t.function.name for t in self.tools}:
+                raise OpenAIError(
+                    f"tool_choice names {name!r}, which is not in tools",
+                    param="tool_choice",
+                    code="invalid_value",
+                )
+            return ToolMode("named", name, parallel)
+        return ToolMode(choice or "auto", None, parallel)
+
+    def tools_json(self) -> str | None:
+        """The tools as the tokenizer's ``tools`` input (JSON), or None."""
+        if not self.tools:
+            return None
+        return json.dumps([t.model_dump(exclude_none=True) for t in self.tools], ensure_ascii=False)
+
+    def tool_constraint(self, mode: ToolMode) -> tuple[str, dict[str, Any]] | None:
+        """(the field an invalid schema is reported as, the structured-outputs constraint) of
+        a ``required`` or named tool choice (the named tool's ``parameters``, or ``tools``)."""
+        if mode.kind == "named":
+            i = [t.function.name for t in self.tools or ()].index(mode.name or "")
+            parameters = (self.tools or [])[i].function.parameters or ANY_OBJECT
+            return (f"tools[{i}].function.parameters", {"json": parameters})
+        if mode.kind != "required":
+            return None
+        items = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t.function.name]},
+                    "parameters": t.function.parameters or ANY_OBJECT,
+                },
+                "required": ["name", "parameters"],
+            }
+            for t in self.tools or ()
+        ]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if not mode.parallel:
+            schema["maxItems"] = 1
+        return ("tools", {"json": schema})
+
+
+def constrained_calls(mode: ToolMode, text: str) -> list[ToolCall] | None:
+    """The tool calls of a ``required`` or named choice's whole output, or None when it does
+    not parse (a generation cut by max_tokens)."""
+    if mode.kind == "named":
+        try:
+            json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return [ToolCall(new_call_id(), mode.name or "", text)]
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(items, list):
+        return None
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        arguments = json.dumps(item.get("parameters", {}), ensure_ascii=False)
+        calls.append(ToolCall(new_call_id(), item["name"], arguments))
+    return calls
+
+
+__all__ = [
+    "FunctionDef",
+    "NamedToolChoice",
+    "ToolDef",
+    "ToolFields",
+    "ToolMode",
+    "constrained_calls",
+]

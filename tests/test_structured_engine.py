@@ -1,0 +1,281 @@
+"""Token constraints in the engine (in-process `LLMEngine`, the tiny random-weight Qwen3 and
+its tokenizer), the guarantees `tritonllm.structured` gives:
+
+- Every output of a generated JSON schema (10 seeded schemas, greedy and seeded sampling)
+  parses and validates and ends with finish_reason "stop" (the grammar ends the generation),
+  with overlap scheduling and mixed prefill/decode steps on, requests arriving while others
+  decode (constrained decode rows inside mixed steps), twins of a request (same prompt, schema
+  and seed) giving its output; the same constrained outputs with
+  overlap scheduling off; unconstrained requests batched with them give the ids they give alone.
+- Overlap scheduling waits for the step in flight only for rows whose mask depends on their
+  history (a grammar, multi-token bad words); unconstrained batches and allowed-token-id rows
+  keep the full overlap.
+- regex, choice, EBNF grammar and json_object outputs match; allowed_token_ids and bad_words
+  (single- and multi-token) mask what they name.
+- An invalid schema, pattern or grammar is a RequestError naming the field, before the engine.
+- GPU (marked `gpu`): the same with CUDA graphs (the mask applied after the replay) and
+  overlap scheduling.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from structured_helpers import generated_schemas
+
+from tritonllm.config import EngineConfig
+from tritonllm.contract.errors import RequestError
+from tritonllm.engine import LLMEngine
+from tritonllm.sampling_params import SamplingParams
+from tritonllm.structured.spec import StructuredOutputs
+
+# The first 10 of the 20 generated schemas (all 20 go through the service in
+# test_structured_outputs; their longest outputs would dominate this test's time).
+SCHEMAS = generated_schemas(10)
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _engine(model, **kwargs) -> LLMEngine:
+    kwargs.setdefault("num_pages", 1024)
+    kwargs.setdefault("page_size", 4)
+    return LLMEngine(EngineConfig(model=str(model), **kwargs))
+
+
+def _run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]], late=()):
+    """Run ``requests`` (those whose id is in ``late`` arrive after 3 steps); return
+    {id: (output ids, finish_reason, error)}."""
+    ids: dict[str, list[int]] = {}
+    ends: dict[str, tuple] = {}
+    pending = [r for r in requests if r[0] in late]
+    for rid, prompt, params in requests:
+        if rid not in late:
+            engine.add_request(rid, prompt, params)
+    steps = 0
+    while engine.has_unfinished() or pending:
+        steps += 1
+        if steps == 4:
+            for rid, prompt, params in pending:
+                engine.add_request(rid, prompt, params)
+            pending = []
+        for o in engine.step():
+            ids.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                ends[o.request_id] = (o.finish_reason, o.error)
+    return {rid: (ids.get(rid, []), *ends[rid]) for rid, _, _ in requests}
+
+
+def _json(schema: dict) -> StructuredOutputs:
+    return StructuredOutputs("json", json.dumps(schema))
+
+
+def _schema_workload(tok):
+    constrained = [
+        (
+            f"s{k}",
+            tok.encode(f"JSON number {k}, please:"),
+            SamplingParams(
+                max_tokens=300,
+                temperature=0.0 if k % 2 == 0 else 1.0,
+                seed=k,
+                structured_outputs=_json(SCHEMAS[k % len(SCHEMAS)]),
+            ),
+        )
+        for k in range(len(SCHEMAS))
+    ]
+    plain = [
+        (
+            f"p{i}",
+            tok.encode(f"Tell me a story {i}"),
+            SamplingParams(max_tokens=16, temperature=0.0 if i % 2 else 0.8, seed=50 + i),
+        )
+        for i in range(4)
+    ]
+    return constrained, plain
+
+
+def _check_schema_outputs(tok, outs: dict) -> None:
+    for k in range(len(SCHEMAS)):
+        ids, reason, error = outs[f"s{k}"]
+        text = tok.decode(ids, skip_special_tokens=True)
+        assert (reason, error) == ("stop", None), (k, text)
+        jsonschema.validate(json.loads(text), SCHEMAS[k % len(SCHEMAS)])
+        if f"xs{k}" in outs:  # the same prompt, schema and seed elsewhere in the batch
+            assert outs[f"xs{k}"] == outs[f"s{k}"], k
+
+
+def test_generated_schemas_validate_with_overlap_and_mixed_steps_and_neighbours_unchanged(
+    tiny_model_dir, tok
+):
+    constrained, plain = _schema_workload(tok)
+    constrained += [(f"x{rid}", p, params) for rid, p, params in constrained]  # batch of 24
+    late = {rid for rid, _, _ in constrained[::3]} | {"p1", "p3"}
+    engine = _engine(tiny_model_dir, overlap_schedule=True, mixed_steps=True)
+    alone = _run(engine, plain)
+    together = _run(engine, constrained + plain, late)
+    _check_schema_outputs(tok, together)
+    for rid, _, _ in plain:
+        assert together[rid] == alone[rid], rid
+    serial = _run(_engine(tiny_model_dir, overlap_schedule=False), constrained + plain, late)
+    assert serial == together
+
+
+def test_overlap_waits_only_for_history_dependent_constraints(tiny_model_dir, tok):
+    engine = _engine(tiny_model_dir, overlap_schedule=True)
+    decisions: list[bool] = []
+    needs_sync = engine.constraints.needs_sync
+
+    def spy(reqs):
+        decisions.append(needs_sync(reqs))
+        return decisions[-1]
+
+    engine.constraints.needs_sync = spy  # type: ignore[method-assign]
+    prompt = tok.encode("hello there")
+    _run(engine, [("plain", prompt, SamplingParams(max_tokens=8))])
+    assert decisions == []  # no constrained request: the hook is not even installed
+    allowed = list(range(1000, 1010))
+    outs = _run(
+        engine,
+        [
+            ("plain", prompt, SamplingParams(max_tokens=8)),
+            ("ids", prompt, SamplingParams(max_tokens=8, allowed_token_ids=allowed)),
+        ],
+    )
+    assert decisions and not any(decisions)  # a history-independent mask: full overlap
+    assert set(outs["ids"][0]) <= set(allowed)
+    decisions.clear()
+    choice = StructuredOutputs("choice", json.dumps(["alpha beta gamma", "delta"]))
+    outs = _run(engine, [("c", prompt, SamplingParams(max_tokens=30, structured_outputs=choice))])
+    assert any(decisions)
+    assert tok.decode(outs["c"][0], skip_special_tokens=True) in ("alpha beta gamma", "delta")
+
+
+GRAMMAR = 'root ::= "yes" | "no" | ("n=" [0-9] [0-9]? " " item)\nitem ::= "apple" | "pear"'
+
+
+def test_regex_choice_grammar_and_json_object_outputs_match(tiny_model_dir, tok):
+    engine = _engine(tiny_model_dir, overlap_schedule=True)
+    cases = {
+        "regex": (
+            StructuredOutputs("regex", r"[a-z]{3,6}-[0-9]{2}"),
+            lambda t: re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", t),
+        ),
+        "choice": (
+            StructuredOutputs("choice", json.dumps(["red", "green", "blue sky"])),
+            lambda t: t in ("red", "green", "blue sky"),
+        ),
+        "grammar": (
+            StructuredOutputs("grammar", GRAMMAR),
+            lambda t: re.fullmatch(r"yes|no|n=[0-9]{1,2} (apple|pear)", t),
+        ),
+    }
+    requests = [
+        (
+            f"{name}{i}",
+            tok.encode(f"{name} {i}"),
+            SamplingParams(max_tokens=400, temperature=float(i), seed=i, structured_outputs=so),
+        )
+        for name, (so, _) in cases.items()
+        for i in range(2)
+    ]
+    # Any JSON object is unbounded: a random-weight model writes one string forever. Allowed
+    # ids without a quote compose with the grammar's mask: after `{` only `}` is left, then
+    # EOS (without the grammar `1` and `:` would come; without the allowed ids, strings).
+    allowed = [tok.convert_tokens_to_ids(t) for t in ("{", "}", ":", "1")]
+    allowed += list(engine.model_config.eos_token_ids)
+    cases["json_object"] = (None, lambda t: isinstance(json.loads(t), dict))
+    requests += [
+        (
+            f"json_object{i}",
+            tok.encode(f"object {i}"),
+            SamplingParams(
+                max_tokens=400,
+                temperature=float(i),
+                seed=i,
+                allowed_token_ids=allowed,
+                structured_outputs=StructuredOutputs("json_object"),
+            ),
+        )
+        for i in range(2)
+    ]
+    outs = _run(engine, requests)
+    for rid, (ids, reason, error) in outs.items():
+        text = tok.decode(ids, skip_special_tokens=True)
+        assert (reason, error) == ("stop", None), (rid, text)
+        assert cases[rid[:-1]][1](text), (rid, text)
+    assert [tok.decode(outs[f"json_object{i}"][0], skip_special_tokens=True) for i in (0, 1)] == [
+        "{}",
+        "{}",
+    ]
+
+
+def test_allowed_token_ids_and_bad_words_mask_what_they_name(tiny_model_dir, tok):
+    engine = _engine(tiny_model_dir)
+    prompt = tok.encode("Once upon a time")
+    base = _run(engine, [("base", prompt, SamplingParams(max_tokens=12, ignore_eos=True))])
+    base_ids = base["base"][0]
+    allowed = sorted(set(base_ids[1::2]) | {7, 8, 9})
+    # Words as the model wrote them: a single-token word and a two-token sequence.
+    single = tok.decode([base_ids[0]])
+    pair = tok.decode(base_ids[2:4])
+    outs = _run(
+        engine,
+        [
+            (
+                "ids",
+                prompt,
+                SamplingParams(max_tokens=12, ignore_eos=True, allowed_token_ids=allowed),
+            ),
+            (
+                "bad",
+                prompt,
+                SamplingParams(max_tokens=12, ignore_eos=True, bad_words=[single, pair]),
+            ),
+        ],
+    )
+    assert set(outs["ids"][0]) <= set(allowed) and len(outs["ids"][0]) == 12
+    bad_ids = outs["bad"][0]
+    banned_first = tok.encode(single, add_special_tokens=False)
+    assert len(banned_first) == 1 and banned_first[0] not in bad_ids
+    pair_ids = tok.encode(pair, add_special_tokens=False)
+    windows = [tuple(bad_ids[i : i + len(pair_ids)]) for i in range(len(bad_ids))]
+    assert tuple(pair_ids) not in windows
+    assert bad_ids != base_ids
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec"),
+    [
+        ("json", '{"type": "object", "properties": '),
+        ("json", '{"type": "no-such-type"}'),
+        ("regex", "[a-z"),
+        ("grammar", "root ::= missing_rule"),
+        ("choice", "[]"),
+    ],
+)
+def test_an_invalid_constraint_is_a_request_error_naming_its_field(kind, spec):
+    with pytest.raises(RequestError) as info:
+        StructuredOutputs(kind, spec)
+    assert info.value.param == f"structured_outputs.{kind}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU")
+def test_gpu_masks_with_cuda_graphs_and_overlap(tiny_model_dir, tok):
+    constrained, plain = _schema_workload(tok)
+    late = {rid for rid, _, _ in constrained[::3]}
+    engine = _engine(tiny_model_dir, overlap_schedule=True, cuda_graph_max_bs=64)
+    assert engine.runner.graph_runner is not None
+    outs = _run(engine, constrained + plain, late)
+    _check_schema_outputs(tok, outs)
+    assert engine.runner.graph_runner.num_replays > 0  # constrained decode rows replayed graphs

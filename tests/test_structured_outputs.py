@@ -1,0 +1,317 @@
+"""Structured outputs and tool calls through the real service (tritonserver + sidecar, the
+tiny random-weight Qwen3, the openai SDK and LangChain as clients):
+
+- 20 generated JSON schemas as ``response_format`` ``json_schema``: every output parses and
+  validates, streamed and not, greedy and sampled, batched with unconstrained requests whose
+  outputs equal their outputs alone; vLLM's guided_regex / guided_choice / guided_grammar and
+  ``structured_outputs`` match.
+- An invalid schema, pattern or tool parameters schema is a 400 naming the client's field.
+- ``tool_choice`` named / ``required``: the arguments validate against the tool's parameters
+  schema, non-streamed as ``message.tool_calls`` and streamed as OpenAI's deltas (id, type and
+  name first, then argument fragments), with OpenAI's finish_reason; ``parallel_tool_calls``
+  false gives one call; a history with assistant tool calls and tool results is rendered.
+- The openai SDK's ``chat.completions.parse`` and LangChain's ``with_structured_output``
+  (json_schema and function_calling) and ``bind_tools`` return valid objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from structured_helpers import generated_schemas
+
+SCHEMAS = generated_schemas(20)
+MAX_TOKENS = 400  # far above what the bounded schemas need: their outputs end by the grammar
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"tz": {"enum": ["UTC", "CET", "PST"]}},
+    "required": ["tz"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+PARAMS = {"get_weather": WEATHER, "get_time": TIME}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(sidecar):
+    return openai.OpenAI(base_url=sidecar.base_url, api_key="x", max_retries=0, timeout=300)
+
+
+def _aclient(sidecar):
+    return openai.AsyncOpenAI(base_url=sidecar.base_url, api_key="x", max_retries=0, timeout=300)
+
+
+def _format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}}
+
+
+async def _text(aclient, stream: bool, **kwargs) -> tuple[str, str | None]:
+    if not stream:
+        response = await aclient.chat.completions.create(**kwargs)
+        return response.choices[0].message.content, response.choices[0].finish_reason
+    text, reason = [], None
+    async for chunk in await aclient.chat.completions.create(stream=True, **kwargs):
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            reason = chunk.choices[0].finish_reason or reason
+    return "".join(text), reason
+
+
+def test_generated_schemas_validate_batched_with_unchanged_neighbours(sidecar):
+    model = sidecar.model_name
+
+    def plain(i):
+        return _text(
+            aclient,
+            False,
+            model=model,
+            max_tokens=12,
+            seed=100 + i,
+            messages=[{"role": "user", "content": f"Tell me something, {i}"}],
+            temperature=0.0 if i % 2 else 0.9,
+        )
+
+    async def main():
+        alone = [await plain(i) for i in range(4)]
+        jobs = [
+            _text(
+                aclient,
+                k % 2 == 1,
+                model=model,
+                max_tokens=MAX_TOKENS,
+                seed=k,
+                messages=[{"role": "user", "content": f"Give me JSON #{k}"}],
+                response_format=_format(schema),
+                temperature=(0.0, 1.0)[k // 2 % 2],
+            )
+            for k, schema in enumerate(SCHEMAS)
+        ]
+        results = await asyncio.gather(*jobs, *(plain(i) for i in range(4)))
+        return alone, results[: len(jobs)], results[len(jobs) :]
+
+    aclient = _aclient(sidecar)
+    alone, constrained, batched = asyncio.run(main())
+    for k, (text, reason) in enumerate(constrained):
+        assert reason == "stop", (k, text)
+        jsonschema.validate(json.loads(text), SCHEMAS[k])
+    assert batched == alone
+
+
+def test_guided_regex_choice_grammar_and_structured_outputs_match(sidecar):
+    cases = [
+        ({"guided_regex": r"[a-z]{2,5}-[0-9]{2}"}, r"[a-z]{2,5}-[0-9]{2}"),
+        ({"guided_choice": ["yes", "no", "maybe so"]}, r"yes|no|maybe so"),
+        ({"guided_grammar": 'root ::= "n=" [0-9] [0-9]?'}, r"n=[0-9]{1,2}"),
+        ({"structured_outputs": {"regex": r"[A-Z]{3}"}}, r"[A-Z]{3}"),
+    ]
+
+    async def main():
+        aclient = _aclient(sidecar)
+        return await asyncio.gather(
+            *(
+                _text(
+                    aclient,
+                    i % 2 == 0,
+                    model=sidecar.model_name,
+                    messages=USER,
+                    max_tokens=50,
+                    temperature=0.8,
+                    seed=i,
+                    extra_body=extra,
+                )
+                for i, (extra, _) in enumerate(cases)
+            )
+        )
+
+    for (text, reason), (extra, pattern) in zip(asyncio.run(main()), cases, strict=True):
+        assert reason == "stop" and re.fullmatch(pattern, text), (extra, text)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {"response_format": _format({"type": "no-such-type"})},
+            "response_format.json_schema.schema",
+        ),
+        ({"extra_body": {"guided_regex": "[a-z"}}, "guided_regex"),
+        ({"extra_body": {"guided_grammar": "root ::= undefined_rule"}}, "guided_grammar"),
+        ({"extra_body": {"guided_json": {"type": "object"}, "guided_regex": "a"}}, "guided_regex"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"type": 5}}},
+                        },
+                    }
+                ],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            "tools[0].function.parameters",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+    ],
+)
+def test_an_invalid_constraint_is_a_400_naming_the_field(client, sidecar, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=sidecar.model_name, messages=USER, max_tokens=5, **extra
+        )
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == param, info.value.body
+
+
+def _check_calls(calls, parallel: bool) -> None:
+    assert calls and (parallel or len(calls) == 1)
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_forced_tool_choices_validate_non_streamed(client, sidecar, choice):
+    tool_choice = (
+        {"type": "function", "function": {"name": "get_time"}} if choice == "named" else "required"
+    )
+    response = client.chat.completions.create(
+        model=sidecar.model_name,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=3,
+        n=2,
+    )
+    for c in response.choices:
+        _check_calls(c.message.tool_calls, parallel=False)
+        assert c.message.content is None
+        assert c.finish_reason == ("stop" if choice == "named" else "tool_calls")
+        if choice == "named":
+            assert c.message.tool_calls[0].function.name == "get_time"
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_forced_tool_calls_stream_as_openai_deltas(client, sidecar, choice):
+    tool_choice = (
+        {"type": "function", "function": {"name": "get_weather"}}
+        if choice == "named"
+        else "required"
+    )
+    stream = client.chat.completions.create(
+        model=sidecar.model_name,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        stream=True,
+    )
+    calls: dict[int, dict] = {}
+    reasons = []
+    for chunk in stream:
+        choice_ = chunk.choices[0]
+        assert not choice_.delta.content
+        for d in choice_.delta.tool_calls or []:
+            if d.index not in calls:  # a call's first delta: id, type and name
+                assert d.id.startswith("call_") and d.type == "function" and d.function.name
+                calls[d.index] = {"name": d.function.name, "arguments": d.function.arguments}
+            else:  # then only argument fragments
+                assert d.id is None and d.function.name is None
+                calls[d.index]["arguments"] += d.function.arguments
+        if choice_.finish_reason:
+            reasons.append(choice_.finish_reason)
+    assert reasons == ["stop" if choice == "named" else "tool_calls"]
+    assert sorted(calls) == list(range(len(calls))) and calls
+    for call in calls.values():
+        jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
+    if choice == "named":
+        assert [c["name"] for c in calls.values()] == ["get_weather"]
+
+
+def test_tool_call_history_is_rendered_into_the_prompt(client, sidecar):
+    history = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "days": 1}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny and 21 degrees"},
+    ]
+
+    def prompt_tokens(messages):
+        return client.chat.completions.create(
+            model=sidecar.model_name, messages=messages, tools=TOOLS, max_tokens=1
+        ).usage.prompt_tokens
+
+    base, full = prompt_tokens(USER), prompt_tokens(history)
+    # The call and its result are in the prompt (not dropped): dozens of tokens more.
+    assert full > base + 20
+
+
+class Weather(BaseModel):
+    city: str = Field(min_length=1, max_length=10)
+    days: int = Field(ge=1, le=7)
+    sunny: bool
+
+
+def test_openai_sdk_parse_returns_the_pydantic_model(client, sidecar):
+    completion = client.chat.completions.parse(
+        model=sidecar.model_name, messages=USER, response_format=Weather, max_tokens=MAX_TOKENS
+    )
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Weather)
+
+
+def test_langchain_structured_output_and_bound_tools(sidecar):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        model=sidecar.model_name,
+        base_url=sidecar.base_url,
+        api_key="x",
+        max_retries=0,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+    )
+    for method in ("json_schema", "function_calling"):
+        result = llm.with_structured_output(Weather, method=method).invoke("Weather in Rome?")
+        assert isinstance(result, Weather), method
+    message = llm.bind_tools(TOOLS, tool_choice="required").invoke("Weather in Rome?")
+    assert message.tool_calls
+    for call in message.tool_calls:
+        jsonschema.validate(call["args"], PARAMS[call["name"]])

@@ -1,0 +1,162 @@
+"""Tool calling's parts without a server: the tool-call parsers (each supported template
+family, whole outputs and streamed in any split, OpenAI's delta order: id, type and name first,
+then argument fragments; a block that is no valid call stays content) and the chat rendering of
+tools and tool-call history (the Qwen3 template renders them; a template without tools gets
+the Hermes-format fallback messages)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from openai_frontend.tool_parsers import (
+    TOOL_PARSERS,
+    get_tool_parser,
+    merge_calls,
+    parse_output,
+)
+from tritonllm.tokenization.chat import render_chat
+
+WEATHER = {"city": "Paris", "units": {"c": True, "list": [1, 2, "x}"]}}
+HERMES_OUT = (
+    "Let me check.\n<tool_call>\n"
+    + json.dumps({"name": "get_weather", "arguments": WEATHER})
+    + "\n</tool_call>\n<tool_call>\n"
+    + json.dumps({"name": "get_time", "arguments": {"tz": "CET"}})
+    + "\n</tool_call>"
+)
+LLAMA_OUT = (
+    json.dumps({"name": "get_weather", "parameters": WEATHER})
+    + "; "
+    + json.dumps({"name": "get_time", "parameters": {"tz": "CET"}})
+)
+FAMILIES = {"hermes": (HERMES_OUT, "Let me check.\n"), "llama3_json": (LLAMA_OUT, "")}
+
+
+def _stream(parser_name: str, text: str, size: int):
+    parser = get_tool_parser(parser_name)
+    content, deltas = "", []
+    for i in range(0, len(text), size):
+        out = parser.feed(text[i : i + size])
+        content, deltas = content + out.content, deltas + out.calls
+    out = parser.finish()
+    return content + out.content, deltas + out.calls
+
+
+@pytest.mark.parametrize("family", sorted(TOOL_PARSERS))
+def test_parsers_read_each_familys_calls_whole_and_streamed_alike(family):
+    text, expected_content = FAMILIES[family]
+    content, calls = parse_output(get_tool_parser(family), text)
+    assert content.strip() == expected_content.strip()
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", WEATHER),
+        ("get_time", {"tz": "CET"}),
+    ]
+    assert all(c.id.startswith("call_") for c in calls)
+    for size in (1, 3, 7, 1000):
+        s_content, deltas = _stream(family, text, size)
+        assert s_content.strip() == expected_content.strip(), size
+        merged = merge_calls(deltas)
+        assert [(c.name, json.loads(c.arguments)) for c in merged] == [
+            (c.name, json.loads(c.arguments)) for c in calls
+        ]
+        # OpenAI's order: each call's first delta has id, type and name; then only arguments.
+        seen: set[int] = set()
+        for d in deltas:
+            wire = d.openai()
+            if d.index not in seen:
+                assert wire["id"].startswith("call_") and wire["type"] == "function"
+                assert wire["function"]["name"] in ("get_weather", "get_time")
+                seen.add(d.index)
+            else:
+                assert set(wire) == {"index", "function"} and set(wire["function"]) == {"arguments"}
+        assert seen == {0, 1}
+
+
+def test_hermes_streams_name_before_arguments_and_holds_a_split_tag():
+    parser = get_tool_parser("hermes")
+    assert parser.feed("Hi <tool_").content == "Hi "  # the tag's start is held, not content
+    out = parser.feed('call>{"name": "f", "arguments": {"a"')
+    assert out.content == "" and out.calls[0].name == "f"
+    rest = parser.feed(": 1}}</tool_call> bye")
+    rest_end = parser.finish()
+    args = "".join(d.arguments for d in out.calls + rest.calls + rest_end.calls)
+    assert json.loads(args) == {"a": 1}
+    assert (rest.content + rest_end.content).strip() == "bye"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no calls at all, just <b>text</b>",
+        "<tool_call>not json</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f", "argu',
+    ],
+)
+def test_hermes_text_without_a_valid_call_is_content(text):
+    content, calls = parse_output(get_tool_parser("hermes"), text)
+    assert calls == [] and content == text
+
+
+def test_llama3_content_that_is_not_a_call_passes_through():
+    for text in ("Hello {there}", '{"not": "a call"}', "{broken"):
+        content, calls = parse_output(get_tool_parser("llama3_json"), text)
+        assert calls == [] and content == text
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_qwen3_template_renders_tools_calls_and_results(tokenizer):
+    prompt = render_chat(tokenizer, HISTORY, tools=TOOLS)
+    assert "get_weather" in prompt and "Weather of a city" in prompt  # the tool signature
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
+
+
+def test_a_template_without_tools_gets_the_hermes_fallback(tokenizer):
+    plain = copy.copy(tokenizer)
+    plain.chat_template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    prompt = render_chat(plain, HISTORY, tools=TOOLS)
+    assert "<tools>" in prompt and "Weather of a city" in prompt  # in a system message
+    assert prompt.startswith("<|system|>")
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
+    assert "<|tool|>" not in prompt  # the tool result became a user turn

@@ -1,0 +1,100 @@
+"""`ConstraintAdmission`: the engine's side of token constraints (structured outputs, allowed
+token ids, bad words).
+
+- A constrained request is not queued in the scheduler at once: its constraint compiles on the
+  `ConstraintCompiler`'s thread while the request waits here (status COMPILING); between steps
+  the engine admits the requests whose compile is done (`ready`), each choice with a fresh
+  `TokenConstraint`. A cached constraint is done at once, so a repeated schema waits no step.
+- Overlap scheduling: the mask of step N+1 needs the token of step N accepted by the matcher.
+  The engine launches step N+1's forward, then, only when a row that samples in it has a
+  constraint that depends on its history (`TokenConstraint.needs_history`) and its last token
+  is still a placeholder, processes step N right there (`needs_sync`), before the mask is
+  filled and step N+1 samples. The GPU runs N+1's forward meanwhile; batches without such rows
+  keep the full overlap (step N is processed after N+1 launched, as before).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from concurrent.futures import Future
+
+from tritonllm.config import EngineConfig
+from tritonllm.engine.request import Request, RequestStatus
+from tritonllm.structured.compiler import ConstraintCompiler
+from tritonllm.structured.constraint import CompiledConstraint
+
+
+class ConstraintAdmission:
+    """Compiling requests and the set of live constrained requests of one engine.
+
+    Args:
+        config: the engine's config (the model directory whose tokenizer the grammars use).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._compiler: ConstraintCompiler | None = None
+        self._compiling: list[tuple[Future[CompiledConstraint], list[Request]]] = []
+        self.live: set[Request] = set()  # admitted, not finished
+
+    @property
+    def compiler(self) -> ConstraintCompiler:
+        """The compiler (created on first use: a service without constraints never loads it)."""
+        if self._compiler is None:
+            mc = self.config.model_config
+            self._compiler = ConstraintCompiler(self.config.model, mc.vocab_size, mc.eos_token_ids)
+        return self._compiler
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
+
+    def defer(self, choices: list[Request]) -> None:
+        """Start compiling the constraint of a request's ``choices`` (one params for all)."""
+        future = self.compiler.submit(choices[0].params)
+        for req in choices:
+            req.status = RequestStatus.COMPILING
+        self._compiling.append((future, choices))
+
+    def ready(self, timeout_s: float = 0.0) -> list[tuple[Request, BaseException | None]]:
+        """The requests whose compile is done, in arrival order, each with its compile error
+        (None: it got its `TokenConstraint`, status WAITING, to be queued by the caller).
+        Requests aborted meanwhile are dropped. With ``timeout_s`` it first waits up to that
+        long for one compile to finish (when none is done)."""
+        if not self._compiling:
+            return []
+        if timeout_s > 0 and not any(f.done() for f, _ in self._compiling):
+            futures = [f for f, _ in self._compiling]
+            concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
+        done: list[tuple[Request, BaseException | None]] = []
+        pending = []
+        for future, choices in self._compiling:
+            if not future.done():
+                pending.append((future, choices))
+                continue
+            error = future.exception()
+            for req in choices:
+                if req.status != RequestStatus.COMPILING:
+                    continue  # aborted while compiling
+                if error is None:
+                    req.constraint = future.result().new()
+                    req.status = RequestStatus.WAITING
+                    self.live.add(req)
+                done.append((req, error))
+        self._compiling = pending
+        return done
+
+    def needs_sync(self, sample_reqs: list[Request]) -> bool:
+        """Whether a row of this step samples under a history-dependent constraint while its
+        last token is still on its way to the host (see the module docstring)."""
+        return any(
+            r.constraint is not None and r.constraint.needs_history and r.token_ids[-1] < 0
+            for r in sample_reqs
+        )
+
+    def shutdown(self) -> None:
+        if self._compiler is not None:
+            self._compiler.shutdown()
+
+
+__all__ = ["ConstraintAdmission"]

@@ -1,0 +1,161 @@
+"""Per-request token masks: a grammar matcher, allowed token ids, bad words.
+
+A `TokenConstraint` is one choice's mask state. Each step the sampler asks every constrained row
+for its next-token bitmask (`fill_bitmasks`: xgrammar's layout, `[B, ceil(vocab / 32)]` int32,
+bit `t % 32` of word `t // 32` set = token t allowed) and applies it to the logits; the engine
+then feeds the sampled token back (`accept`). What each part allows:
+
+- grammar (xgrammar `GrammarMatcher`): the tokens that keep the output a prefix of the
+  grammar's language, and the stop (EOS) tokens once the output is complete; a matcher is
+  *terminated* after it accepted a stop token, which finishes the request ("stop");
+- allowed token ids (vLLM's `allowed_token_ids`): only those ids;
+- bad words (vLLM's `bad_words`, TensorRT-LLM's `bad_words`): a word's last token is banned
+  when the output ends with the word's other tokens (single-token words: always), for the
+  word's tokenization with and without a leading space (vLLM's rule).
+
+The grammar and bad words of more than one token depend on the previous token, so under
+overlap scheduling their rows make the engine wait for the step in flight (`needs_history`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one bitmask row for a vocabulary of ``vocab_size`` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def ids_bitmask(ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    """``[ceil(vocab_size / 32)]`` int32 bitmask row with exactly the bits of ``ids`` set."""
+    row = np.zeros(bitmask_words(vocab_size), dtype=np.uint32)
+    ids_arr = np.asarray(sorted(set(ids)), dtype=np.int64)
+    np.bitwise_or.at(row, ids_arr >> 5, (np.uint32(1) << (ids_arr & 31).astype(np.uint32)))
+    return row.view(np.int32)
+
+
+def clear_bits(row: np.ndarray, ids: Sequence[int] | np.ndarray) -> None:
+    """Clear the bits of ``ids`` in the int32 bitmask row ``row`` (in place)."""
+    ids_arr = np.asarray(ids, dtype=np.int64)
+    if ids_arr.size == 0:
+        return
+    words = row.view(np.uint32)
+    np.bitwise_and.at(words, ids_arr >> 5, ~(np.uint32(1) << (ids_arr & 31).astype(np.uint32)))
+
+
+@dataclass(frozen=True)
+class CompiledConstraint:
+    """The compiled, shareable part of a constraint (cached per spec; one per many requests).
+
+    Attributes:
+        grammar: an xgrammar ``CompiledGrammar`` or None.
+        allowed: ``[W]`` int32 bitmask row of the allowed token ids, or None (all allowed).
+        banned: token ids always banned (single-token bad words).
+        bad_sequences: multi-token bad words: (prefix ids, last id) pairs.
+    """
+
+    grammar: Any = None
+    allowed: np.ndarray | None = None
+    banned: np.ndarray | None = None
+    bad_sequences: tuple[tuple[tuple[int, ...], int], ...] = ()
+
+    def new(self) -> TokenConstraint:
+        """A fresh constraint state for one choice of a request."""
+        matcher = None
+        if self.grammar is not None:
+            import xgrammar as xgr
+
+            matcher = xgr.GrammarMatcher(self.grammar)
+        return TokenConstraint(self, matcher)
+
+
+class TokenConstraint:
+    """One choice's mask state (see the module docstring). Not thread-safe: the engine thread
+    alone uses it.
+
+    Args:
+        compiled: the shared compiled part.
+        matcher: the choice's own xgrammar ``GrammarMatcher`` (None without a grammar).
+    """
+
+    __slots__ = ("compiled", "matcher", "needs_history", "restricts", "_output")
+
+    def __init__(self, compiled: CompiledConstraint, matcher: Any) -> None:
+        self.compiled = compiled
+        self.matcher = matcher
+        self.needs_history = matcher is not None or bool(compiled.bad_sequences)
+        # Whether `restrict` changes anything (allowed ids or bad words).
+        self.restricts = (
+            compiled.allowed is not None
+            or compiled.banned is not None
+            or bool(compiled.bad_sequences)
+        )
+        self._output: list[int] = []  # accepted ids (for multi-token bad words only)
+
+    @property
+    def terminated(self) -> bool:
+        """Whether the grammar accepted a stop token (the output is complete)."""
+        return self.matcher is not None and self.matcher.is_terminated()
+
+    def accept(self, token: int) -> bool:
+        """Advance past the sampled ``token``; False when the grammar rejects it (the mask
+        was not applied to this row: an engine bug)."""
+        if self.compiled.bad_sequences:
+            self._output.append(token)
+        if self.matcher is None:
+            return True
+        return bool(self.matcher.accept_token(token))
+
+    def restrict(self, row: np.ndarray) -> None:
+        """Apply allowed ids and bad words to ``row`` (an int32 bitmask row, in place), after
+        the grammar filled it (or with every bit set when there is no grammar)."""
+        compiled = self.compiled
+        if compiled.allowed is not None:
+            np.bitwise_and(row, compiled.allowed, out=row)
+        if compiled.banned is not None:
+            clear_bits(row, compiled.banned)
+        out = self._output
+        for prefix, last in compiled.bad_sequences:
+            n = len(prefix)
+            if len(out) >= n and tuple(out[len(out) - n :]) == prefix:
+                clear_bits(row, [last])
+
+
+def fill_bitmasks(
+    bitmask: torch.Tensor, rows: list[int], constraints: list[TokenConstraint], batch_matcher: Any
+) -> None:
+    """Fill the bitmask rows ``rows`` of ``bitmask`` (``[B, W]`` int32 on the CPU, every bit
+    set on entry)
+    from ``constraints`` (one per row): the grammar rows in one xgrammar batch call (its
+    threads, outside the GIL), then allowed ids and bad words.
+
+    Args:
+        batch_matcher: an xgrammar ``BatchGrammarMatcher``.
+    """
+    grammar_rows = [r for r, c in zip(rows, constraints, strict=True) if c.matcher is not None]
+    if grammar_rows:
+        matchers = [c.matcher for c in constraints if c.matcher is not None]
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, grammar_rows[0])
+        else:
+            batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, grammar_rows)
+    array = bitmask.numpy()
+    for r, c in zip(rows, constraints, strict=True):
+        if c.restricts:
+            c.restrict(array[r])
+
+
+__all__ = [
+    "CompiledConstraint",
+    "TokenConstraint",
+    "bitmask_words",
+    "clear_bits",
+    "fill_bitmasks",
+    "ids_bitmask",
+]
