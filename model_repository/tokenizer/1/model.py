@@ -59,8 +59,14 @@ def _tensors(tokenizer, prompt_limits, request):
             pb_utils.Tensor("input_ids", np.zeros(0, dtype=np.int32)),
             pb_utils.Tensor("limits_json", np.array([json.dumps(answer).encode()], dtype=object)),
         ]
-    prompt_ids = _bounded(request, "input_ids")
+    prompt_ids = _input(request, "input_ids")
     if prompt_ids is not None:
+        if prompt_ids.size > limits.MAX_PROMPT_TOKENS:
+            raise RequestError(
+                ErrorCode.INVALID_INPUT,
+                "input_ids",
+                f"input_ids holds more than {limits.MAX_PROMPT_TOKENS} token ids",
+            )
         return _id_tensors(tokenizer, request, prompt_ids.reshape(-1).tolist())
     text_input = scalar(_bounded(request, "text_input"), "text_input", str)
     messages_json = scalar(_bounded(request, "messages"), "messages", str)
