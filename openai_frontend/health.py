@@ -14,7 +14,10 @@ engine however often it is asked:
 A probe that gets an *error response* (not merely a slow one) means a part of the pipeline is
 broken, and Triton never repairs a dead stub. Such a failure is held for ``failure_hold_s``
 seconds (a model with two instances fails every other request when one of them died, and
-/health must not flap), and is cleared early once tritonserver is seen down or restarting.
+/health must not flap), and is cleared early once tritonserver is seen down or restarting, or
+once ``RECOVERY_PROBES`` probes in a row went through (a tritonserver restarted between two
+checks is never seen down; with one of two instances dead, two probes in a row cannot both
+pass, as Triton spreads requests over the instances in turn).
 
 ``BackendWatch`` runs while generations are in flight: once none of them has had a response for
 ``silence_s`` seconds (3), it checks health, and when the backend is known to have failed it
@@ -49,6 +52,8 @@ log = logging.getLogger(__name__)
 # is in Triton's logs and statistics.
 PROBE_INPUTS: dict[str, InputValue] = {"text_input": "health", "max_tokens": 1, "temperature": 0.0}
 PROBE_ID_PREFIX = "health-"
+# Probes in a row that must go through to clear a held failure before its hold ends.
+RECOVERY_PROBES = 3
 
 
 def _overloaded(exc: TritonError) -> bool:
@@ -102,6 +107,7 @@ class HealthMonitor:
         self.failure_hold_s = failure_hold_s
         self._last: HealthStatus | None = None
         self._failed: HealthStatus | None = None  # the held failure, if any
+        self._passed_in_row = 0  # probes that went through since the held failure
         self._running: asyncio.Task | None = None
 
     def _recent_progress(self, now: float) -> bool:
@@ -137,10 +143,16 @@ class HealthMonitor:
             reason, backend_failed = failure
             status = HealthStatus(False, reason, backend_failed, now)
             if backend_failed:
-                self._failed = status
+                self._failed, self._passed_in_row = status, 0
             return self._record(status)
-        if self._failed is not None and now - self._failed.checked_at < self.failure_hold_s:
-            return self._record(HealthStatus(False, self._failed.reason, True, now))
+        self._passed_in_row += 1
+        held = self._failed
+        if (
+            held is not None
+            and now - held.checked_at < self.failure_hold_s
+            and self._passed_in_row < RECOVERY_PROBES
+        ):
+            return self._record(HealthStatus(False, held.reason, True, now))
         self._failed = None
         return self._record(HealthStatus(True, "ok", checked_at=now))
 

@@ -1,0 +1,57 @@
+"""The sidecar's HealthMonitor: a held backend failure clears after RECOVERY_PROBES probes in a
+row went through, and never while every other probe fails (one of two instances dead)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from openai_frontend.health import RECOVERY_PROBES, HealthMonitor
+from openai_frontend.triton_client import TritonError
+
+
+class _Stream:
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    async def read(self):
+        if self.fail:
+            raise TritonError("Stub process 'generator_0_0' is not healthy.")
+        return None
+
+
+class _Client:
+    """A Triton client whose probes go through or fail in the order of ``outcomes``."""
+
+    def __init__(self, outcomes: list[bool]) -> None:
+        self.outcomes = list(outcomes)
+
+    async def is_ready(self) -> bool:
+        return True
+
+    async def stream(self, request_id, inputs):
+        return _Stream(fail=not self.outcomes.pop(0))
+
+    def close_soon(self, stream, request_id) -> None:
+        pass
+
+
+def _statuses(outcomes: list[bool]) -> list[bool]:
+    monitor = HealthMonitor(_Client(outcomes), set(), interval_s=0.0, failure_hold_s=600.0)
+
+    async def run() -> list[bool]:
+        return [(await monitor.check()).ok for _ in outcomes]
+
+    return asyncio.run(run())
+
+
+def test_a_held_failure_clears_after_enough_probes_in_a_row():
+    passes = [True] * RECOVERY_PROBES
+    assert _statuses([False, *passes]) == [False] * RECOVERY_PROBES + [True]
+
+
+def test_alternating_failures_keep_the_failure_held():
+    assert _statuses([False, True] * 4) == [False] * 8
+
+
+def test_a_healthy_backend_is_ok_at_once():
+    assert _statuses([True, True]) == [True, True]
