@@ -119,11 +119,11 @@ def test_engine_error_fails_requests_in_flight_but_not_the_thread(thread, monkey
     real_run = runner.run
     calls = {"n": 0}
 
-    def flaky_run(batch):
+    def flaky_run(batch, before_sample=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("simulated kernel failure")
-        return real_run(batch)
+        return real_run(batch, before_sample)
 
     monkeypatch.setattr(runner, "run", flaky_run)
     sink = Collector()
@@ -161,7 +161,7 @@ def test_outputs_made_before_a_failed_step_are_not_lost():
     engine.step()
     engine.abort("a")
 
-    def fail(batch):
+    def fail(batch, before_sample=None):
         raise RuntimeError("out of memory")
 
     engine.runner.run = fail
