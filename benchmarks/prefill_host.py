@@ -49,8 +49,9 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 
 
 class RunTimer:
-    """Wraps `engine.runner.run`: records (is_decode, host seconds, prompt tokens, sequences,
-    decode rows) per call; while `profiler` is set, prefill calls run under it."""
+    """Wraps `engine.runner.run` with its signature, `(batch, before_sample=None)`: records
+    (is_decode, host seconds, prompt tokens, sequences, decode rows) per call; while `profiler`
+    is set, prefill calls run under it."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.records: list[tuple[bool, float, int, int, int]] = []
@@ -58,13 +59,13 @@ class RunTimer:
         self._run = engine.runner.run
         engine.runner.run = self
 
-    def __call__(self, batch):
+    def __call__(self, batch, before_sample=None):
         profiler = None if batch.is_decode else self.profiler
         start = time.perf_counter()
         if profiler is not None:
             profiler.enable()
         try:
-            return self._run(batch)
+            return self._run(batch, before_sample)
         finally:
             if profiler is not None:
                 profiler.disable()

@@ -123,11 +123,11 @@ def _offline_pass(args, model: str, out_dir: Path, profiled: bool) -> list[str]:
     original_step, original_run = engine.step, engine.runner.run
     launched: list = []  # the batches launched by the current step
 
-    def recorded_run(batch):
+    def recorded_run(batch, before_sample=None):
         # (batch, tokens whose K/V a decode step reads: every computed one + the one appended),
         # taken before the run advances `num_computed`.
         launched.append((batch, sum(r.num_computed + 1 for r in batch.reqs)))
-        return original_run(batch)
+        return original_run(batch, before_sample)
 
     def timed_result(self):
         t = time.perf_counter()
