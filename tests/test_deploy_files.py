@@ -47,6 +47,7 @@ IMAGE_INSTALL = TritonInstall(
 # Variables the launcher reads itself (tritonllm/launch.py); the rest are documented in
 # tritonllm/triton_config.py's table.
 LAUNCHER_ENV = {
+    launch.API_KEY_ENV,
     "TRITONLLM_MODEL",
     "TRITONLLM_HOST",
     "TRITONLLM_TRITON_HOST",
@@ -174,6 +175,9 @@ def test_compose_runs_the_launcher_with_a_gpu_health_checks_and_the_model_volume
     source, target, _ = volume.split(":")
     assert (DOCKER / source).resolve() == REPO_ROOT / "models" / "tiny-qwen3"  # make tiny-model
     assert service["environment"]["TRITONLLM_MODEL"] == target
+    # The API key comes from the user's shell, never from a literal in the file.
+    raw = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]["tritonllm"]
+    assert raw["environment"][launch.API_KEY_ENV] == f"${{{launch.API_KEY_ENV}:-}}"
     grace = int(service["stop_grace_period"].removesuffix("s"))
     assert grace >= cfg.policy.drain_timeout_s + 20  # the drain, then tritonserver's stop
     for name in ("prometheus", "grafana"):
@@ -220,8 +224,15 @@ def test_kubernetes_pods_are_probed_drained_limited_and_scraped(manifests):
     deployment = manifests["Deployment"]
     pod = deployment["spec"]["template"]
     (container,) = pod["spec"]["containers"]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     cfg = check_launcher(container["args"], env)
+    # Every variable is a literal but the API key, which comes from an optional Secret.
+    from_elsewhere = {e["name"]: e["valueFrom"] for e in container["env"] if "value" not in e}
+    assert from_elsewhere == {
+        launch.API_KEY_ENV: {
+            "secretKeyRef": {"name": "tritonllm-api-key", "key": "api-key", "optional": True}
+        }
+    }
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {
         "openai": cfg.port,
