@@ -7,7 +7,8 @@ turn of ``<tool_response>`` blocks; ``enable_thinking=False`` pre-fills an empty
 and its function calling: with ``tools`` the system turn lists their signatures in ``<tools>``
 with the ``<tool_call>`` instructions, and an assistant's ``tool_calls`` render as
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks after its content. Templates
-that do not render tools get them as plain messages (``tokenization.tools.fallback_messages``).
+that do not render tools get them as plain messages (``tokenization.tools.fallback_messages``)
+when the request has tools or tool calls; a conversation without either is rendered as given.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def render_chat(
             default (Qwen3: thinking on).
         tools: OpenAI function tools; passed to a template that names ``tools``; for any other
             template the tools and tool-call history become plain Hermes-format messages
-            (``tokenization.tools.fallback_messages``).
+            (``tokenization.tools.fallback_messages``), when there are tools or tool calls.
     Raises:
         RequestError: invalid messages (see ``validate_messages``), no chat template
             (``unsupported_parameter``), or ``enable_thinking`` given for a template that has
@@ -214,7 +215,9 @@ def _render_marked(
     if template_uses(str(template), "tools"):
         if tools:
             options["tools"] = tools
-    else:
+    elif tools or any(m.get("tool_calls") for m in cleaned):
+        # Only a conversation with tools is rewritten: without them its messages (a ``tool``
+        # role included) reach the template as they do in Hugging Face's rendering.
         cleaned = fallback_messages(cleaned, tools)
     try:
         return tokenizer.apply_chat_template(

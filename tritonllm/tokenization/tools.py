@@ -10,9 +10,10 @@
   in the Hermes format that Qwen2.5/Qwen3 templates produce: the tool signatures and the
   ``<tool_call>`` instructions in the system message, each assistant tool call as a
   ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` block after its content, each tool
-  result as a user turn of ``<tool_response>`` blocks. The model then sees the tools at all
-  (vLLM passes them to such a template, which drops them), and the sidecar's Hermes parser
-  reads its calls.
+  result as a user turn of ``<tool_response>`` blocks (only when the request has tools or
+  tool calls: other conversations reach the template as given). The model then sees the tools
+  at all (vLLM passes them to such a template, which drops them), and the sidecar's Hermes
+  parser reads its calls.
 """
 
 from __future__ import annotations
