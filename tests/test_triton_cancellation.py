@@ -25,9 +25,11 @@ LONG = {"max_tokens": 2000, **GREEDY}
 
 
 def _llm_completed(server) -> int:
-    """Ensemble requests Triton finished (success or failure): a leaked one never counts."""
+    """Ensemble requests Triton finished (success or failure): a leaked one never counts.
+    Statistics are a restricted Triton API: the call carries the server's admin key."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    stats = client.get_inference_statistics("llm", as_json=True)["model_stats"][0]
+    reply = client.get_inference_statistics("llm", headers=server.grpc_admin_headers, as_json=True)
+    stats = reply["model_stats"][0]
     client.close()
     counts = stats["inference_stats"]
     return int(counts["success"].get("count", 0)) + int(counts["fail"].get("count", 0))
