@@ -428,18 +428,21 @@ def test_a_sigkilled_sidecar_leaves_no_generation_running(triton_server, tmp_pat
         from test_supervision import _start_streams
 
         _start_streams(client, streams, max_tokens)
-        running = wait_for_gauges(metrics, lambda g: g["tritonllm_requests_running"] > 0, 10)
+        # A stream's first chunk (the role) is no proof that its generation runs yet, and the
+        # gauge is published every 50 ms: wait for all of them in the running batch.
+        running = wait_for_gauges(metrics, lambda g: g["tritonllm_requests_running"] >= streams, 30)
         assert running["tritonllm_requests_running"] == streams, running
         os.killpg(process.pid, 9)
         process.wait(10)
+        gauges = wait_for_gauges(metrics, lambda g: g["tritonllm_requests_running"] == 0, 5)
+        generated = _counter(metrics, "tritonllm_generated_tokens_total") - tokens_before
     finally:
         if process.poll() is None:
             os.killpg(process.pid, 9)
-    gauges = wait_for_gauges(metrics, lambda g: g["tritonllm_requests_running"] == 0, 5)
-    generated = _counter(metrics, "tritonllm_generated_tokens_total") - tokens_before
+        # The next tests share this server: let orphaned generations end first (also when
+        # this test failed: they would count as the next test's requests).
+        wait_for_gauges(metrics, engine_idle, 120)
     left = gauges["tritonllm_requests_running"]
-    # The next tests share this server: let orphaned generations end first.
-    wait_for_gauges(metrics, engine_idle, 120)
     if left:
         pytest.xfail(
             f"issue 14 item 4: {left:g} of {streams} generations still running 5 s after the "
@@ -460,6 +463,9 @@ def test_health_probes_cannot_load_the_engine(sidecar):
         found = re.search(r'^nv_inference_request_success\{model="llm",[^}]*\} (\S+)$', text, re.M)
         return float(found.group(1))
 
+    # Past the health interval (1 s) of the fixture's own /health wait: the burst's first
+    # request cannot reuse a cached result, so at least one probe must run.
+    time.sleep(1.5)
     before = llm_requests()
 
     async def burst() -> list[int]:
