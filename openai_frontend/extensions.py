@@ -5,8 +5,10 @@ unknown fields (``extra="allow"``). A vLLM field that this server does not imple
 change nothing without a word, so every such field is listed here with the value at which it
 changes nothing (vLLM's default); a request that gives another value gets a 400 naming the field.
 A field that a request model declares (``top_k``, ``min_p``, ``add_special_tokens`` of
-completions, ...) is honoured by it and never refused here, so declaring a field is all it takes
-to serve one of these.
+completions, ``cache_salt``, the structured-output fields of ``structured.py``, ...) is honoured
+by it and never refused here, so declaring a field is all it takes to serve one of these; the
+table keeps such fields (marked honoured below) so that it stays the whole list of vLLM's
+names, each honoured or refused.
 
 The names are those of vLLM's ``ChatCompletionRequest`` and ``CompletionRequest``
 (``vllm/entrypoints/openai/protocol.py``, v0.6-v0.10).
@@ -22,7 +24,7 @@ from .errors import unsupported
 
 _ANY = object()  # no value is a no-op: any value given (null aside) is refused
 
-# Field → the value at which it changes nothing. Why each is refused:
+# Field → the value at which it changes nothing. Why each undeclared one is refused:
 VLLM_FIELDS: dict[str, Any] = {
     # decoding the engine does not do
     "use_beam_search": False,
@@ -36,16 +38,18 @@ VLLM_FIELDS: dict[str, Any] = {
     "include_stop_str_in_output": False,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
-    # structured outputs and token constraints (issue 15 items 1-2: served once declared)
+    # structured outputs and token masks: honoured (declared by structured.StructuredOutputFields;
+    # guided_decoding_backend takes only xgrammar / auto, the one backend there is) ...
     "guided_json": _ANY,
     "guided_regex": _ANY,
     "guided_choice": _ANY,
     "guided_grammar": _ANY,
     "guided_decoding_backend": _ANY,
-    "guided_whitespace_pattern": _ANY,
     "structured_outputs": _ANY,
     "allowed_token_ids": _ANY,
     "bad_words": [],
+    # ... except a JSON whitespace pattern, which xgrammar's JSON grammar does not take
+    "guided_whitespace_pattern": _ANY,
     # prompt rendering: the served chat template is the model directory's, rendered by the
     # tokenizer model with the generation prompt. A per-request Jinja template is refused: it
     # would run client-supplied template code in the server.
@@ -56,7 +60,7 @@ VLLM_FIELDS: dict[str, Any] = {
     "mm_processor_kwargs": _ANY,
     "echo": False,  # chat's echo (completions declares its own)
     "add_special_tokens": False,  # chat's (completions declares its own)
-    # disaggregated serving and cache isolation
+    # disaggregated serving (refused) and cache isolation (cache_salt: honoured, protocol.py)
     "kv_transfer_params": _ANY,
     "cache_salt": _ANY,
 }

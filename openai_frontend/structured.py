@@ -4,8 +4,11 @@ Fields (both endpoints): OpenAI's ``response_format`` (``text``, ``json_object``
 ``json_schema`` with ``json_schema.schema``; ``strict`` or not, the output always matches the
 schema, as vLLM does), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar`` and their newer form ``structured_outputs`` (one object,
-``tritonllm.structured.spec``), ``guided_decoding_backend`` (``xgrammar`` or ``auto`` only),
-``allowed_token_ids`` and ``bad_words``. At most one constraint per request (a named or
+``tritonllm.structured.spec``), ``guided_decoding_backend`` (``xgrammar`` or ``auto``: the one
+backend there is, so a no-op; any other name is refused), ``allowed_token_ids`` and
+``bad_words``. ``guided_whitespace_pattern`` is not declared: xgrammar's JSON grammar takes no
+whitespace pattern, so ``extensions.py`` refuses it by name (as ``spec`` refuses
+``whitespace_pattern``). At most one constraint per request (a named or
 ``required`` tool choice is one too); they all travel as one ``structured_outputs`` input in
 vLLM's object form. The generator validates the schema, pattern or grammar with xgrammar
 (the sidecar has no grammar library): its error names ``structured_outputs.<kind>``, which
@@ -59,7 +62,6 @@ class StructuredOutputFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
-    guided_whitespace_pattern: str | None = None
     structured_outputs: dict[str, Any] | None = None
     allowed_token_ids: (
         list[Annotated[StrictInt, Field(**limits.TOKEN_ID.field_bounds())]] | None
@@ -104,8 +106,6 @@ class StructuredOutputFields(BaseModel):
             raise unsupported(
                 "guided_decoding_backend", "guided_decoding_backend other than xgrammar"
             )
-        if self.guided_whitespace_pattern is not None:
-            raise unsupported("guided_whitespace_pattern")
         if len(given) > 1:
             names = ", ".join(name for name, _ in given)
             raise OpenAIError(

@@ -1,13 +1,14 @@
 """The OpenAI surface SDKs and evaluation tools use, through the real sidecar and tritonserver
 (the shared session fixtures): completions with list and token-id prompts, ``echo`` with the
 prompt's logprobs (checked against transformers' float32 log_softmax), ``max_tokens: 0`` (how
-lm-evaluation-harness scores), the async client, vLLM's extension fields (each honoured or a 400
-naming it), ``stream_options`` only with ``stream``, ``/tokenize`` / ``/detokenize`` /
+lm-evaluation-harness scores), the async client, vLLM's extension fields (each honoured, or refused with a
+400 naming it), ``stream_options`` only with ``stream``, ``/tokenize`` / ``/detokenize`` /
 ``/version``, the model card's ``max_model_len`` and the sidecar's ``/metrics``."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -16,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from openai_frontend.extensions import VLLM_FIELDS
+from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 
 PROMPTS = ["The quick brown fox", "Once upon a time there"]
 TOL = 1e-4
@@ -144,32 +146,108 @@ def test_async_client_chat_and_completions(sidecar):
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("field", sorted(VLLM_FIELDS))
-def test_every_vllm_extension_is_honoured_or_refused_by_name(http, sidecar, field):
-    """Each vLLM field of the list: its no-op value is accepted, any other value is a 400
-    unsupported_parameter naming it (none silently ignored)."""
+ENDPOINTS = {
+    "/v1/completions": (CompletionRequest, {"prompt": "hi"}),
+    "/v1/chat/completions": (
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": "hi"}]},
+    ),
+}
+# Completions' own echo / add_special_tokens (tested above and in test_openai_completions).
+COMPLETIONS_OWN = {"echo", "add_special_tokens"}
+# vLLM fields the request models declare (so ``check_extensions`` never refuses them): a valid
+# value, an invalid one, and the (param, code) of the invalid one's 400. Type and range errors
+# are the request model's (pydantic's codes); schemas, patterns and grammars are validated by
+# the generator (xgrammar), whose error names the client's field. What the constraints do to
+# the output is tested in test_structured_outputs, the salt's isolation in test_security.
+HONOURED = {
+    "allowed_token_ids": ("ALLOWED", "OUT_OF_VOCAB", ("allowed_token_ids", "invalid_value")),
+    "bad_words": (["fox"], 5, ("bad_words", "list_type")),
+    "cache_salt": ("tenant-a", "", ("cache_salt", "string_too_short")),
+    "guided_choice": (["yes", "no"], "yes", ("guided_choice", "list_type")),
+    "guided_decoding_backend": (
+        "xgrammar",
+        "outlines",
+        ("guided_decoding_backend", "unsupported_parameter"),
+    ),
+    "guided_grammar": (
+        'root ::= "n=" [0-9]',
+        "root ::= undefined_rule",
+        ("guided_grammar", "invalid_value"),
+    ),
+    "guided_json": ({"type": "object"}, {"type": 5}, ("guided_json", "invalid_value")),
+    "guided_regex": ("[a-z]{2}", "[a-z", ("guided_regex", "invalid_value")),
+    "structured_outputs": (
+        {"regex": "[a-z]{2}"},
+        {"regex": "[a-z"},
+        ("structured_outputs.regex", "invalid_value"),
+    ),
+}
+
+
+def test_the_honoured_vllm_fields_are_the_declared_ones():
+    """Every vLLM field a request model declares has its honour test below, and every other
+    one is refused by ``check_extensions`` (the table stays the whole list of vLLM's names)."""
+    for model, _ in ENDPOINTS.values():
+        declared = {f for f in VLLM_FIELDS if f in model.model_fields} - COMPLETIONS_OWN
+        assert declared == set(HONOURED), model.__name__
+
+
+def _refused_value(noop):
+    if isinstance(noop, bool):
+        return not noop
+    if isinstance(noop, int | float):
+        return noop + 1
+    if isinstance(noop, list):
+        return ["x"]
+    return {"x": 1}
+
+
+@pytest.mark.parametrize("field", sorted(set(VLLM_FIELDS) - set(HONOURED)))
+def test_every_unserved_vllm_extension_is_refused_by_name(http, sidecar, field):
+    """Each vLLM field the service does not serve: its no-op value is accepted, any other value
+    is a 400 unsupported_parameter naming it (none silently ignored)."""
     noop = VLLM_FIELDS[field]
-    bodies = {
-        "/v1/completions": {"prompt": "hi"},
-        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
-    }
-    for path, body in bodies.items():
+    for path, (model, body) in ENDPOINTS.items():
+        if field in model.model_fields:
+            continue  # completions declares and honours echo / add_special_tokens
         base = {"model": sidecar.model_name, "max_tokens": 1, **body}
-        if field in ("echo", "add_special_tokens") and path == "/v1/completions":
-            continue  # completions declares and honours these
-        other = {"x": 1} if not isinstance(noop, bool | float | int | list) else None
-        if isinstance(noop, bool):
-            other = not noop
-        elif isinstance(noop, int | float):
-            other = noop + 1
-        elif isinstance(noop, list):
-            other = ["x"]
-        response = http.post(path, json={**base, field: other})
+        response = http.post(path, json={**base, field: _refused_value(noop)})
         assert response.status_code == 400, (path, field, response.text)
         error = response.json()["error"]
         assert (error["param"], error["code"]) == (field, "unsupported_parameter")
         if isinstance(noop, bool | int | float | list):
             assert http.post(path, json={**base, field: noop}).status_code == 200, (path, field)
+
+
+@pytest.mark.parametrize("field", sorted(HONOURED))
+def test_every_served_vllm_extension_is_honoured(http, sidecar, tokenizer, field):
+    """Each vLLM field the service serves, on both endpoints: a valid value completes (the
+    token mask and the choice and regex constraints visibly shape the text), an invalid one is
+    a 400 naming the field with its error code."""
+    valid, invalid, expected = HONOURED[field]
+    allowed = _ids(tokenizer, " fox")[-1]
+    valid = [allowed] if valid == "ALLOWED" else valid
+    # A valid int32 past every vocabulary: the engine's range check, not the request model's.
+    invalid = [2**31 - 1] if invalid == "OUT_OF_VOCAB" else invalid
+    for path, (_, body) in ENDPOINTS.items():
+        base = {"model": sidecar.model_name, "max_tokens": 8, "temperature": 0, **body}
+        response = http.post(path, json={**base, field: valid})
+        assert response.status_code == 200, (path, field, response.text)
+        result = response.json()
+        choice = result["choices"][0]
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        if field == "allowed_token_ids":
+            count = result["usage"]["completion_tokens"]
+            assert count >= 1 and text == tokenizer.decode([allowed] * count), text
+        elif field == "guided_choice":
+            assert text in valid and choice["finish_reason"] == "stop", text
+        elif field in ("guided_regex", "structured_outputs"):
+            assert re.fullmatch("[a-z]{2}", text) and choice["finish_reason"] == "stop", text
+        response = http.post(path, json={**base, field: invalid})
+        assert response.status_code == 400, (path, field, response.text)
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == expected, (path, error)
 
 
 def test_stream_options_only_with_stream(http, sidecar):
