@@ -42,6 +42,19 @@ def _stub_pid(pgid: int, model: str) -> int:
     raise LookupError(f"no stub of {model} in process group {pgid}")
 
 
+def _assert_private_regions(pid: int, prefix: str) -> None:
+    """Process ``pid`` (tritonserver) has shared-memory regions under ``prefix``, in its own
+    view of /dev/shm, that no other user can read: where it runs in a mount namespace of its own
+    (``processes.private_shm_command``), its /dev/shm is a tmpfs nobody else sees; else the
+    regions themselves are 0600 (``processes.restrict_shm_regions``)."""
+    regions = list(Path(f"/proc/{pid}/root/dev/shm").glob(f"{prefix}*"))
+    assert regions, f"no shared-memory region {prefix}* in tritonserver's /dev/shm"
+    if os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt"):
+        assert not list(Path("/dev/shm").glob(f"{prefix}*")), "private regions seen outside"
+    else:
+        assert all(r.stat().st_mode & 0o077 == 0 for r in regions), regions
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_stream_whose_generator_died_ends_with_an_error(tiny_model_dir, tmp_path):
     """A stream whose generator stub is SIGKILLed ends with an error within the idle timeout
@@ -71,8 +84,9 @@ def test_stream_whose_generator_died_ends_with_an_error(tiny_model_dir, tmp_path
         )
         chunks = iter(stream)
         next(chunks)  # streaming
-        # The stubs' shared memory lives under this server's own prefix ...
-        assert list(Path("/dev/shm").glob(f"{server.shm_prefix}*"))
+        # The stubs' shared memory lives under this server's own prefix, out of others' reach
+        # (a /dev/shm of the server's own, or regions of mode 0600) ...
+        _assert_private_regions(server.process.pid, server.shm_prefix)
         os.kill(_stub_pid(server.process.pid, "generator"), signal.SIGKILL)
         killed = time.monotonic()
         with pytest.raises(openai.APIError) as ended:
