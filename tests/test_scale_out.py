@@ -37,6 +37,7 @@ from test_launch import _kill_marked, _marked_env, _marked_processes, _wait_none
 from test_openai_backend_death import _stub_pid
 from test_supervision import Launcher, _small_process, _start_streams
 
+from tritonllm.contract.limits import MAX_REQUEST_OUTPUT_TOKENS
 from tritonllm.triton_server import free_port, stop_process_group, wait_http_ok
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -144,9 +145,11 @@ def _replica_args(model: Path, name: str, port: int) -> list[str]:
 
 
 def _held_request(base_url: str, model: str, outcome: dict) -> None:
-    """A long request straight to one replica (16 choices of 1,900 tokens): it keeps that
+    """A long request straight to one replica (as many choices of 1,900 tokens as the cap on a
+    request's output tokens allows, 8; the tiny model's max_model_len is 2,048): it keeps that
     replica's drain going until the test SIGKILLs it, as a Kubernetes grace period ends."""
-    body = {"model": model, "prompt": "Hold", "max_tokens": 1900, "n": 16, "stream": True}
+    n = MAX_REQUEST_OUTPUT_TOKENS // 1900
+    body = {"model": model, "prompt": "Hold", "max_tokens": 1900, "n": n, "stream": True}
     try:
         with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=300) as r:
             outcome["status"] = r.status_code
