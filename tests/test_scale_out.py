@@ -33,8 +33,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from process_helpers import stub_pid
 from test_launch import _kill_marked, _marked_env, _marked_processes, _wait_none_marked
-from test_openai_backend_death import _stub_pid
 from test_supervision import Launcher, _small_process, _start_streams
 
 from tritonllm.contract.limits import MAX_REQUEST_OUTPUT_TOKENS
@@ -199,7 +199,7 @@ def test_replicas_behind_nginx_drain_and_die_without_failing_requests(
             base_url=f"http://{addr_a}/v1", api_key="unused", max_retries=0, timeout=120
         )
         streams = _start_streams(direct, 3, max_tokens=1900)
-        os.kill(_stub_pid(replica_a.triton_pid(), "generator"), signal.SIGKILL)
+        os.kill(stub_pid(replica_a.triton_pid(), "generator"), signal.SIGKILL)
         ends = [streams.get(timeout=60) for _ in range(3)]
         for kind, error, _ in ends:
             assert kind == "error" and error.code == "service_unavailable", ends
