@@ -3,7 +3,8 @@
 OpenAI clients send vLLM's extra fields through ``extra_body``, and the request models accept
 unknown fields (``extra="allow"``). A vLLM field that this server does not implement would then
 change nothing without a word, so every such field is listed here with the value at which it
-changes nothing (vLLM's default); a request that gives another value gets a 400 naming the field.
+changes nothing (vLLM's default); a request that gives another value gets a 400 naming the field,
+and so does a field that is neither declared nor vLLM's.
 A field that a request model declares (``top_k``, ``min_p``, ``add_special_tokens`` of
 completions, ``cache_salt``, the structured-output fields of ``structured.py``, ...) is honoured
 by it and never refused here, so declaring a field is all it takes to serve one of these; the
@@ -73,7 +74,8 @@ def _same(value: Any, noop: Any) -> bool:
 
 def check_extensions(request: BaseModel) -> None:
     """Refuse every vLLM field of ``request`` that it does not declare and that is given with
-    a value other than its no-op one.
+    a value other than its no-op one, and every field that is neither declared nor vLLM's (as
+    OpenAI does: "Unrecognized request argument").
 
     Raises:
         OpenAIError: 400 ``unsupported_parameter`` naming the first such field.
@@ -86,3 +88,6 @@ def check_extensions(request: BaseModel) -> None:
         if value is None or (noop is not _ANY and _same(value, noop)):
             continue
         raise unsupported(name)
+    for name in extra:  # neither declared nor vLLM's: a field no OpenAI-style server knows
+        if name not in VLLM_FIELDS:
+            raise unsupported(name)

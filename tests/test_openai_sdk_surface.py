@@ -250,6 +250,19 @@ def test_every_served_vllm_extension_is_honoured(http, sidecar, tokenizer, field
         assert (error["param"], error["code"]) == expected, (path, error)
 
 
+@pytest.mark.parametrize("field", ["frobnicate", "store", "logit_bias_v2"])
+def test_a_field_nobody_declares_is_refused_by_name(http, sidecar, field):
+    """A field that is neither a request model's nor vLLM's is a 400 naming it, as OpenAI's
+    "Unrecognized request argument" (never silently ignored); the service answers after it."""
+    for path, (_, body) in ENDPOINTS.items():
+        base = {"model": sidecar.model_name, "max_tokens": 1, **body}
+        response = http.post(path, json={**base, field: 1})
+        assert response.status_code == 400, (path, field, response.text)
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == (field, "unsupported_parameter"), error
+        assert http.post(path, json=base).status_code == 200
+
+
 def test_stream_options_only_with_stream(http, sidecar):
     body = {"model": sidecar.model_name, "prompt": "hi", "max_tokens": 1}
     refused = http.post("/v1/completions", json={**body, "stream_options": {"include_usage": 1}})
