@@ -98,6 +98,7 @@ def _kill_marked(entry: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    _wait_none_marked(entry, 10)  # a SIGKILLed process lives on until the kernel has torn it down
 
 
 def _listen_addresses(port: int) -> set[str]:
@@ -121,15 +122,19 @@ def _listen_addresses(port: int) -> set[str]:
     return addresses
 
 
-def _read_until(lines: queue.Queue[str], output: list[str], text: str, timeout_s: float) -> bool:
-    """Collect output lines into ``output`` until one contains ``text``; False on timeout."""
+def _read_until(
+    lines: queue.Queue[str], output: list[str], text: str | tuple[str, ...], timeout_s: float
+) -> bool:
+    """Collect output lines into ``output`` until one contains ``text`` (or one of the texts
+    of a tuple); False on timeout."""
+    texts = (text,) if isinstance(text, str) else text
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             output.append(lines.get(timeout=1))
         except queue.Empty:
             continue
-        if text in output[-1]:
+        if any(t in output[-1] for t in texts):
             return True
     return False
 

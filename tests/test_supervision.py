@@ -46,8 +46,9 @@ class Launcher:
         for line in self.process.stdout:
             self.lines.put(line)
 
-    def wait_for(self, text: str, timeout_s: float) -> str:
-        """Wait for a line containing ``text``; returns the output so far."""
+    def wait_for(self, text: str | tuple[str, ...], timeout_s: float) -> str:
+        """Wait for a line containing ``text`` (or one of a tuple's texts); returns the output
+        so far."""
         found = _read_until(self.lines, self.output, text, timeout_s)
         log = "".join(self.output)
         assert found, f"no {text!r} within {timeout_s} s:\n{log[-4000:]}"
