@@ -11,9 +11,10 @@ import math
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 _MODEL_TYPE_TO_ARCH = {
@@ -148,7 +149,24 @@ def _read_generation_eos(path: str) -> tuple[int, ...]:
         return _as_tuple(json.load(f).get("eos_token_id"))
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# dtype names and their element sizes in bytes. torch is imported only where a torch object is
+# asked for (`torch_device`, `torch_dtype`): the tokenizer and detokenizer stubs read this config
+# (the context length) without torch.
+_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def device_type(device: str) -> str:
+    """The device type of a device string: "cpu", "cuda" for "cuda" and "cuda:N".
+
+    Raises:
+        ValueError: not a CPU or CUDA device string.
+    """
+    kind, sep, index = device.partition(":")
+    if kind not in DEVICE_TYPES or (sep and not index.isdigit()) or (kind == "cpu" and sep):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return kind
+
 
 # CPU has no memory probe worth trusting; the KV pool defaults to this many bytes at most.
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -276,19 +294,17 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        cpu = device_type(self.device) == "cpu"
         if self.page_size is None:  # frozen: derived once, here
-            cpu = torch.device(self.device).type == "cpu"
             object.__setattr__(self, "page_size", 16 if cpu else 64)
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_prefill_tokens is None:
-            cpu = torch.device(self.device).type == "cpu"
             tokens = CPU_MAX_PREFILL_TOKENS if cpu else CUDA_MAX_PREFILL_TOKENS
             object.__setattr__(self, "max_prefill_tokens", tokens)
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.prefill_delay_steps is None:
-            cpu = torch.device(self.device).type == "cpu"
             object.__setattr__(self, "prefill_delay_steps", 0 if cpu else CUDA_PREFILL_DELAY_STEPS)
         if not 0 <= self.prefill_delay_steps <= MAX_PREFILL_DELAY_STEPS:
             raise ValueError(
@@ -322,19 +338,34 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device)
+
+    @property
+    def device_type(self) -> str:
+        """ "cpu" or "cuda" (without importing torch)."""
+        return device_type(self.device)
+
+    @property
+    def dtype_name(self) -> str:
+        """Weights/activations/KV dtype name: `dtype`, else float32 on CPU, bfloat16 on CUDA."""
+        if self.dtype is not None:
+            return self.dtype
+        return "float32" if self.device_type == "cpu" else "bfloat16"
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """Weights/activations/KV dtype: `dtype`, else float32 on CPU and bfloat16 on CUDA."""
-        if self.dtype is not None:
-            return _DTYPES[self.dtype]
-        return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype_name)
+        return dtype
 
     @property
     def use_cuda_graph(self) -> bool:
         """Whether decode steps replay CUDA graphs (never on CPU; see `cuda_graph`)."""
-        if self.torch_device.type != "cuda":
+        if self.device_type != "cuda":
             return False
         return self.cuda_graph is not False and self.resolved_attention_backend != "torch"
 
@@ -343,11 +374,11 @@ class EngineConfig:
         """The attention backend name after resolving "auto" (see `attention_backend`)."""
         if self.attention_backend != "auto":
             return self.attention_backend
-        if self.torch_device.type != "cuda":
+        if self.device_type != "cuda":
             return "torch"
         import importlib.util
 
-        if self.torch_dtype != torch.float32 and importlib.util.find_spec("flashinfer"):
+        if self.dtype_name != "float32" and importlib.util.find_spec("flashinfer"):
             return "flashinfer"
         return "triton" if importlib.util.find_spec("triton") else "torch"
 
@@ -355,7 +386,7 @@ class EngineConfig:
     def use_overlap_schedule(self) -> bool:
         """Whether the engine overlaps CPU scheduling with the GPU (see `overlap_schedule`)."""
         if self.overlap_schedule is None:
-            return self.torch_device.type == "cuda"
+            return self.device_type == "cuda"
         return self.overlap_schedule
 
     @property
@@ -383,7 +414,7 @@ class EngineConfig:
     @property
     def page_bytes(self) -> int:
         """Bytes of one KV page over all layers (K and V)."""
-        elem = torch.tensor([], dtype=self.torch_dtype).element_size()
+        elem = _DTYPES[self.dtype_name]
         return self.model_config.kv_bytes_per_token * elem * self.page_size
 
     @property

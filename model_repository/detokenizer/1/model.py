@@ -74,10 +74,10 @@ def _first_text(array):
 
 class TritonPythonModel:
     def initialize(self, args):
-        from transformers import AutoTokenizer
+        from tritonllm.tokenization.loading import load_tokenizer
 
         params = model_parameters(args["model_config"])
-        self.detokenizer = Detokenizer(AutoTokenizer.from_pretrained(served_model_dir(params)))
+        self.detokenizer = Detokenizer(load_tokenizer(served_model_dir(params)))  # without torch
         self.control_secret = serving_config(params).control_secret
         self.cancel_watch = CancelWatch()
         self.logger = pb_utils.Logger

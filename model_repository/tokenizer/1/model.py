@@ -130,10 +130,10 @@ def _id_tensors(tokenizer, request, ids):
 
 class TritonPythonModel:
     def initialize(self, args):
-        from transformers import AutoTokenizer
+        from tritonllm.tokenization.loading import load_tokenizer
 
         params = model_parameters(args["model_config"])
-        self.tokenizer = AutoTokenizer.from_pretrained(served_model_dir(params))
+        self.tokenizer = load_tokenizer(served_model_dir(params))  # without torch
         max_model_len = engine_config(params).effective_max_model_len
         self.prompt_limits = PromptLimits(max_model_len, max_token_chars(self.tokenizer))
 
