@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from conftest import SERVER_ENV
 from test_engine_process import _wait_gone
 
 from tritonllm.triton_server import TritonServer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _group_members(pgid: int) -> dict[int, str]:
@@ -61,3 +65,48 @@ def test_stubs_and_engine_exit_when_tritonserver_is_killed(
         assert not left, f"outlived tritonserver by 15 s: {left}"
     finally:
         server.stop()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live, non-zombie process."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_orphan_watch_ends_a_process_whose_parent_died_even_with_a_thread_stuck():
+    """`exit_when_orphaned`: a child whose parent is SIGKILLed exits within its grace time
+    although its main thread never returns (a stand-in for a pb_utils call to the dead
+    tritonserver), and not while the parent lives."""
+    child_code = (
+        "import os, threading\n"
+        "from tritonllm.serving.orphan_watch import exit_when_orphaned\n"
+        "exit_when_orphaned(os.getppid(), interval_s=0.1, grace_s=0.5, exit_code=7)\n"
+        "print(os.getpid(), flush=True)\n"
+        "threading.Event().wait()  # stuck for good\n"
+    )
+    parent_code = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {child_code!r}])\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_code], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True
+    )
+    child_pid = -1
+    try:
+        child_pid = int(parent.stdout.readline())
+        time.sleep(1.0)
+        assert _alive(child_pid)  # the parent lives: the watch leaves the child alone
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child_pid), "the orphan outlived its parent by 10 s"
+    finally:
+        parent.kill()
+        if child_pid > 0 and _alive(child_pid):
+            os.kill(child_pid, signal.SIGKILL)

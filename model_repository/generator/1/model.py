@@ -36,6 +36,7 @@ from tritonllm.serving.metrics import (
     counter_values,
     gauge_values,
 )
+from tritonllm.serving.orphan_watch import exit_when_orphaned
 from tritonllm.triton_config import (
     engine_config,
     model_parameters,
@@ -181,6 +182,7 @@ class TritonPythonModel:
         # exits by itself when its parent is gone, then hangs for good with the engine's memory
         # (Triton 2.51's Python backend): the core stops calling pb_utils once it changed.
         parent_pid = os.getppid()
+        exit_when_orphaned(parent_pid)  # ...and a call already in flight then cannot hang it
         served_model_dir(params)  # a missing model directory fails the load with how to build it
         config, serving = engine_config(params), serving_config(params)
         engine: EngineClient
