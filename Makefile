@@ -19,6 +19,8 @@ SERVE_ARGS ?=
 # TRITONLLM_API_KEY works too and keeps the key out of make's own command line.
 API_KEY ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (each file on one worker; 0 runs it in this process).
+TEST_WORKERS ?= 2
 
 .PHONY: setup serve chat test test-gpu lint format tiny-model default-model bench-offline \
 	bench-online clean
@@ -46,7 +48,8 @@ chat: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH exec $(PY) -m tritonllm.chat $(if $(MODEL),--model "$(MODEL)",) $(CHAT_ARGS)
 
 test: setup
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q --durations=25 \
+		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,) $(PYTEST_ARGS)
 
 test-gpu: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -m gpu $(PYTEST_ARGS)

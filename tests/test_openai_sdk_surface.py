@@ -315,11 +315,18 @@ def test_metrics_count_requests_tokens_and_latencies(http, client, sidecar):
         )
     )
     assert chunks
-    after = scrape()
 
     def delta(name, labels=()):
         return after.get((name, labels), 0) - before.get((name, labels), 0)
 
+    # The request is counted once its last byte is sent, which the client may see before the
+    # server's middleware has run past that send: poll briefly.
+    deadline = time.monotonic() + 10
+    while True:
+        after = scrape()
+        if delta("openai_requests_total", route) >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert delta("openai_requests_total", route) == 1
     assert delta("openai_generation_tokens_total") == 5
     assert delta("openai_prompt_tokens_total") > 0
