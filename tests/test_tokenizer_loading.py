@@ -4,7 +4,8 @@ checkpoint's tokenizer as ``AutoTokenizer`` does, without importing torch.
 - For every checkpoint kind the service serves (tiny Qwen3 / Qwen2 / Llama, the converted
   SmolLM2), the loaded tokenizer is of AutoTokenizer's class and gives its ids, chat prompt,
   decoded text and special ids; a config that names no class falls back to AutoTokenizer.
-- In a fresh interpreter, loading it (with the modules the two stubs import) imports no torch.
+- In a fresh interpreter without ``TRITONLLM_DEVICE`` (as under ``make serve``), the two
+  stubs' own ``initialize`` imports no torch.
 - In the session's running tritonserver, the tokenizer and detokenizer stubs have no libtorch
   mapped, while the generator's stub has (so the check can see torch where it is).
 """
@@ -12,6 +13,7 @@ checkpoint's tokenizer as ``AutoTokenizer`` does, without importing torch.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -72,22 +74,33 @@ def test_a_config_naming_no_exported_class_falls_back_to_autotokenizer(tiny_mode
         _same_as_auto(copy)  # AutoTokenizer's own resolution (from config.json's model_type)
 
 
-def test_loading_in_the_stubs_imports_no_torch(tiny_model_dir):
+def test_the_stubs_initialize_without_torch(tiny_model_dir):
+    """The tokenizer and detokenizer models' own ``initialize`` (a stand-in ``pb_utils`` module,
+    no ``TRITONLLM_DEVICE``: the device is not set, as under ``make serve``) import no torch."""
     code = (
-        "import sys\n"
-        "import tritonllm.engine.stop_strings, tritonllm.serving.bls, tritonllm.serving.logprobs\n"
-        "import tritonllm.tokenization.chat, tritonllm.tokenization.detokenizer\n"
-        "import tritonllm.tokenization.prompt_limits, tritonllm.triton_config\n"
-        "from tritonllm.tokenization.loading import load_tokenizer\n"
-        f"tok = load_tokenizer({str(tiny_model_dir)!r})\n"
-        "assert tok.encode('hi'), tok\n"
+        "import importlib.util, json, sys, types\n"
+        "sys.modules['triton_python_backend_utils'] = types.SimpleNamespace(Logger=None)\n"
+        "config = json.dumps({'parameters': {}})\n"
+        "for name in ('tokenizer', 'detokenizer'):\n"
+        "    path = f'model_repository/{name}/1/model.py'\n"
+        "    spec = importlib.util.spec_from_file_location(f'{name}_model', path)\n"
+        "    module = importlib.util.module_from_spec(spec)\n"
+        "    spec.loader.exec_module(module)\n"
+        "    module.TritonPythonModel().initialize({'model_config': config})\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
     )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITONLLM_")}
+    env["TRITONLLM_MODEL"] = str(tiny_model_dir)
     result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "[]"
+    assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 def _maps_torch(pid: int) -> bool:

@@ -233,13 +233,18 @@ def _default_device() -> str:
 
 
 def engine_config(
-    params: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None
+    params: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
+    default_device: str | None = None,
 ) -> Any:
     """Build the ``EngineConfig`` of the served model from parameters and the environment.
 
     Args:
         params: config.pbtxt parameters (see ``model_parameters``).
         env: environment (default ``os.environ``).
+        default_device: the device when none is set; None: "cuda" when torch sees a GPU, else
+            "cpu" (this imports torch: the tokenizer stub, which only reads the context
+            length, passes "cpu" instead).
     Returns:
         ``tritonllm.config.EngineConfig``.
     Raises:
@@ -259,7 +264,7 @@ def engine_config(
             annotation = str(field.type) + (" | None" if field.default is None else "")
             kwargs[field.name] = _parse(text, annotation, field.name)
         elif field.name == "device":
-            kwargs["device"] = _default_device()
+            kwargs["device"] = default_device or _default_device()
     return EngineConfig(**kwargs)
 
 

@@ -134,7 +134,8 @@ class TritonPythonModel:
 
         params = model_parameters(args["model_config"])
         self.tokenizer = load_tokenizer(served_model_dir(params))  # without torch
-        max_model_len = engine_config(params).effective_max_model_len
+        # The context length does not depend on the device: no torch to find a GPU.
+        max_model_len = engine_config(params, default_device="cpu").effective_max_model_len
         self.prompt_limits = PromptLimits(max_model_len, max_token_chars(self.tokenizer))
 
     def execute(self, requests):
