@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SERVER_ENV
-from test_engine_process import _wait_gone
+from test_engine_process import _alive, _wait_gone
 
 from tritonllm.triton_server import TritonServer
 
@@ -67,15 +67,6 @@ def test_stubs_and_engine_exit_when_tritonserver_is_killed(
         server.stop()
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a live, non-zombie process."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 def test_orphan_watch_ends_a_process_whose_parent_died_even_with_a_thread_stuck():
     """`exit_when_orphaned`: a child whose parent is SIGKILLed exits within its grace time
     although its main thread never returns (a stand-in for a pb_utils call to the dead
@@ -102,10 +93,7 @@ def test_orphan_watch_ends_a_process_whose_parent_died_even_with_a_thread_stuck(
         assert _alive(child_pid)  # the parent lives: the watch leaves the child alone
         parent.kill()
         parent.wait(10)
-        deadline = time.monotonic() + 10
-        while _alive(child_pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(child_pid), "the orphan outlived its parent by 10 s"
+        assert _wait_gone(child_pid, timeout=10.0), "the orphan outlived its parent by 10 s"
     finally:
         parent.kill()
         if child_pid > 0 and _alive(child_pid):
