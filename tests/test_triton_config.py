@@ -69,9 +69,10 @@ def test_engine_config_rejects_bad_values():
 
 def test_serving_config_interval():
     assert serving_config({}, {}).metrics_interval_s == 0.05
-    assert serving_config({"max_responses_per_s": "10"}, {}).response_budget(True) == 10.0
+    assert serving_config({"max_responses_per_s": "10"}, {}).max_responses_per_s == 10.0
+    assert serving_config({}, {"TRITONLLM_MAX_RESPONSES_PER_S": "0"}).max_responses_per_s == 0.0
     default = serving_config({}, {})
-    assert (default.response_budget(True), default.response_budget(False)) == (8000.0, 2000.0)
+    assert default.max_responses_per_s == 2000.0
     assert default.sender_threads == 1
     assert serving_config({}, {"TRITONLLM_SENDER_THREADS": "4"}).sender_threads == 4
     with pytest.raises(ValueError, match="sender_threads"):

@@ -33,9 +33,7 @@ is a field of ``EngineConfig``; each can be set by the environment variable
 ``TRITONLLM_MAX_RESPONSES_PER_S``      generator: response budget shared by all streaming
                                        requests; under load several tokens go per response
                                        (``serving/pacer.py``); 0 disables pacing
-                                       (default: 8000 with the engine in its own process,
-                                       2000 with it on the stub's thread, whose GIL the
-                                       response path shares)
+                                       (default 2000: BENCHMARKS.md, "Response budget")
 ``TRITONLLM_SENDER_THREADS``           generator: threads sending responses at once, each
                                        request from one of them (1)
 ``TRITONLLM_MAX_WAITING_REQUESTS``     generator: requests that may wait beyond the
@@ -99,8 +97,11 @@ class ServingConfig:
     Attributes:
         metrics_interval_s: most seconds between two updates of the ``tritonllm_*`` metrics
             while requests run (they are also updated at once after a request finishes).
-        max_responses_per_s: response budget of ``tritonllm.serving.pacer.ResponsePacer``;
-            None: by where the engine runs (``response_budget``).
+        max_responses_per_s: response budget of ``tritonllm.serving.pacer.ResponsePacer``
+            (responses/s over all streaming requests; 0 disables pacing). The default, 2000,
+            holds wherever the engine runs: a higher budget sends more responses per token
+            than the ensemble's later steps and the sidecar carry, and costs throughput and
+            TTFT (BENCHMARKS.md, "Response budget").
         sender_threads: threads of the generator that send responses at once (each request
             always from the same one; ``serving.response_streamer``).
         engine_process: run the engine in a child process (``EngineProcess``) rather than on a
@@ -115,20 +116,11 @@ class ServingConfig:
     """
 
     metrics_interval_s: float = 0.05
-    max_responses_per_s: float | None = None
+    max_responses_per_s: float = 2000.0
     engine_process: bool | None = None
     sender_threads: int = 1
     max_waiting_requests: int = 256
     control_secret: str | None = dataclass_field(default=None, repr=False)
-
-    def response_budget(self, engine_process: bool) -> float:
-        """The pacer's budget (responses/s): ``max_responses_per_s`` when set, else 8000 with
-        the engine in its own process (about Triton's ceiling for one decoupled Python model,
-        ARCHITECTURE.md "Platform facts": pacing only spreads what the path can carry) and
-        2000 with the engine on the stub's thread (responses then take the engine's GIL)."""
-        if self.max_responses_per_s is not None:
-            return self.max_responses_per_s
-        return 8000.0 if engine_process else 2000.0
 
     def use_engine_process(self, device: str, tensor_parallel_size: int = 1) -> bool:
         """Whether the generator runs an engine on ``device`` (``cpu``, ``cuda``, ``cuda:N``)

@@ -198,7 +198,7 @@ class TritonPythonModel:
             log_warning=logger.log_warn,
             log_error=logger.log_error,
             metrics_interval_s=serving.metrics_interval_s,
-            max_responses_per_s=serving.response_budget(own_process),
+            max_responses_per_s=serving.max_responses_per_s,
             sender_threads=serving.sender_threads,
             control_secret=serving.control_secret,
             max_live_requests=config.max_running_requests + serving.max_waiting_requests,
