@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +48,7 @@ from tritonllm.engine.request import RequestOutput
 from tritonllm.serving.inputs import generate_request, scalar
 from tritonllm.serving.metrics import LatencySamples
 from tritonllm.serving.request_table import RequestTable
+from tritonllm.serving.response_sink import ResponseSink
 from tritonllm.serving.response_streamer import ResponseStreamer
 from tritonllm.serving.stream_state import ResponseChunk, StreamState
 
@@ -57,26 +58,6 @@ from tritonllm.serving.stream_state import ResponseChunk, StreamState
 # detokenizer's CancelWatch turns a cancelled stream into an abort, ARCHITECTURE.md).
 CANCEL_CHECK_S = 0.2
 CANCEL_CHECKS_PER_S = 200.0
-
-
-class ResponseSink(Protocol):
-    """The response path of one Triton request (the adapter's ``pb_utils`` response sender)."""
-
-    def send(self, chunk: ResponseChunk | None, final: bool) -> None:
-        """Send the outputs of ``chunk`` (None: an empty response, flags only).
-
-        Raises:
-            Exception: the stream is gone (the request is then aborted).
-        """
-
-    def send_error(self, message: str) -> None:
-        """Send one final error response whose message is ``message`` (wire form)."""
-
-    def is_cancelled(self) -> bool:
-        """Whether the client cancelled the request."""
-
-    def send_info(self, max_model_len: int) -> None:
-        """Send one final response carrying the served model's facts (a health probe's)."""
 
 
 @dataclass
