@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from tritonllm.engine.request import Request
@@ -35,17 +36,20 @@ def apply_token_bitmask_torch(
     if num_rows == 0:
         return
     words = bitmask.shape[1]
-    # [N, W, 1] >> [32] & 1: bit b of word w is token 32w + b.
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:num_rows, :, None] >> shifts) & 1).view(num_rows, 32 * words) != 0
+    if bitmask.device.type == "cpu":  # numpy's unpackbits: little-endian words, bits in order
+        bits = np.unpackbits(bitmask[:num_rows].numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(bits.view(np.bool_))
+    else:  # [N, W, 1] >> [32] & 1: bit b of word w is token 32w + b.
+        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        allowed = ((bitmask[:num_rows, :, None] >> shifts) & 1).view(num_rows, 32 * words) != 0
     if 32 * words >= vocab:
         allowed = allowed[:, :vocab]
     else:  # tokens without a bit: disallowed
         pad = torch.zeros(num_rows, vocab - 32 * words, dtype=torch.bool, device=allowed.device)
         allowed = torch.cat([allowed, pad], dim=1)
-    index = rows.to(device=logits.device, dtype=torch.int64)
-    allowed = allowed.to(logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    disallowed = ~allowed.to(logits.device)
+    for i, row in enumerate(rows.tolist()):  # in place, row by row: no gather of the logits
+        logits[row].masked_fill_(disallowed[i], float("-inf"))
 
 
 class TokenMaskBuffers:
