@@ -1,14 +1,16 @@
 """Decode step time with structured outputs: part of a batch under a JSON schema vs none.
 
 `python -m benchmarks.structured_decode [--model DIR] [--batch-size 64]
-[--constrained-fractions 0,0.5,1] [--prompt-len 256] [--steps 48]`
+[--constrained-fractions 0,0.5,1] [--prompt-len 256] [--steps 48] [--schema maxlength|plain]`
 
 For each fraction, `--batch-size` requests with `--prompt-len` random prompts decode together,
-that fraction of them (rounded down) under `SCHEMA` (a JSON array of at least 1000 small objects:
-strings, integers, enums, so the constrained rows stay inside the grammar for the whole run),
-the rest unconstrained; every request is prefilled and past 4 warm-up decode steps, then
+that fraction of them (rounded down) under a JSON schema, the rest unconstrained. `--schema
+maxlength` (default): `SCHEMA`, a JSON array of at least 1000 small objects (strings of at most
+16 characters, bounded integers, at most 3 enums), so the constrained rows stay inside the
+grammar for the whole run; a bounded string is the hard case for a mask fill (each position of
+it is a grammar state). `--schema plain`: `PLAIN_SCHEMA`, the same array without the bounds. every request is prefilled and past 4 warm-up decode steps, then
 `--steps` decode steps are timed (device synchronised on both ends). A constrained row costs its
-bitmask fill on the host (xgrammar), the upload and the in-place mask kernel, and, with overlap
+bitmask fill on the host (llguidance), the upload and the in-place mask kernel, and, with overlap
 scheduling, the wait for the step in flight before its mask is filled
 (`tritonllm.structured.admission`). The table gives each fraction's step time and its ratio to
 the unconstrained one (fraction 0). Defaults: CUDA graphs and overlap scheduling on (the
@@ -43,6 +45,18 @@ ITEM = {
     "required": ["name", "age", "tags"],
 }
 SCHEMA = {"type": "array", "items": ITEM, "minItems": 1000}
+PLAIN_ITEM = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}},
+    },
+    "required": ["name", "age", "tags"],
+}
+PLAIN_SCHEMA = {"type": "array", "items": PLAIN_ITEM, "minItems": 1000}
+SCHEMAS = {"maxlength": SCHEMA, "plain": PLAIN_SCHEMA}  # --schema
+SCHEMA_NAMES = {"maxlength": "SCHEMA", "plain": "PLAIN_SCHEMA"}
 
 
 def structured_engine(
@@ -55,23 +69,24 @@ def structured_engine(
     max_tokens: int,
     temperature: float,
     engine_args: dict[str, str],
+    schema: dict = SCHEMA,
 ) -> LLMEngine:
     """An engine with `batch_size` decoding requests (`num_constrained` of them under
-    `SCHEMA`), prefilled and past 4 warm-up decode steps (device synchronised)."""
+    `schema`), prefilled and past 4 warm-up decode steps (device synchronised)."""
     engine = LLMEngine(
         engine_config(model, device, backend, max(batch_size, 1), engine_args=engine_args)
     )
     rng = random.Random(0)
-    schema = StructuredOutputs("json", json.dumps(SCHEMA))
+    constraint = StructuredOutputs("json", json.dumps(schema))
     # Compiled (and cached) first, so every request decodes from the first timed step on.
-    engine.constraints.compiler.submit(SamplingParams(structured_outputs=schema)).result()
+    engine.constraints.compiler.submit(SamplingParams(structured_outputs=constraint)).result()
     for i in range(batch_size):
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
             seed=i,
             ignore_eos=True,
-            structured_outputs=schema if i < num_constrained else None,
+            structured_outputs=constraint if i < num_constrained else None,
         )
         engine.add_request(f"r{i}", [rng.randint(0, 10000) for _ in range(prompt_len)], params)
     sched = engine.scheduler
@@ -93,8 +108,9 @@ def time_structured_step(
     steps: int,
     temperature: float,
     engine_args: dict[str, str],
+    schema: dict = SCHEMA,
 ) -> float:
-    """Mean seconds of one decode step of `batch_size` rows, `num_constrained` under `SCHEMA`.
+    """Mean seconds of one decode step of `batch_size` rows, `num_constrained` under `schema`.
 
     Raises:
         SystemExit: a request finished before the timed steps ended.
@@ -109,6 +125,7 @@ def time_structured_step(
         steps + 16,
         temperature,
         engine_args,
+        schema,
     )
     seconds = time_steps(engine, steps, device)
     live = len(engine.scheduler.running)
@@ -128,13 +145,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--constrained-fractions", default="0,0.5,1")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--schema", choices=sorted(SCHEMAS), default="maxlength")
     args = p.parse_args(argv)
+    schema = SCHEMAS[args.schema]
     model = str(common.ensure_model(args.model, args.shape))
     extra = common.engine_args(args)
     bs = args.batch_size
     # Untimed first: one-time costs (kernel JIT, graph capture, the grammar compile and its
     # cache, allocator growth) would otherwise land in the first configuration's numbers.
-    time_structured_step(model, args.device, args.attention_backend, 2, 1, 16, 4, 0.0, extra)
+    time_structured_step(
+        model, args.device, args.attention_backend, 2, 1, 16, 4, 0.0, extra, schema
+    )
     rows, base = [], None
     for fraction in [float(f) for f in args.constrained_fractions.split(",")]:
         n = int(bs * fraction)
@@ -148,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
             args.steps,
             args.temperature,
             extra,
+            schema,
         )
         base = seconds if base is None and n == 0 else base
         ratio = "" if base is None else f"{seconds / base:.3f}"
@@ -159,8 +181,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.temperature}, mean of {args.steps} decode steps after prefill and 4 warm-up "
         "steps; engine defaults (CUDA graphs, overlap scheduling, mixed steps) unless "
         f"--engine-arg: {extra or 'none'}",
-        "constrained rows: `benchmarks.structured_decode.SCHEMA` (an array of >= 1000 small "
-        "objects) with xgrammar masks; unconstrained rows sample as in decode_step",
+        f"constrained rows: `benchmarks.structured_decode.{SCHEMA_NAMES[args.schema]}` "
+        f"(--schema {args.schema}: an array of >= 1000 small objects) with llguidance masks; "
+        "unconstrained rows sample as in decode_step",
     ]
     common.publish(
         "Structured-output decode step", common.markdown_table(headers, rows), notes, args

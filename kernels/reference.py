@@ -113,3 +113,17 @@ def ref_extend_attention(
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
         out[start:end] = _attend(q[start:end], k, v, mask, sm_scale).to(q.dtype)
     return out
+
+
+def ref_apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """`kernels.token_bitmask.apply_token_bitmask`, one token at a time: logits row
+    ``rows[i]``, token ``t`` becomes -inf unless bit ``t % 32`` of ``bitmask[i, t // 32]`` is
+    set (no such word: disallowed)."""
+    words = bitmask.shape[1]
+    for i, row in enumerate(rows.tolist()):
+        mask_row = bitmask[i].tolist()
+        for t in range(logits.shape[1]):
+            if t // 32 >= words or not (mask_row[t // 32] >> (t % 32)) & 1:
+                logits[row, t] = float("-inf")

@@ -40,7 +40,7 @@ VLLM_FIELDS: dict[str, Any] = {
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     # structured outputs and token masks: honoured (declared by structured.StructuredOutputFields;
-    # guided_decoding_backend takes only xgrammar / auto, the one backend there is) ...
+    # guided_decoding_backend takes only auto / guidance / xgrammar: one backend serves all) ...
     "guided_json": _ANY,
     "guided_regex": _ANY,
     "guided_choice": _ANY,
@@ -49,7 +49,7 @@ VLLM_FIELDS: dict[str, Any] = {
     "structured_outputs": _ANY,
     "allowed_token_ids": _ANY,
     "bad_words": [],
-    # ... except a JSON whitespace pattern, which xgrammar's JSON grammar does not take
+    # ... except a JSON whitespace pattern: JSON output is always compact here
     "guided_whitespace_pattern": _ANY,
     # prompt rendering: the served chat template is the model directory's, rendered by the
     # tokenizer model with the generation prompt. A per-request Jinja template is refused: it

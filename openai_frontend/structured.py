@@ -4,13 +4,13 @@ Fields (both endpoints): OpenAI's ``response_format`` (``text``, ``json_object``
 ``json_schema`` with ``json_schema.schema``; ``strict`` or not, the output always matches the
 schema, as vLLM does), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar`` and their newer form ``structured_outputs`` (one object,
-``tritonllm.structured.spec``), ``guided_decoding_backend`` (``xgrammar`` or ``auto``: the one
-backend there is, so a no-op; any other name is refused), ``allowed_token_ids`` and
-``bad_words``. ``guided_whitespace_pattern`` is not declared: xgrammar's JSON grammar takes no
-whitespace pattern, so ``extensions.py`` refuses it by name (as ``spec`` refuses
+``tritonllm.structured.spec``), ``guided_decoding_backend`` (``auto``, ``guidance`` or ``xgrammar``: the one
+backend there is, llguidance, serves them all, so a no-op; any other name is refused),
+``allowed_token_ids`` and ``bad_words``. ``guided_whitespace_pattern`` is not declared: JSON is
+always compact here (``spec``), so ``extensions.py`` refuses it by name (as ``spec`` refuses
 ``whitespace_pattern``). At most one constraint per request (a named or
 ``required`` tool choice is one too); they all travel as one ``structured_outputs`` input in
-vLLM's object form. The generator validates the schema, pattern or grammar with xgrammar
+vLLM's object form. The generator validates the schema, pattern or grammar with llguidance
 (the sidecar has no grammar library): its error names ``structured_outputs.<kind>``, which
 ``rename_param`` turns back into the client's own field.
 """
@@ -102,9 +102,10 @@ class StructuredOutputFields(BaseModel):
                 given.append((name, {kind: value}))
         if self.structured_outputs:
             given.append(("structured_outputs", dict(self.structured_outputs)))
-        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+        if self.guided_decoding_backend not in (None, "auto", "guidance", "xgrammar"):
             raise unsupported(
-                "guided_decoding_backend", "guided_decoding_backend other than xgrammar"
+                "guided_decoding_backend",
+                "guided_decoding_backend other than auto, guidance or xgrammar",
             )
         if len(given) > 1:
             names = ", ".join(name for name, _ in given)

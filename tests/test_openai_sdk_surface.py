@@ -158,7 +158,7 @@ COMPLETIONS_OWN = {"echo", "add_special_tokens"}
 # vLLM fields the request models declare (so ``check_extensions`` never refuses them): a valid
 # value, an invalid one, and the (param, code) of the invalid one's 400. Type and range errors
 # are the request model's (pydantic's codes); schemas, patterns and grammars are validated by
-# the generator (xgrammar), whose error names the client's field. What the constraints do to
+# the generator (llguidance), whose error names the client's field. What the constraints do to
 # the output is tested in test_structured_outputs, the salt's isolation in test_security.
 HONOURED = {
     "allowed_token_ids": ("ALLOWED", "OUT_OF_VOCAB", ("allowed_token_ids", "invalid_value")),

@@ -31,9 +31,9 @@ draw the same ones. The CPU path never takes it.
 
 Token masks (structured outputs, allowed token ids, bad words; `tritonllm.structured`) come
 first, before penalties: the rows of constrained requests get their next-token bitmask filled
-on the host (`structured.constraint.fill_bitmasks`: xgrammar's matchers, in one batch call),
-copied in one pinned non-blocking upload and applied in place (`xgrammar.apply_token_bitmask_
-inplace`: its Triton kernel on CUDA, its C++ loop on CPU; masked logits become -inf), so every
+on the host (`structured.constraint.fill_bitmasks`: llguidance's matchers, in one batch call),
+copied in pinned non-blocking uploads and applied in place (`structured.masks`: the Triton
+kernel `kernels.token_bitmask` on CUDA, PyTorch on CPU; masked logits become -inf), so every
 path after it, the fused one included, samples only allowed tokens, greedy or not. Decode
 logits of a CUDA graph are masked after the replay, in the graph's output buffer.
 """

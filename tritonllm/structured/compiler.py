@@ -1,10 +1,12 @@
 """`ConstraintCompiler`: compiles requests' token constraints off the engine's step loop.
 
-A grammar compile (xgrammar's `GrammarCompiler`: the grammar's token-mask cache over the whole
-vocabulary) takes tens to hundreds of milliseconds, and the first one also loads the tokenizer
-and builds xgrammar's `TokenizerInfo` (seconds for a 150k vocabulary), so it never runs on the
-engine thread: `submit` hands it to one worker thread and returns a `Future`; the engine keeps
-the request out of the scheduler until the future is done (`LLMEngine`'s compiling requests).
+A compile builds the llguidance grammar (`StructuredOutputs.grammar`), validates it against the
+model's tokenizer and builds one `LLMatcher` from it, the prototype each choice's matcher is
+copied from (`CompiledConstraint.new`). That is about a millisecond for a common schema (more
+for large grammars), but the first compile also loads the tokenizer and builds llguidance's
+`LLTokenizer` (seconds for a 150k vocabulary), so it never runs on the engine thread: `submit`
+hands it to one worker thread and returns a `Future`; the engine keeps the request out of the
+scheduler until the future is done (`LLMEngine`'s compiling requests).
 Results are cached by what they were compiled from (the `StructuredOutputs` spec, the allowed
 token ids, the bad words), most recently used kept, so a repeated schema is ready at once, as
 vLLM's and SGLang's grammar caches do.
@@ -12,7 +14,6 @@ vLLM's and SGLang's grammar caches do.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from typing import Any
 from tritonllm.sampling_params import SamplingParams
 from tritonllm.structured.constraint import CompiledConstraint, ids_bitmask
 
-CACHE_ENTRIES = 512  # compiled constraints kept (a compiled JSON grammar is ~100 KB-1 MB)
+CACHE_ENTRIES = 512  # compiled constraints kept (a prototype matcher and its lexer's states)
 
 ConstraintKey = tuple[Any, tuple[int, ...] | None, tuple[str, ...]]
 
@@ -41,26 +42,18 @@ class ConstraintCompiler:
         model_dir: the checkpoint directory whose tokenizer defines the token strings.
         vocab_size: the model's vocabulary (logits width; may exceed the tokenizer's).
         stop_token_ids: the ids that end a generation (the model's EOS ids): the grammar allows
-            them once its output is complete.
-        max_threads: xgrammar's compile threads (default: up to 8, at most the CPU count).
+            them once its output is complete (llguidance's EOS tokens).
     """
 
-    def __init__(
-        self,
-        model_dir: str,
-        vocab_size: int,
-        stop_token_ids: Sequence[int],
-        max_threads: int | None = None,
-    ) -> None:
+    def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        self.max_threads = max_threads or max(1, min(8, os.cpu_count() or 1))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tritonllm-grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[ConstraintKey, Future[CompiledConstraint]] = OrderedDict()
-        self._tokenizer: Any = None
-        self._compiler: Any = None
+        self._tokenizer: Any = None  # the Hugging Face tokenizer (bad words)
+        self._ll_tokenizer: Any = None  # llguidance's `LLTokenizer` over it
 
     def submit(self, params: SamplingParams) -> Future[CompiledConstraint]:
         """The compiled constraint of ``params`` (which must have one), as a future: done at
@@ -85,26 +78,47 @@ class ConstraintCompiler:
 
     # ---- worker thread ------------------------------------------------------------------------
     def _load(self) -> None:
-        if self._compiler is not None:
+        if self._ll_tokenizer is not None:
             return
-        import xgrammar as xgr
+        import llguidance.hf
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        info = xgr.TokenizerInfo.from_huggingface(
-            self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+        # Every stop id is an EOS token of the matcher: allowed exactly when the output is
+        # complete (`TokenConstraint.accept` ends the request on one).
+        self._ll_tokenizer = llguidance.hf.from_tokenizer(
+            self._tokenizer, n_vocab=self.vocab_size, eos_token=self.stop_token_ids
         )
-        self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads)
 
     def _compile(self, params: SamplingParams) -> CompiledConstraint:
         self._load()
         spec = params.structured_outputs
-        grammar = None if spec is None else self._compiler.compile_grammar(spec.grammar())
+        matcher = None
+        if spec is not None:
+            matcher = self._matcher(spec.grammar())
         allowed = None
         if params.allowed_token_ids is not None:
             allowed = ids_bitmask(params.allowed_token_ids, self.vocab_size)
         banned, sequences = self._bad_words(params.bad_words)
-        return CompiledConstraint(grammar, allowed, banned, sequences)
+        stop_ids = frozenset(self.stop_token_ids)
+        return CompiledConstraint(matcher, stop_ids, allowed, banned, sequences)
+
+    def _matcher(self, grammar: str) -> Any:
+        """The prototype `LLMatcher` of ``grammar`` (at its start state).
+
+        Raises:
+            ValueError: llguidance refused the grammar with this tokenizer.
+        """
+        import llguidance
+
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
+        if error:
+            raise ValueError(error)
+        # log_level 0: a matcher's errors are read with get_error(), not printed.
+        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
 
     def _bad_words(self, words: tuple[str, ...]) -> tuple[Any, tuple]:
         """Token sequences of the bad words: each word as given and with one leading space (a

@@ -1,13 +1,14 @@
 """Per-request token masks: a grammar matcher, allowed token ids, bad words.
 
 A `TokenConstraint` is one choice's mask state. Each step the sampler asks every constrained row
-for its next-token bitmask (`fill_bitmasks`: xgrammar's layout, `[B, ceil(vocab / 32)]` int32,
-bit `t % 32` of word `t // 32` set = token t allowed) and applies it to the logits; the engine
+for its next-token bitmask (`fill_bitmasks`: llguidance's (and xgrammar's) layout,
+`[B, ceil(vocab / 32)]` int32, bit `t % 32` of word `t // 32` set = token t allowed) and applies it to the logits; the engine
 then feeds the sampled token back (`accept`). What each part allows:
 
-- grammar (xgrammar `GrammarMatcher`): the tokens that keep the output a prefix of the
-  grammar's language, and the stop (EOS) tokens once the output is complete; a matcher is
-  *terminated* after it accepted a stop token, which finishes the request ("stop");
+- grammar (llguidance `LLMatcher`): the tokens that keep the output a prefix of the grammar's
+  language, and the stop tokens (the model's EOS ids, all of them the matcher's EOS tokens)
+  exactly when the output is complete; a constraint is *terminated* once it accepted a stop
+  token, which finishes the request ("stop");
 - allowed token ids (vLLM's `allowed_token_ids`): only those ids;
 - bad words (vLLM's `bad_words`, TensorRT-LLM's `bad_words`): a word's last token is banned
   when the output ends with the word's other tokens (single-token words: always), for the
@@ -54,24 +55,25 @@ class CompiledConstraint:
     """The compiled, shareable part of a constraint (cached per spec; one per many requests).
 
     Attributes:
-        grammar: an xgrammar ``CompiledGrammar`` or None.
+        matcher: the prototype llguidance ``LLMatcher`` (at the grammar's start, never advanced:
+            each choice gets a copy), or None without a grammar.
+        stop_ids: the stop tokens of the matcher (see the module docstring).
         allowed: ``[W]`` int32 bitmask row of the allowed token ids, or None (all allowed).
         banned: token ids always banned (single-token bad words).
         bad_sequences: multi-token bad words: (prefix ids, last id) pairs.
     """
 
-    grammar: Any = None
+    matcher: Any = None
+    stop_ids: frozenset[int] = frozenset()
     allowed: np.ndarray | None = None
     banned: np.ndarray | None = None
     bad_sequences: tuple[tuple[tuple[int, ...], int], ...] = ()
 
     def new(self) -> TokenConstraint:
-        """A fresh constraint state for one choice of a request."""
-        matcher = None
-        if self.grammar is not None:
-            import xgrammar as xgr
-
-            matcher = xgr.GrammarMatcher(self.grammar)
+        """A fresh constraint state for one choice of a request (a copy of the prototype
+        matcher shares its grammar and lexer: microseconds, where a new matcher is a
+        grammar build)."""
+        matcher = None if self.matcher is None else self.matcher.deep_copy()
         return TokenConstraint(self, matcher)
 
 
@@ -81,14 +83,16 @@ class TokenConstraint:
 
     Args:
         compiled: the shared compiled part.
-        matcher: the choice's own xgrammar ``GrammarMatcher`` (None without a grammar).
+        matcher: the choice's own llguidance ``LLMatcher`` (None without a grammar).
     """
 
-    __slots__ = ("compiled", "matcher", "needs_history", "restricts", "_output")
+    __slots__ = ("compiled", "matcher", "needs_history", "restricts", "terminated", "_output")
 
     def __init__(self, compiled: CompiledConstraint, matcher: Any) -> None:
         self.compiled = compiled
         self.matcher = matcher
+        # Whether the grammar accepted a stop token (the output is complete).
+        self.terminated = False
         self.needs_history = matcher is not None or bool(compiled.bad_sequences)
         # Whether `restrict` changes anything (allowed ids or bad words).
         self.restricts = (
@@ -98,11 +102,6 @@ class TokenConstraint:
         )
         self._output: list[int] = []  # accepted ids (for multi-token bad words only)
 
-    @property
-    def terminated(self) -> bool:
-        """Whether the grammar accepted a stop token (the output is complete)."""
-        return self.matcher is not None and self.matcher.is_terminated()
-
     def accept(self, token: int) -> bool:
         """Advance past the sampled ``token``; False when the grammar rejects it (the mask
         was not applied to this row: an engine bug)."""
@@ -110,7 +109,11 @@ class TokenConstraint:
             self._output.append(token)
         if self.matcher is None:
             return True
-        return bool(self.matcher.accept_token(token))
+        if not self.matcher.consume_token(token):
+            return False
+        # The mask allows a stop token only where the output is complete.
+        self.terminated = token in self.compiled.stop_ids
+        return True
 
     def restrict(self, row: np.ndarray) -> None:
         """Apply allowed ids and bad words to ``row`` (an int32 bitmask row, in place), after
@@ -128,24 +131,26 @@ class TokenConstraint:
 
 
 def fill_bitmasks(
-    bitmask: torch.Tensor, rows: list[int], constraints: list[TokenConstraint], batch_matcher: Any
+    bitmask: torch.Tensor, rows: list[int], constraints: list[TokenConstraint], executor: Any
 ) -> None:
-    """Fill the bitmask rows ``rows`` of ``bitmask`` (``[B, W]`` int32 on the CPU, every bit
-    set on entry)
-    from ``constraints`` (one per row): the grammar rows in one xgrammar batch call (its
-    threads, outside the GIL), then allowed ids and bad words.
+    """Fill the bitmask rows ``rows`` of ``bitmask`` (``[B, W]`` int32 on the CPU, contiguous,
+    every bit set on entry) from ``constraints`` (one per row): the grammar rows in one
+    llguidance batch call (its threads, outside the GIL), then allowed ids and bad words.
 
     Args:
-        batch_matcher: an xgrammar ``BatchGrammarMatcher``.
+        executor: an llguidance ``LLExecutor`` (the batch call's thread pool).
     """
-    grammar_rows = [r for r, c in zip(rows, constraints, strict=True) if c.matcher is not None]
-    if grammar_rows:
-        matchers = [c.matcher for c in constraints if c.matcher is not None]
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, grammar_rows[0])
-        else:
-            batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, grammar_rows)
+    # llguidance.numpy, not llguidance.torch: importing the latter runs a torch.compile.
+    import llguidance.numpy
+
     array = bitmask.numpy()
+    grammar = [
+        (c.matcher, r) for r, c in zip(rows, constraints, strict=True) if c.matcher is not None
+    ]
+    if len(grammar) == 1:
+        llguidance.numpy.fill_next_token_bitmask(grammar[0][0], array, grammar[0][1])
+    elif grammar:
+        llguidance.numpy.fill_next_token_bitmask_par(executor, grammar, array)
     for r, c in zip(rows, constraints, strict=True):
         if c.restricts:
             c.restrict(array[r])

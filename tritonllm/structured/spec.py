@@ -9,18 +9,22 @@ of
 - ``{"json_object": true}``: any JSON object (OpenAI's ``json_object``);
 - ``{"regex": "<pattern>"}``: text that fully matches the regular expression (``guided_regex``);
 - ``{"choice": ["a", "b", ...]}``: exactly one of the strings (``guided_choice``);
-- ``{"grammar": "<EBNF>"}``: text of the grammar's ``root`` rule (``guided_grammar``; xgrammar's
-  EBNF dialect, GBNF-like).
+- ``{"grammar": "<EBNF>"}``: text of the grammar's ``root`` rule (``guided_grammar``; GBNF, the
+  EBNF dialect of llama.cpp and xgrammar, or llguidance's Lark syntax with a ``start`` rule).
 
-``backend`` may be given as ``"xgrammar"`` or ``"auto"`` (the one backend); other keys of vLLM's
-object (``whitespace_pattern``, ``structural_tag``, ...) are refused by name. Validation builds
-the xgrammar ``Grammar`` (no tokenizer needed: milliseconds), so an invalid schema, pattern or
-grammar is a ``RequestError`` at the trust boundary, never a failure in the engine loop.
+Constraints are llguidance grammars (`grammar`). ``backend`` may be given as ``"auto"``,
+``"guidance"`` (vLLM's name of llguidance) or ``"xgrammar"`` (the backend of earlier versions:
+the same constraint, so still accepted); other keys of vLLM's object (``whitespace_pattern``,
+``structural_tag``, ...) are refused by name. Validation builds and checks the llguidance
+grammar (no tokenizer needed: about a millisecond), so an invalid schema, pattern or grammar is
+a ``RequestError`` at the trust boundary, never a failure in the engine loop.
 
-JSON is generated compactly (xgrammar's ``any_whitespace=False``: separators ``", "`` and
+JSON is generated compactly (llguidance's ``whitespace_flexible`` off, separators ``", "`` and
 ``": "``, no free whitespace), so a model cannot wander off into endless whitespace: vLLM offers
-the same as ``disable_any_whitespace``. Objects get no properties beyond the schema's
-(xgrammar's strict mode, which still validates against the schema).
+the same as ``disable_any_whitespace``. Objects with declared properties get none beyond them,
+and arrays with ``prefixItems`` no further items, unless the schema says otherwise (`strict`:
+the strict mode of xgrammar, which served these constraints before, so outputs keep their shape;
+they still validate against the schema).
 """
 
 from __future__ import annotations
@@ -28,13 +32,22 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tritonllm.contract import limits
 from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-_BACKENDS = (None, "auto", "xgrammar")
+_BACKENDS = (None, "auto", "guidance", "xgrammar")
+# llguidance's JSON options: compact output (see the module docstring).
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 @dataclass(frozen=True)
@@ -48,7 +61,7 @@ class StructuredOutputs:
             ``json_object``: ``""``.
     Raises:
         RequestError: (``invalid_value``, param ``structured_outputs.<kind>``) an unknown kind,
-            or a schema / pattern / grammar that xgrammar cannot compile (its reason quoted).
+            or a schema / pattern / grammar that llguidance refuses (its reason quoted).
     """
 
     kind: str
@@ -62,34 +75,44 @@ class StructuredOutputs:
                 self.param,
                 f"is longer than {limits.MAX_GRAMMAR_CHARS} characters ({len(self.spec)})",
             )
+        import llguidance
+
         try:
-            self.grammar()
-        except RuntimeError as exc:  # xgrammar's parse errors (schema, regex, EBNF)
-            raise _invalid(self.param, f"cannot be compiled: {_reason(exc)}") from None
+            error = llguidance.LLMatcher.validate_grammar(self.grammar())
+        except (ValueError, RuntimeError) as exc:  # unparsable JSON text or GBNF
+            error = str(exc)
+        if error:
+            raise _invalid(self.param, f"cannot be compiled: {_reason(error)}")
 
     @property
     def param(self) -> str:
         """The parameter errors about it name (``structured_outputs.json``, ...)."""
         return f"structured_outputs.{self.kind}"
 
-    def grammar(self) -> Any:
-        """The xgrammar ``Grammar`` of this constraint (no tokenizer involved).
+    def grammar(self) -> str:
+        """The llguidance grammar (its JSON text) of this constraint, not yet validated (the
+        constructor validates it; no tokenizer involved).
 
         Raises:
-            RuntimeError: xgrammar refused the schema, pattern or grammar.
+            ValueError: a schema that is no JSON, no choices, or a grammar that is neither GBNF
+                nor Lark.
         """
-        import xgrammar as xgr
+        import llguidance
 
         if self.kind == "json":
-            return xgr.Grammar.from_json_schema(self.spec, any_whitespace=False)
+            schema = strict(json.loads(self.spec))
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if self.kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                {"type": "object"}, defaults=JSON_OPTIONS
+            )
         if self.kind == "regex":
-            return xgr.Grammar.from_regex(self.spec)
+            return llguidance.LLMatcher.grammar_from_regex(self.spec)
         if self.kind == "choice":
-            choices = json.loads(self.spec)
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(map(_ebnf_literal, choices)))
-        return xgr.Grammar.from_ebnf(self.spec)
+            if not json.loads(self.spec):
+                raise ValueError("needs at least one choice")
+            return llguidance.grammar_from("choice", self.spec)
+        return llguidance.grammar_from("grammar", self.spec)
 
     def to_wire(self) -> dict[str, Any]:
         """The wire object (see the module docstring) of this constraint."""
@@ -125,7 +148,7 @@ class StructuredOutputs:
             raise RequestError(
                 ErrorCode.UNSUPPORTED_PARAMETER,
                 f"{param}.backend",
-                f"{param}.backend={short_repr(backend)} is not supported (only xgrammar)",
+                f"{param}.backend={short_repr(backend)} is not supported (only auto, guidance or xgrammar)",
             )
         unknown = sorted(set(given) - set(KINDS))
         if unknown:
@@ -177,17 +200,82 @@ class StructuredOutputs:
             raise RequestError(exc.code, param, message) from None
 
 
-def _ebnf_literal(text: str) -> str:
-    """``text`` as an EBNF string literal (JSON escapes are xgrammar's string escapes)."""
-    return json.dumps(text, ensure_ascii=False)
+# Keywords whose value is one subschema / a list of them / a map of names to them.
+_SUBSCHEMA = (
+    "additionalProperties",
+    "items",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def _reason(exc: Exception) -> str:
-    # xgrammar prefixes its messages with a timestamp and a C++ source location.
-    text = str(exc).strip()
-    if text.startswith("[") and ": " in text:
-        text = text.split(": ", 1)[1]
-    return text[:300]
+def strict(schema: Any, in_all_of: bool = False) -> Any:
+    """``schema`` (a JSON schema, not changed) with xgrammar's strict-mode defaults made
+    explicit, for llguidance, which follows JSON Schema's open defaults: an object schema with
+    ``properties``, ``patternProperties`` or ``required`` and neither ``additionalProperties``
+    nor ``unevaluatedProperties`` gets ``additionalProperties: false``; an array schema with
+    ``prefixItems`` and neither ``items`` nor ``unevaluatedItems`` gets ``items: false``. A
+    given ``unevaluatedProperties`` / ``unevaluatedItems`` (which llguidance does not implement)
+    becomes ``additionalProperties`` / ``items`` when that is absent: the same outside
+    ``allOf``. A required name that ``properties`` lacks is declared (any value). A ``number``
+    with a bound and no ``multipleOf`` gets ``multipleOf: 1e-6`` (xgrammar writes a bounded
+    number with at most 6 decimals, so a model cannot write digits forever). Members of
+    an ``allOf`` stay open (a closed member would refuse the others'
+    properties; xgrammar allows extra properties there too)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = strict(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict(s, key == "allOf") for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict(s) for name, s in out[key].items()}
+    if "unevaluatedProperties" in out:
+        value = out.pop("unevaluatedProperties")
+        out.setdefault("additionalProperties", value)
+    if "unevaluatedItems" in out:
+        value = out.pop("unevaluatedItems")
+        if "prefixItems" in out:
+            out.setdefault("items", value)
+        elif "items" not in out:
+            out["items"] = value
+    if in_all_of:
+        return out
+    if "additionalProperties" not in out and any(
+        k in out for k in ("properties", "patternProperties", "required")
+    ):
+        out["additionalProperties"] = False
+        required = out.get("required")
+        if isinstance(required, list):  # a required name not declared: any value, as xgrammar
+            props = dict(out.get("properties") or {})
+            extra: dict[str, Any] = {
+                n: {} for n in required if isinstance(n, str) and n not in props
+            }
+            out["properties"] = props | extra  # declared order first: the output's order
+    if "prefixItems" in out and "items" not in out:
+        out["items"] = False
+    types = out.get("type")
+    is_number = types == "number" or (isinstance(types, list) and "number" in types)
+    if is_number and "multipleOf" not in out and any(k in out for k in _NUMBER_BOUNDS):
+        out["multipleOf"] = 1e-6  # a bounded number: at most 6 decimals, as xgrammar's
+    return out
+
+
+def _reason(error: str) -> str:
+    return error.strip()[:300]
 
 
 def _invalid(param: str, message: str) -> RequestError:
