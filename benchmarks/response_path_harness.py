@@ -116,8 +116,8 @@ class SyntheticEngine:
 
     def __init__(self, step_s: float) -> None:
         from tritonllm.engine.client import LoopTimes
-        from tritonllm.engine.engine import EngineStats
         from tritonllm.engine.engine_thread import CallbackTable
+        from tritonllm.engine.stats import EngineStats
 
         self.step_s = step_s
         self.routes = CallbackTable()

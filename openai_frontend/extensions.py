@@ -40,7 +40,7 @@ VLLM_FIELDS: dict[str, Any] = {
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     # structured outputs and token masks: honoured (declared by structured.StructuredOutputFields;
-    # guided_decoding_backend takes only auto / guidance / xgrammar: one backend serves all) ...
+    # guided_decoding_backend takes only auto / guidance: one backend serves all) ...
     "guided_json": _ANY,
     "guided_regex": _ANY,
     "guided_choice": _ANY,

@@ -4,8 +4,9 @@ Fields (both endpoints): OpenAI's ``response_format`` (``text``, ``json_object``
 ``json_schema`` with ``json_schema.schema``; ``strict`` or not, the output always matches the
 schema, as vLLM does), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar`` and their newer form ``structured_outputs`` (one object,
-``tritonllm.structured.spec``), ``guided_decoding_backend`` (``auto``, ``guidance`` or ``xgrammar``: the one
-backend there is, llguidance, serves them all, so a no-op; any other name is refused),
+``tritonllm.structured.spec``), ``guided_decoding_backend`` (``auto`` or ``guidance``: the one
+backend there is, llguidance, serves them all, so a no-op; any other name, ``xgrammar``
+included, is refused: it cannot be honoured),
 ``allowed_token_ids`` and ``bad_words``. ``guided_whitespace_pattern`` is not declared: JSON is
 always compact here (``spec``), so ``extensions.py`` refuses it by name (as ``spec`` refuses
 ``whitespace_pattern``). At most one constraint per request (a named or
@@ -102,10 +103,10 @@ class StructuredOutputFields(BaseModel):
                 given.append((name, {kind: value}))
         if self.structured_outputs:
             given.append(("structured_outputs", dict(self.structured_outputs)))
-        if self.guided_decoding_backend not in (None, "auto", "guidance", "xgrammar"):
+        if self.guided_decoding_backend not in (None, "auto", "guidance"):
             raise unsupported(
                 "guided_decoding_backend",
-                "guided_decoding_backend other than auto, guidance or xgrammar",
+                "guided_decoding_backend other than auto or guidance",
             )
         if len(given) > 1:
             names = ", ".join(name for name, _ in given)

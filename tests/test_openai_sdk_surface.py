@@ -166,8 +166,8 @@ HONOURED = {
     "cache_salt": ("tenant-a", "", ("cache_salt", "string_too_short")),
     "guided_choice": (["yes", "no"], "yes", ("guided_choice", "list_type")),
     "guided_decoding_backend": (
+        "guidance",
         "xgrammar",
-        "outlines",
         ("guided_decoding_backend", "unsupported_parameter"),
     ),
     "guided_grammar": (

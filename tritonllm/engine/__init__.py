@@ -12,15 +12,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tritonllm.engine.client import EngineClient
-    from tritonllm.engine.engine import EngineStats, LLMEngine
+    from tritonllm.engine.engine import LLMEngine
     from tritonllm.engine.engine_process import EngineProcess
     from tritonllm.engine.engine_thread import EngineThread
     from tritonllm.engine.request import RequestOutput
+    from tritonllm.engine.stats import EngineStats
 
 _HOMES = {
     "EngineClient": "tritonllm.engine.client",
     "EngineProcess": "tritonllm.engine.engine_process",
-    "EngineStats": "tritonllm.engine.engine",
+    "EngineStats": "tritonllm.engine.stats",
     "EngineThread": "tritonllm.engine.engine_thread",
     "LLMEngine": "tritonllm.engine.engine",
     "RequestOutput": "tritonllm.engine.request",

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from tritonllm.engine.engine import EngineStats
     from tritonllm.engine.request import RequestOutput
+    from tritonllm.engine.stats import EngineStats
     from tritonllm.sampling_params import SamplingParams
 
 # Called with each output of a request, from the client's delivery thread. Callbacks must not

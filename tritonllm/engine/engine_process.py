@@ -41,12 +41,12 @@ from multiprocessing.connection import Connection
 
 from tritonllm.config import EngineConfig
 from tritonllm.engine.client import EngineClient, LoopTimes, OutputCallback
-from tritonllm.engine.engine import EngineStats
 from tritonllm.engine.engine_child import engine_main
 from tritonllm.engine.engine_thread import CallbackTable
 from tritonllm.engine.process_messages import ABORT, FAILED, STOP, SUBMIT, decode_step
 from tritonllm.engine.rank_processes import WorkerRanks
 from tritonllm.engine.request_limits import RequestLimits
+from tritonllm.engine.stats import EngineStats
 from tritonllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

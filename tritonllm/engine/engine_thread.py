@@ -16,8 +16,9 @@ import time
 from collections import deque
 
 from tritonllm.engine.client import EngineClient, LoopTimes, OutputCallback
-from tritonllm.engine.engine import EngineStats, LLMEngine
+from tritonllm.engine.engine import LLMEngine
 from tritonllm.engine.request import RequestOutput
+from tritonllm.engine.stats import EngineStats
 from tritonllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -24,9 +24,9 @@ import pickle
 from multiprocessing.connection import Connection
 
 from tritonllm.engine.client import LoopTimes
-from tritonllm.engine.engine import EngineStats
 from tritonllm.engine.model_runner import StepInputs
 from tritonllm.engine.request import RequestOutput
+from tritonllm.engine.stats import EngineStats
 
 # Commands (parent → child) and the tags of the child's first message.
 SUBMIT, ABORT, STOP = "submit", "abort", "stop"

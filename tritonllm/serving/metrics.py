@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tritonllm.engine.client import LoopTimes
-    from tritonllm.engine.engine import EngineStats
+    from tritonllm.engine.stats import EngineStats
     from tritonllm.serving.response_streamer import SenderTimes
 
 

@@ -12,9 +12,9 @@ of
 - ``{"grammar": "<EBNF>"}``: text of the grammar's ``root`` rule (``guided_grammar``; GBNF, the
   EBNF dialect of llama.cpp and xgrammar, or llguidance's Lark syntax with a ``start`` rule).
 
-Constraints are llguidance grammars (`grammar`). ``backend`` may be given as ``"auto"``,
-``"guidance"`` (vLLM's name of llguidance) or ``"xgrammar"`` (the backend of earlier versions:
-the same constraint, so still accepted); other keys of vLLM's object (``whitespace_pattern``,
+Constraints are llguidance grammars (`grammar`). ``backend`` may be given as ``"auto"``
+or ``"guidance"`` (vLLM's name of llguidance); another backend (``"xgrammar"``, ``"outlines"``)
+is refused by name, since it cannot be honoured; other keys of vLLM's object (``whitespace_pattern``,
 ``structural_tag``, ...) are refused by name. Validation builds and checks the llguidance
 grammar (no tokenizer needed: about a millisecond), so an invalid schema, pattern or grammar is
 a ``RequestError`` at the trust boundary, never a failure in the engine loop.
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-_BACKENDS = (None, "auto", "guidance", "xgrammar")
+_BACKENDS = (None, "auto", "guidance")
 # llguidance's JSON options: compact output (see the module docstring).
 JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
@@ -148,7 +148,7 @@ class StructuredOutputs:
             raise RequestError(
                 ErrorCode.UNSUPPORTED_PARAMETER,
                 f"{param}.backend",
-                f"{param}.backend={short_repr(backend)} is not supported (only auto, guidance or xgrammar)",
+                f"{param}.backend={short_repr(backend)} is not supported (only auto or guidance)",
             )
         unknown = sorted(set(given) - set(KINDS))
         if unknown:
