@@ -114,21 +114,61 @@ class ToolFields(BaseModel):
             return (f"tools[{i}].function.parameters", {"json": parameters})
         if mode.kind != "required":
             return None
+        # Each tool's parameters schema sits whole under the root's $defs, its own references
+        # rebased there, so "#/$defs/..." (pydantic's nested models) still resolves.
+        tools = list(self.tools or ())
+        defs = {
+            f"tool_{i}": _rebase_refs(t.function.parameters or ANY_OBJECT, f"#/$defs/tool_{i}")
+            for i, t in enumerate(tools)
+        }
         items = [
             {
                 "type": "object",
                 "properties": {
                     "name": {"type": "string", "enum": [t.function.name]},
-                    "parameters": t.function.parameters or ANY_OBJECT,
+                    "parameters": {"$ref": f"#/$defs/tool_{i}"},
                 },
                 "required": ["name", "parameters"],
             }
-            for t in self.tools or ()
+            for i, t in enumerate(tools)
         ]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        schema: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "items": {"anyOf": items},
+            "$defs": defs,
+        }
         if not mode.parallel:
             schema["maxItems"] = 1
         return ("tools", {"json": schema})
+
+
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names (any names, "default" included) to schemas.
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` (not changed) with every local ``$ref`` (``#`` + a JSON pointer) moved under
+    ``base`` (``#/$defs/tool_0``): ``#`` → ``base``, ``#/$defs/d`` → ``base + "/$defs/d"``."""
+    if isinstance(schema, list):
+        return [_rebase_refs(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names → schemas, any names
+            out[key] = {name: _rebase_refs(sub, base) for name, sub in value.items()}
+        else:
+            out[key] = _rebase_refs(value, base)
+    return out
 
 
 def constrained_calls(mode: ToolMode, text: str) -> list[ToolCall] | None:

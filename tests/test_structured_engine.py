@@ -269,6 +269,48 @@ def test_an_invalid_constraint_is_a_request_error_naming_its_field(kind, spec):
     assert info.value.param == f"structured_outputs.{kind}"
 
 
+def test_properties_come_in_the_schemas_order(tiny_model_dir, tok):
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"enum": [1]}, "alpha": {"enum": [2]}, "mid": {"enum": [3]}},
+        "required": ["zeta", "alpha", "mid"],
+    }
+    params = SamplingParams(
+        max_tokens=60, structured_outputs=StructuredOutputs.build("json", schema, "s")
+    )
+    ((ids, reason, error),) = _run(
+        _engine(tiny_model_dir), [("o", tok.encode("x"), params)]
+    ).values()
+    assert (reason, error) == ("stop", None)
+    assert tok.decode(ids, skip_special_tokens=True) == '{"zeta": 1, "alpha": 2, "mid": 3}'
+
+
+def test_a_bounded_number_with_a_narrow_range_stays_satisfiable():
+    schema = {"type": "number", "exclusiveMinimum": 0, "maximum": 0.0000001}
+    StructuredOutputs.build("json", schema, "guided_json")  # no RequestError
+
+
+def test_a_constraint_that_breaks_while_generating_fails_every_time_never_stops(
+    tiny_model_dir, tok
+):
+    """A regex that passes validation but exceeds llguidance's lexer limits at the first token
+    (QA: "b{500000}"): the request fails with the matcher's error, and so does a retry (the
+    compile cache drops it), instead of an empty "stop" output that does not match."""
+    engine = _engine(tiny_model_dir)
+    for attempt in range(2):
+        params = SamplingParams(
+            max_tokens=8, structured_outputs=StructuredOutputs("regex", "b{500000}")
+        )
+        ((ids, reason, error),) = _run(
+            engine, [(f"r{attempt}", tok.encode("say"), params)]
+        ).values()
+        assert reason == "error", (attempt, ids, reason)
+        assert "constraint" in error, error
+    plain = SamplingParams(max_tokens=4)
+    ((ids, reason, _),) = _run(engine, [("p", tok.encode("say"), plain)]).values()
+    assert len(ids) == 4 and reason == "length"  # the engine serves on
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU")
 def test_gpu_masks_with_cuda_graphs_and_overlap(tiny_model_dir, tok):

@@ -160,3 +160,58 @@ def test_a_template_without_tools_gets_the_hermes_fallback(tokenizer):
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
     assert "<|tool|>" not in prompt  # the tool result became a user turn
+
+
+def test_a_required_choice_keeps_each_tools_defs_and_refs_resolvable():
+    """pydantic's nested models give parameters with "$defs" and "#/$defs/..." references; a
+    required choice nests every tool's parameters in one schema, where they must still
+    resolve (they pointed at the root before: "Pointer '/$defs/d' does not exist")."""
+    import jsonschema
+
+    from openai_frontend.tools import ToolFields
+    from tritonllm.structured.spec import StructuredOutputs
+
+    place = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "day": {"type": "integer"}},
+        "required": ["city", "day"],
+    }
+    book = {
+        "$defs": {"d": place},
+        "type": "object",
+        "properties": {"frm": {"$ref": "#/$defs/d"}, "to": {"$ref": "#/$defs/d"}},
+        "required": ["frm", "to"],
+    }
+    tree = {  # a recursive reference to the parameters' own root, and a property named "default"
+        "type": "object",
+        "properties": {
+            "default": {"type": "string"},
+            "children": {"type": "array", "items": {"$ref": "#"}},
+        },
+        "required": ["default"],
+    }
+    fields = ToolFields(
+        tools=[
+            {"type": "function", "function": {"name": "book", "parameters": book}},
+            {"type": "function", "function": {"name": "tree", "parameters": tree}},
+        ],
+        tool_choice="required",
+    )
+    param, constraint = fields.tool_constraint(fields.tool_mode())
+    schema = constraint["json"]
+    StructuredOutputs.build("json", schema, param)  # llguidance compiles it: no RequestError
+    good = [
+        {
+            "name": "book",
+            "parameters": {"frm": {"city": "a", "day": 1}, "to": {"city": "b", "day": 2}},
+        },
+        {"name": "tree", "parameters": {"default": "x", "children": [{"default": "y"}]}},
+    ]
+    jsonschema.validate(good, schema)
+    for bad in (
+        [{"name": "book", "parameters": {"frm": {"city": "a"}, "to": {"city": "b", "day": 2}}}],
+        [{"name": "tree", "parameters": {"default": "x", "children": [{"default": 5}]}}],
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert book["properties"]["frm"] == {"$ref": "#/$defs/d"}  # the client's schema unchanged

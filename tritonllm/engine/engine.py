@@ -244,7 +244,7 @@ class LLMEngine:
         reason = error = None
         constraint = req.constraint
         if constraint is not None and not constraint.accept(token):
-            reason, error = "error", f"token {token} violates the request's constraint"
+            reason, error = "error", self.constraints.rejected(req, token)
         elif token in req.stop_ids and num_out >= p.min_tokens:
             reason = "stop"
         elif constraint is not None and constraint.terminated:

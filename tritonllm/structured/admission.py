@@ -84,6 +84,17 @@ class ConstraintAdmission:
         self._compiling = pending
         return done
 
+    def rejected(self, req: Request, token: int) -> str:
+        """A constraint of ``req`` refused its sampled ``token``: the error message, and its
+        compiled constraint leaves the cache (a matcher that hit one of llguidance's limits
+        may leave the shared lexer unusable, so a retry must compile afresh)."""
+        constraint = req.constraint
+        detail = None if constraint is None else constraint.error()
+        self.compiler.forget(req.params)
+        if detail is not None:
+            return f"the request's constraint failed while generating: {detail}"
+        return f"token {token} violates the request's constraint"
+
     def needs_sync(self, sample_reqs: list[Request]) -> bool:
         """Whether a row of this step samples under a history-dependent constraint while its
         last token is still on its way to the host (see the module docstring)."""

@@ -72,6 +72,13 @@ class ConstraintCompiler:
                 self._cache.popitem(last=False)
             return future
 
+    def forget(self, params: SamplingParams) -> None:
+        """Drop the cached compile of ``params``' constraint (if any): the next request with
+        it compiles afresh."""
+        key = constraint_key(params)
+        with self._lock:
+            self._cache.pop(key, None)  # type: ignore[arg-type]
+
     def shutdown(self) -> None:
         """Stop the worker thread (compiles in progress finish first)."""
         self._executor.shutdown(wait=False, cancel_futures=True)

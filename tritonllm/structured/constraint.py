@@ -109,11 +109,21 @@ class TokenConstraint:
             self._output.append(token)
         if self.matcher is None:
             return True
-        if not self.matcher.consume_token(token):
+        # A matcher in error (a lexer or parser limit of llguidance hit while generating) masks
+        # every token but EOS and accepts that: never an accepted token, so never a "stop".
+        if self.matcher.is_error() or not self.matcher.consume_token(token):
+            return False
+        if self.matcher.is_error():
             return False
         # The mask allows a stop token only where the output is complete.
         self.terminated = token in self.compiled.stop_ids
         return True
+
+    def error(self) -> str | None:
+        """The grammar matcher's own error (llguidance's message), or None."""
+        if self.matcher is None or not self.matcher.is_error():
+            return None
+        return str(self.matcher.get_error())
 
     def restrict(self, row: np.ndarray) -> None:
         """Apply allowed ids and bad words to ``row`` (an int32 bitmask row, in place), after

@@ -177,7 +177,8 @@ class StructuredOutputs:
                     raise _invalid(param, f"is not valid JSON: {exc}") from None
             if not isinstance(spec, Mapping):
                 raise _invalid(param, "must be a JSON schema (an object)")
-            text = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            # Not sorted: the grammar writes properties in this text's order (the client's).
+            text = json.dumps(spec, separators=(",", ":"), ensure_ascii=False)
         elif kind == "json_object":
             if spec is not True:
                 raise _invalid(param, "must be true")
@@ -218,19 +219,34 @@ _NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
+def _room_for_decimals(schema: Mapping[str, Any]) -> bool:
+    """Whether a number schema has a bound and its range holds many multiples of 1e-6: a range
+    narrower than 1e-3 (or bounds that are not numbers) keeps the client's schema as it is, so
+    the added ``multipleOf`` never makes a satisfiable schema unsatisfiable."""
+    bounds = {k: schema[k] for k in _NUMBER_BOUNDS if k in schema}
+    if not bounds:
+        return False
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in bounds.values()):
+        return False
+    low = [bounds[k] for k in ("minimum", "exclusiveMinimum") if k in bounds]
+    high = [bounds[k] for k in ("maximum", "exclusiveMaximum") if k in bounds]
+    return not (low and high) or min(high) - max(low) >= 1e-3
+
+
 def strict(schema: Any, in_all_of: bool = False) -> Any:
     """``schema`` (a JSON schema, not changed) with xgrammar's strict-mode defaults made
-    explicit, for llguidance, which follows JSON Schema's open defaults: an object schema with
-    ``properties``, ``patternProperties`` or ``required`` and neither ``additionalProperties``
-    nor ``unevaluatedProperties`` gets ``additionalProperties: false``; an array schema with
-    ``prefixItems`` and neither ``items`` nor ``unevaluatedItems`` gets ``items: false``. A
-    given ``unevaluatedProperties`` / ``unevaluatedItems`` (which llguidance does not implement)
-    becomes ``additionalProperties`` / ``items`` when that is absent: the same outside
-    ``allOf``. A required name that ``properties`` lacks is declared (any value). A ``number``
-    with a bound and no ``multipleOf`` gets ``multipleOf: 1e-6`` (xgrammar writes a bounded
-    number with at most 6 decimals, so a model cannot write digits forever). Members of
-    an ``allOf`` stay open (a closed member would refuse the others'
-    properties; xgrammar allows extra properties there too)."""
+        explicit, for llguidance, which follows JSON Schema's open defaults: an object schema with
+        ``properties``, ``patternProperties`` or ``required`` and neither ``additionalProperties``
+        nor ``unevaluatedProperties`` gets ``additionalProperties: false``; an array schema with
+        ``prefixItems`` and neither ``items`` nor ``unevaluatedItems`` gets ``items: false``. A
+        given ``unevaluatedProperties`` / ``unevaluatedItems`` (which llguidance does not implement)
+        becomes ``additionalProperties`` / ``items`` when that is absent: the same outside
+        ``allOf``. A required name that ``properties`` lacks is declared (any value). A ``number``
+        with a bound and no ``multipleOf`` gets ``multipleOf: 1e-6`` (xgrammar writes a bounded
+        number with at most 6 decimals, so a model cannot write digits forever; not where the range
+    is narrower than 1e-3). Members of
+        an ``allOf`` stay open (a closed member would refuse the others'
+        properties; xgrammar allows extra properties there too)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -269,7 +285,7 @@ def strict(schema: Any, in_all_of: bool = False) -> Any:
         out["items"] = False
     types = out.get("type")
     is_number = types == "number" or (isinstance(types, list) and "number" in types)
-    if is_number and "multipleOf" not in out and any(k in out for k in _NUMBER_BOUNDS):
+    if is_number and "multipleOf" not in out and _room_for_decimals(out):
         out["multipleOf"] = 1e-6  # a bounded number: at most 6 decimals, as xgrammar's
     return out
 
