@@ -152,12 +152,15 @@ def constraint_inputs(
 
 
 def rename_param(exc: OpenAIError, req: StructuredOutputFields, tool_field: str | None) -> None:
-    """Name the client's own field in a backend error about the constraint (in place)."""
+    """Name the client's own field in a backend error about the constraint (in place): its
+    ``param``, and the message where it begins with the backend's name of the field."""
     if exc.param is None or not exc.param.startswith(BACKEND_PARAM):
         return
     constraint = req.output_constraint()
     field = constraint[0] if constraint is not None else tool_field
     if field is not None and field != BACKEND_PARAM:
+        if exc.message.startswith(exc.param):
+            exc.message = field + exc.message[len(exc.param) :]
         exc.param = field
 
 

@@ -311,6 +311,47 @@ def test_a_constraint_that_breaks_while_generating_fails_every_time_never_stops(
     assert len(ids) == 4 and reason == "length"  # the engine serves on
 
 
+@pytest.mark.parametrize(
+    ("pattern", "ascii"),
+    [
+        (r"\d{3}-\d{4}", "[0-9]{3}-[0-9]{4}"),
+        (r"[\d_]+\w", "[0-9_]+[A-Za-z0-9_]"),
+        (r"\D\W", "[^0-9][^A-Za-z0-9_]"),
+        (r"\\d\.\s", r"\\d\.\s"),  # an escaped backslash, other escapes: unchanged
+        (r"[]\d]", "[]0-9]"),
+    ],
+)
+def test_shorthand_classes_are_ascii(pattern, ascii):
+    from tritonllm.structured.spec import ascii_classes
+
+    assert ascii_classes(pattern) == ascii
+
+
+def test_a_digit_class_allows_ascii_digits_only(tiny_model_dir, tok):
+    """`\\d` is [0-9] as in JSON Schema's regexes (llguidance alone allows every script's
+    digits, and a random-weight model picks them: QA saw U+1FBF8 for a phone number)."""
+    schema = {"type": "object", "properties": {"p": {"type": "string", "pattern": r"^\d{4}$"}}}
+    requests = [
+        (
+            f"{kind}{i}",
+            tok.encode(f"number {i}"),
+            SamplingParams(max_tokens=40, temperature=1.0, seed=i, structured_outputs=so),
+        )
+        for i in range(4)
+        for kind, so in (
+            ("regex", StructuredOutputs("regex", r"\d{3}-\d{4}")),
+            ("json", StructuredOutputs.build("json", schema, "guided_json")),
+        )
+    ]
+    for rid, (ids, reason, error) in _run(_engine(tiny_model_dir), requests).items():
+        text = tok.decode(ids, skip_special_tokens=True)
+        assert (reason, error) == ("stop", None), (rid, text)
+        if rid.startswith("regex"):
+            assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", text), (rid, text)
+        else:
+            assert re.fullmatch(r"[0-9]{4}", json.loads(text).get("p", "0000")), (rid, text)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU")
 def test_gpu_masks_with_cuda_graphs_and_overlap(tiny_model_dir, tok):

@@ -182,6 +182,7 @@ def test_an_invalid_constraint_is_a_400_naming_the_field(client, sidecar, extra,
         )
     assert info.value.status_code == 400
     assert info.value.body["param"] == param, info.value.body
+    assert "structured_outputs." not in info.value.body["message"], info.value.body  # its name
 
 
 def _check_calls(calls, parallel: bool) -> None:

@@ -107,7 +107,7 @@ class StructuredOutputs:
                 {"type": "object"}, defaults=JSON_OPTIONS
             )
         if self.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(self.spec)
+            return llguidance.LLMatcher.grammar_from_regex(ascii_classes(self.spec))
         if self.kind == "choice":
             if not json.loads(self.spec):
                 raise ValueError("needs at least one choice")
@@ -219,6 +219,46 @@ _NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
+# The shorthand classes of ECMA-262 (JSON Schema's regex dialect) are ASCII; llguidance's regex
+# engine (Rust's `regex`) reads Unicode ones, so `\d` would allow every script's digits.
+_ASCII_CLASSES = {"d": "0-9", "w": "A-Za-z0-9_"}
+
+
+def ascii_classes(pattern: str) -> str:
+    """``pattern`` with ``\\d`` / ``\\w`` as ASCII classes (``[0-9]`` / ``[A-Za-z0-9_]``, their
+    ranges inside a ``[...]`` class) and ``\\D`` / ``\\W`` outside one as their complements;
+    every other escape, an escaped backslash included, is kept as it is."""
+    out: list[str] = []
+    in_class, i = False, 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            nxt = pattern[i + 1]
+            ranges = _ASCII_CLASSES.get(nxt.lower())
+            if ranges is not None and (nxt.islower() or not in_class):
+                out.append(ranges if in_class else f"[{'' if nxt.islower() else '^'}{ranges}]")
+            else:
+                out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if ch == "[" and not in_class:
+            in_class = True
+            out.append(ch)
+            if pattern[i + 1 : i + 2] == "^":  # a leading ^ (and then ]) is part of the class
+                out.append("^")
+                i += 1
+            if pattern[i + 1 : i + 2] == "]":
+                out.append("]")
+                i += 1
+        elif ch == "]" and in_class:
+            in_class = False
+            out.append(ch)
+        else:
+            out.append(ch)
+        i += 1
+    return "".join(out)
+
+
 def _room_for_decimals(schema: Mapping[str, Any]) -> bool:
     """Whether a number schema has a bound and its range holds many multiples of 1e-6: a range
     narrower than 1e-3 (or bounds that are not numbers) keeps the client's schema as it is, so
@@ -283,6 +323,12 @@ def strict(schema: Any, in_all_of: bool = False) -> Any:
             out["properties"] = props | extra  # declared order first: the output's order
     if "prefixItems" in out and "items" not in out:
         out["items"] = False
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = ascii_classes(out["pattern"])
+    if isinstance(out.get("patternProperties"), dict):
+        out["patternProperties"] = {
+            ascii_classes(k): v for k, v in out["patternProperties"].items()
+        }
     types = out.get("type")
     is_number = types == "number" or (isinstance(types, list) and "number" in types)
     if is_number and "multipleOf" not in out and _room_for_decimals(out):
