@@ -155,6 +155,8 @@ def test_guided_regex_choice_grammar_and_structured_outputs_match(sidecar):
             "response_format.json_schema.schema",
         ),
         ({"extra_body": {"guided_regex": "[a-z"}}, "guided_regex"),
+        # valid, but beyond llguidance's lexer limits at the first token (a fresh-user QA case)
+        ({"extra_body": {"guided_regex": "b{500000}"}}, "guided_regex"),
         ({"extra_body": {"guided_grammar": "root ::= undefined_rule"}}, "guided_grammar"),
         ({"extra_body": {"guided_json": {"type": "object"}, "guided_regex": "a"}}, "guided_regex"),
         (

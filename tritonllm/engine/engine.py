@@ -144,7 +144,9 @@ class LLMEngine:
         outs, self._pending = self._pending, []
         return outs
 
-    def _finish(self, req: Request, reason: str, release: bool, error: str | None = None) -> None:
+    def _finish(
+        self, req: Request, reason: str, release: bool, error: str | RequestError | None = None
+    ) -> None:
         if release:
             self.scheduler.abort(req)
         self.constraints.live.discard(req)
@@ -276,10 +278,14 @@ class LLMEngine:
         lp: list[float] | None = None,
         top: list[dict[int, float]] | None = None,
         trim: int = 0,
-        error: str | None = None,
+        error: str | RequestError | None = None,
     ) -> RequestOutput:
         """`req`'s output releasing `tokens`; `num_output`: its known output ids (sampled and
-        filled in), of which those the stop-string checker holds or withholds do not count."""
+        filled in), of which those the stop-string checker holds or withholds do not count.
+        A `RequestError` as `error` is the request's own fault: its code and parameter go
+        with the message."""
+        fault = error if isinstance(error, RequestError) else None
+        message = error.message if isinstance(error, RequestError) else error
         finished = req.finish_reason is not None
         request_finished = finished and self._choice_finished(req)
         if req.stop_checker is not None:
@@ -295,11 +301,13 @@ class LLMEngine:
             req.cached_tokens,
             lp,
             top,
-            error,
+            message,
             trim,
             req.index,
             request_finished,
         )
+        if fault is not None:
+            out.error_code, out.error_param = fault.code.value, fault.param
         return req.add_details(out)
 
     def _choice_finished(self, req: Request) -> bool:

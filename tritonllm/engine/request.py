@@ -158,6 +158,9 @@ class RequestOutput:
         top_logprobs: with `SamplingParams.logprobs`, per new token {token id: logprob} of the
             `logprobs` most likely tokens, most likely first.
         error: the message when finish_reason is "error".
+        error_code, error_param: with ``error``, an ``ErrorCode`` value and the parameter at
+            fault when the request itself caused it (a constraint that breaks while
+            generating: ``invalid_value``, ``structured_outputs``); None: the server failed.
         trim_chars: characters to drop from the end of the text of `new_token_ids` (decoded
             after all earlier ones) so the output ends just before a matched stop string; 0
             unless a stop string ended the request (see `engine/stop_strings.py`).
@@ -189,3 +192,5 @@ class RequestOutput:
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[dict[int, float]] | None = None
     queue_time_s: float | None = None
+    error_code: str | None = None
+    error_param: str | None = None

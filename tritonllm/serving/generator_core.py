@@ -281,7 +281,8 @@ class GeneratorCore:
             entry.cancelled = True
             if not final:
                 self.engine.abort(key)
-            entry.sink.send_error(encode_error(ErrorCode.INTERNAL_ERROR, chunk.error))
+            code = ErrorCode(chunk.error_code or ErrorCode.INTERNAL_ERROR)
+            entry.sink.send_error(encode_error(code, chunk.error, chunk.error_param))
             return 1
         if not final and self._cancelled(entry, now):
             self._cancel(key, entry)

@@ -30,6 +30,7 @@ class ResponseChunk:
             matched stop string; see ``RequestOutput.trim_chars``).
         error: the engine's message when the request failed (finish_reason ``"error"``); the
             generator answers it with a Triton error response.
+        error_code, error_param: the request's own fault then (``RequestOutput``'s), or None.
         index: the choice (``RequestOutput.index``); sent as the ``index`` output only when
             ``with_index`` (the request has n > 1 choices).
         logprobs: with logprobs requested, one logprob per id of ``output_ids``; else None.
@@ -57,6 +58,8 @@ class ResponseChunk:
     cached_tokens: int
     final: bool
     error: str | None = None
+    error_code: str | None = None
+    error_param: str | None = None
     trim_chars: int = 0
     index: int = 0
     logprobs: list[float] | None = None
@@ -138,6 +141,8 @@ class StreamState:
             error=(output.error or "request failed")
             if output.finished and output.finish_reason == "error"
             else None,
+            error_code=output.error_code,
+            error_param=output.error_param,
             index=self.index,
             logprobs=None if logprobs is None else list(logprobs),
             top_logprobs=None if top is None else list(top),

@@ -19,6 +19,7 @@ import concurrent.futures
 from concurrent.futures import Future
 
 from tritonllm.config import EngineConfig
+from tritonllm.contract.errors import ErrorCode, RequestError
 from tritonllm.engine.request import Request, RequestStatus
 from tritonllm.structured.compiler import ConstraintCompiler
 from tritonllm.structured.constraint import CompiledConstraint
@@ -84,15 +85,21 @@ class ConstraintAdmission:
         self._compiling = pending
         return done
 
-    def rejected(self, req: Request, token: int) -> str:
-        """A constraint of ``req`` refused its sampled ``token``: the error message, and its
-        compiled constraint leaves the cache (a matcher that hit one of llguidance's limits
-        may leave the shared lexer unusable, so a retry must compile afresh)."""
+    def rejected(self, req: Request, token: int) -> str | RequestError:
+        """A constraint of ``req`` refused its sampled ``token``: the error, and its compiled
+        constraint leaves the cache (a matcher that hit one of llguidance's limits may leave
+        the shared lexer unusable, so a retry must compile afresh). A matcher in error is the
+        request's fault (its constraint is beyond llguidance's limits: ``invalid_value``);
+        otherwise the mask let through what the matcher refuses, an engine bug (a message)."""
         constraint = req.constraint
         detail = None if constraint is None else constraint.error()
         self.compiler.forget(req.params)
         if detail is not None:
-            return f"the request's constraint failed while generating: {detail}"
+            return RequestError(
+                ErrorCode.INVALID_VALUE,
+                "structured_outputs",
+                f"structured_outputs failed while generating: {detail}",
+            )
         return f"token {token} violates the request's constraint"
 
     def needs_sync(self, sample_reqs: list[Request]) -> bool:
