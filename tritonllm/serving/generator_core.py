@@ -24,8 +24,9 @@ a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept 
   all of them: an IPC round trip each), or whose stream is gone, is aborted in the engine and
   gets its final flag at once;
 - errors: every error response is in the contract's wire form (``contract.errors``): a
-  ``RequestError`` keeps its code; anything else is ``engine_unavailable`` while the engine
-  does not run, else ``internal_error``;
+  ``RequestError`` keeps its code, and so does an engine output that failed through the
+  request's fault (``RequestOutput.error_code``); anything else is ``engine_unavailable``
+  while the engine does not run, else ``internal_error``;
 - latencies (``serving.metrics.LatencySamples``): TTFT, ITL and end-to-end as the responses go
   out, the engine's queue time from final outputs, handed to ``on_tick``.
 """
