@@ -76,8 +76,9 @@ class ConstraintCompiler:
         """Drop the cached compile of ``params``' constraint (if any): the next request with
         it compiles afresh."""
         key = constraint_key(params)
-        with self._lock:
-            self._cache.pop(key, None)  # type: ignore[arg-type]
+        if key is not None:
+            with self._lock:
+                self._cache.pop(key, None)
 
     def shutdown(self) -> None:
         """Stop the worker thread (compiles in progress finish first)."""

@@ -111,9 +111,8 @@ class TokenConstraint:
             return True
         # A matcher in error (a lexer or parser limit of llguidance hit while generating) masks
         # every token but EOS and accepts that: never an accepted token, so never a "stop".
-        if self.matcher.is_error() or not self.matcher.consume_token(token):
-            return False
-        if self.matcher.is_error():
+        matcher = self.matcher
+        if matcher.is_error() or not matcher.consume_token(token) or matcher.is_error():
             return False
         # The mask allows a stop token only where the output is complete.
         self.terminated = token in self.compiled.stop_ids
