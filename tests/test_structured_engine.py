@@ -308,7 +308,8 @@ def test_a_constraint_that_breaks_while_generating_fails_every_time_never_stops(
         (last,) = [o for o in outs if o.finished]
         assert last.finish_reason == "error", (attempt, last)
         # the request's own fault, by code (the sidecar's 400 naming the client's field)
-        assert (last.error_code, last.error_param) == ("invalid_value", "structured_outputs")
+        assert (last.error_code, last.error_param) == ("invalid_value", "structured_outputs.regex")
+        assert "<state>" not in last.error and "<grammar>" not in last.error, last.error
     plain = SamplingParams(max_tokens=4)
     ((ids, reason, _),) = _run(engine, [("p", tok.encode("say"), plain)]).values()
     assert len(ids) == 4 and reason == "length"  # the engine serves on

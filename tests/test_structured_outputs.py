@@ -158,6 +158,7 @@ def test_guided_regex_choice_grammar_and_structured_outputs_match(sidecar):
         # valid, but beyond llguidance's lexer limits at the first token (a fresh-user QA case)
         ({"extra_body": {"guided_regex": "b{500000}"}}, "guided_regex"),
         ({"extra_body": {"guided_grammar": "root ::= undefined_rule"}}, "guided_grammar"),
+        ({"extra_body": {"guided_grammar": "root ::= root"}}, "guided_grammar"),
         ({"extra_body": {"guided_json": {"type": "object"}, "guided_regex": "a"}}, "guided_regex"),
         (
             {
@@ -185,6 +186,7 @@ def test_an_invalid_constraint_is_a_400_naming_the_field(client, sidecar, extra,
     assert info.value.status_code == 400
     assert info.value.body["param"] == param, info.value.body
     assert "structured_outputs." not in info.value.body["message"], info.value.body  # its name
+    assert "<state>" not in info.value.body["message"], info.value.body  # no parser internals
 
 
 def _check_calls(calls, parallel: bool) -> None:

@@ -23,6 +23,7 @@ from tritonllm.contract.errors import ErrorCode, RequestError
 from tritonllm.engine.request import Request, RequestStatus
 from tritonllm.structured.compiler import ConstraintCompiler
 from tritonllm.structured.constraint import CompiledConstraint
+from tritonllm.structured.spec import short_reason
 
 
 class ConstraintAdmission:
@@ -95,10 +96,12 @@ class ConstraintAdmission:
         detail = None if constraint is None else constraint.error()
         self.compiler.forget(req.params)
         if detail is not None:
+            spec = req.params.structured_outputs
+            param = "structured_outputs" if spec is None else spec.param  # as a compile error's
             return RequestError(
                 ErrorCode.INVALID_VALUE,
-                "structured_outputs",
-                f"structured_outputs failed while generating: {detail}",
+                param,
+                f"{param} failed while generating: {short_reason(detail)}",
             )
         return f"token {token} violates the request's constraint"
 

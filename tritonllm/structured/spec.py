@@ -82,7 +82,7 @@ class StructuredOutputs:
         except (ValueError, RuntimeError) as exc:  # unparsable JSON text or GBNF
             error = str(exc)
         if error:
-            raise _invalid(self.param, f"cannot be compiled: {_reason(error)}")
+            raise _invalid(self.param, f"cannot be compiled: {short_reason(error)}")
 
     @property
     def param(self) -> str:
@@ -336,7 +336,11 @@ def strict(schema: Any, in_all_of: bool = False) -> Any:
     return out
 
 
-def _reason(error: str) -> str:
+def short_reason(error: str) -> str:
+    """llguidance's error message without the parser state and grammar it appends (``<state>``
+    and ``<grammar>`` blocks: internal details), at most 300 characters."""
+    for block in ("<state>", "<grammar>"):
+        error = error.split(block, 1)[0]
     return error.strip()[:300]
 
 
