@@ -103,7 +103,7 @@ class StructuredOutputFields(BaseModel):
                 given.append((name, {kind: value}))
         if self.structured_outputs:
             given.append(("structured_outputs", dict(self.structured_outputs)))
-        if self.guided_decoding_backend not in (None, "auto", "guidance"):
+        if self.guided_decoding_backend not in (None, *limits.STRUCTURED_OUTPUT_BACKENDS):
             raise unsupported(
                 "guided_decoding_backend",
                 "guided_decoding_backend other than auto or guidance",

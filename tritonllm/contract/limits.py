@@ -126,5 +126,7 @@ MAX_REQUEST_OUTPUT_TOKENS = 16384
 # --- structured outputs and token masks (tritonllm/structured) ------------------------------
 MAX_GRAMMAR_CHARS = 100_000  # a JSON schema's canonical text, a regex or an EBNF grammar
 MAX_CHOICES = 256  # guided_choice strings
+# Structured-output backend names a request may give (vLLM's); llguidance serves them all.
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance")
 MAX_BAD_WORDS = 64  # bad_words entries (each 1..MAX_BAD_WORD_CHARS characters)
 MAX_BAD_WORD_CHARS = 256

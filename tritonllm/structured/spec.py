@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-_BACKENDS = (None, "auto", "guidance")
+_BACKENDS = (None, *limits.STRUCTURED_OUTPUT_BACKENDS)
 # llguidance's JSON options: compact output (see the module docstring).
 JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
