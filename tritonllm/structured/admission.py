@@ -2,9 +2,10 @@
 token ids, bad words).
 
 - A constrained request is not queued in the scheduler at once: its constraint compiles on the
-  `ConstraintCompiler`'s thread while the request waits here (status COMPILING); between steps
-  the engine admits the requests whose compile is done (`ready`), each choice with a fresh
-  `TokenConstraint`. A cached constraint is done at once, so a repeated schema waits no step.
+  `ConstraintCompiler`'s thread, which also builds each choice's own `TokenConstraint`, while
+  the request waits here (status COMPILING); between steps the engine admits the requests
+  whose constraints are built (`ready`). A cached compile only builds the matchers (about half
+  a millisecond each), so a repeated schema usually waits no more than a step.
 - Overlap scheduling: the mask of step N+1 needs the token of step N accepted by the matcher.
   The engine launches step N+1's forward, then, only when a row that samples in it has a
   constraint that depends on its history (`TokenConstraint.needs_history`) and its last token
@@ -22,7 +23,7 @@ from tritonllm.config import EngineConfig
 from tritonllm.contract.errors import ErrorCode, RequestError
 from tritonllm.engine.request import Request, RequestStatus
 from tritonllm.structured.compiler import ConstraintCompiler
-from tritonllm.structured.constraint import CompiledConstraint
+from tritonllm.structured.constraint import TokenConstraint
 from tritonllm.structured.spec import short_reason
 
 
@@ -36,7 +37,7 @@ class ConstraintAdmission:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._compiler: ConstraintCompiler | None = None
-        self._compiling: list[tuple[Future[CompiledConstraint], list[Request]]] = []
+        self._compiling: list[tuple[Future[list[TokenConstraint]], list[Request]]] = []
         self.live: set[Request] = set()  # admitted, not finished
 
     @property
@@ -52,8 +53,9 @@ class ConstraintAdmission:
         return len(self._compiling)
 
     def defer(self, choices: list[Request]) -> None:
-        """Start compiling the constraint of a request's ``choices`` (one params for all)."""
-        future = self.compiler.submit(choices[0].params)
+        """Start compiling the constraint of a request's ``choices`` (one params for all) and
+        building one `TokenConstraint` per choice."""
+        future = self.compiler.instantiate(choices[0].params, len(choices))
         for req in choices:
             req.status = RequestStatus.COMPILING
         self._compiling.append((future, choices))
@@ -75,11 +77,12 @@ class ConstraintAdmission:
                 pending.append((future, choices))
                 continue
             error = future.exception()
-            for req in choices:
+            constraints = [None] * len(choices) if error is not None else future.result()
+            for req, constraint in zip(choices, constraints, strict=True):
                 if req.status != RequestStatus.COMPILING:
                     continue  # aborted while compiling
                 if error is None:
-                    req.constraint = future.result().new()
+                    req.constraint = constraint
                     req.status = RequestStatus.WAITING
                     self.live.add(req)
                 done.append((req, error))
@@ -87,14 +90,13 @@ class ConstraintAdmission:
         return done
 
     def rejected(self, req: Request, token: int) -> str | RequestError:
-        """A constraint of ``req`` refused its sampled ``token``: the error, and its compiled
-        constraint leaves the cache (a matcher that hit one of llguidance's limits may leave
-        the shared lexer unusable, so a retry must compile afresh). A matcher in error is the
-        request's fault (its constraint is beyond llguidance's limits: ``invalid_value``);
-        otherwise the mask let through what the matcher refuses, an engine bug (a message)."""
+        """A constraint of ``req`` refused its sampled ``token``: the error. A matcher in error
+        is the request's fault (its constraint is beyond llguidance's limits while generating:
+        ``invalid_value``; the matcher and its lexer are the choice's own, so no other request
+        is affected); otherwise the mask let through what the matcher refuses, an engine bug
+        (a message)."""
         constraint = req.constraint
         detail = None if constraint is None else constraint.error()
-        self.compiler.forget(req.params)
         if detail is not None:
             spec = req.params.structured_outputs
             param = "structured_outputs" if spec is None else spec.param  # as a compile error's

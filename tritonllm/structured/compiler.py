@@ -1,15 +1,16 @@
 """`ConstraintCompiler`: compiles requests' token constraints off the engine's step loop.
 
-A compile builds the llguidance grammar (`StructuredOutputs.grammar`), validates it against the
-model's tokenizer and builds one `LLMatcher` from it, the prototype each choice's matcher is
-copied from (`CompiledConstraint.new`). That is about a millisecond for a common schema (more
+A compile builds the llguidance grammar (`StructuredOutputs.grammar`) and validates it against
+the model's tokenizer; each choice of a request then gets its own `LLMatcher` built from it
+(`CompiledConstraint.new`, `instantiate`). That is about a millisecond for a common schema (more
 for large grammars), but the first compile also loads the tokenizer and builds llguidance's
-`LLTokenizer` (seconds for a 150k vocabulary), so it never runs on the engine thread: `submit`
-hands it to one worker thread and returns a `Future`; the engine keeps the request out of the
-scheduler until the future is done (`LLMEngine`'s compiling requests).
-Results are cached by what they were compiled from (the `StructuredOutputs` spec, the allowed
-token ids, the bad words), most recently used kept, so a repeated schema is ready at once, as
-vLLM's and SGLang's grammar caches do.
+`LLTokenizer` (seconds for a 150k vocabulary), so neither runs on the engine thread: `submit`
+and `instantiate` hand the work to one worker thread (llguidance builds grammars outside the
+GIL) and return a `Future`; the engine keeps the request out of the scheduler until the future
+is done (`ConstraintAdmission`'s compiling requests).
+Compiles are cached by what they were compiled from (the `StructuredOutputs` spec, the allowed
+token ids, the bad words), most recently used kept, so a repeated schema only builds its
+matchers, as vLLM's and SGLang's grammar caches do.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tritonllm.sampling_params import SamplingParams
-from tritonllm.structured.constraint import CompiledConstraint, ids_bitmask
+from tritonllm.structured.constraint import CompiledConstraint, TokenConstraint, ids_bitmask
 
-CACHE_ENTRIES = 512  # compiled constraints kept (a prototype matcher and its lexer's states)
+CACHE_ENTRIES = 512  # compiled constraints kept (grammar texts and token-id masks)
 
 ConstraintKey = tuple[Any, tuple[int, ...] | None, tuple[str, ...]]
 
@@ -72,13 +73,13 @@ class ConstraintCompiler:
                 self._cache.popitem(last=False)
             return future
 
-    def forget(self, params: SamplingParams) -> None:
-        """Drop the cached compile of ``params``' constraint (if any): the next request with
-        it compiles afresh."""
-        key = constraint_key(params)
-        if key is not None:
-            with self._lock:
-                self._cache.pop(key, None)
+    def instantiate(self, params: SamplingParams, n: int) -> Future[list[TokenConstraint]]:
+        """``n`` fresh `TokenConstraint`s (one per choice of a request) of ``params``' constraint,
+        as a future: the compile (`submit`, cached) and then ``n`` matcher builds, on the worker
+        thread. Its exception is the compile's or the build's."""
+        compiled = self.submit(params)
+        # The worker runs its tasks in order: `compiled` is done when this one starts.
+        return self._executor.submit(lambda: [compiled.result().new() for _ in range(n)])
 
     def shutdown(self) -> None:
         """Stop the worker thread (compiles in progress finish first)."""
@@ -101,32 +102,29 @@ class ConstraintCompiler:
     def _compile(self, params: SamplingParams) -> CompiledConstraint:
         self._load()
         spec = params.structured_outputs
-        matcher = None
+        grammar = None
         if spec is not None:
-            matcher = self._matcher(spec.grammar())
+            grammar = self._validated(spec.grammar())
         allowed = None
         if params.allowed_token_ids is not None:
             allowed = ids_bitmask(params.allowed_token_ids, self.vocab_size)
         banned, sequences = self._bad_words(params.bad_words)
         stop_ids = frozenset(self.stop_token_ids)
-        return CompiledConstraint(matcher, stop_ids, allowed, banned, sequences)
+        tokenizer = None if grammar is None else self._ll_tokenizer
+        return CompiledConstraint(grammar, tokenizer, stop_ids, allowed, banned, sequences)
 
-    def _matcher(self, grammar: str) -> Any:
-        """The prototype `LLMatcher` of ``grammar`` (at its start state).
+    def _validated(self, grammar: str) -> str:
+        """``grammar``, once llguidance accepted it with this tokenizer.
 
         Raises:
-            ValueError: llguidance refused the grammar with this tokenizer.
+            ValueError: llguidance refused the grammar (its message).
         """
         import llguidance
 
         error = llguidance.LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
         if error:
             raise ValueError(error)
-        # log_level 0: a matcher's errors are read with get_error(), not printed.
-        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(matcher.get_error())
-        return matcher
+        return grammar
 
     def _bad_words(self, words: tuple[str, ...]) -> tuple[Any, tuple]:
         """Token sequences of the bad words: each word as given and with one leading space (a

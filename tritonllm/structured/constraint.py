@@ -55,25 +55,41 @@ class CompiledConstraint:
     """The compiled, shareable part of a constraint (cached per spec; one per many requests).
 
     Attributes:
-        matcher: the prototype llguidance ``LLMatcher`` (at the grammar's start, never advanced:
-            each choice gets a copy), or None without a grammar.
+        grammar: the llguidance grammar (its JSON text), validated against ``tokenizer``, or
+            None without a grammar.
+        tokenizer: the llguidance ``LLTokenizer`` the grammar was validated with (None without
+            a grammar).
         stop_ids: the stop tokens of the matcher (see the module docstring).
         allowed: ``[W]`` int32 bitmask row of the allowed token ids, or None (all allowed).
         banned: token ids always banned (single-token bad words).
         bad_sequences: multi-token bad words: (prefix ids, last id) pairs.
     """
 
-    matcher: Any = None
+    grammar: str | None = None
+    tokenizer: Any = None
     stop_ids: frozenset[int] = frozenset()
     allowed: np.ndarray | None = None
     banned: np.ndarray | None = None
     bad_sequences: tuple[tuple[tuple[int, ...], int], ...] = ()
 
     def new(self) -> TokenConstraint:
-        """A fresh constraint state for one choice of a request (a copy of the prototype
-        matcher shares its grammar and lexer: microseconds, where a new matcher is a
-        grammar build)."""
-        matcher = None if self.matcher is None else self.matcher.deep_copy()
+        """A fresh constraint state for one choice of a request, with its own llguidance
+        ``LLMatcher`` (a grammar build: about half a millisecond for a common JSON schema,
+        outside the GIL). Not a copy of one prototype: ``LLMatcher.deep_copy`` shares the
+        prototype's lexer behind one mutex, so the masks of all copies would be filled one at a
+        time however many threads the executor has (llguidance 1.9's ``Matcher::clone``).
+
+        Raises:
+            ValueError: llguidance could not build the matcher (its error message).
+        """
+        matcher = None
+        if self.grammar is not None:
+            import llguidance
+
+            # log_level 0: a matcher's errors are read with get_error(), not printed.
+            matcher = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+            if matcher.is_error():
+                raise ValueError(matcher.get_error())
         return TokenConstraint(self, matcher)
 
 
