@@ -84,9 +84,10 @@ def _choice(index: int, c: Choice, mode: ToolMode, parser: str) -> ChatChoice:
     content: str | None = c.text
     calls: list[ParsedCall] | None = None
     if mode.kind == "auto":
+        # The parser's content, whitespace around the calls left out (as streamed: HermesParser).
         content, calls = parse_output(get_tool_parser(parser), c.text)
         calls = calls[:1] if calls and not mode.parallel else calls
-        content = content.strip() or None if calls else content
+        content = content or None if calls else content
     elif mode.kind in ("named", "required"):
         calls = constrained_calls(mode, c.text)
         content = None if calls else c.text
