@@ -291,3 +291,58 @@ def test_a_required_choice_keeps_each_tools_defs_and_refs_resolvable():
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert book["properties"]["frm"] == {"$ref": "#/$defs/d"}  # the client's schema unchanged
+
+
+REQUIRED_OUT = json.dumps(
+    [
+        {"name": "get_weather", "parameters": {"city": "Pa]r{is", "days": 3}},
+        {"name": "get_time", "parameters": {"tz": "CET"}},
+    ]
+)
+
+
+def test_a_required_array_cut_anywhere_keeps_exactly_its_complete_calls():
+    """A ``required`` choice's output cut by max_tokens at every character: the calls whose
+    JSON item is complete (brackets and braces inside strings are no ends), the cut one
+    dropped; the whole array gives every call."""
+    from openai_frontend.tools import ToolMode, constrained_calls
+
+    mode = ToolMode("required")
+    items = json.loads(REQUIRED_OUT)
+    first_end = REQUIRED_OUT.index("}}") + 2  # the first item's last character, exclusive
+    second_end = REQUIRED_OUT.rindex("}}") + 2
+    for cut in range(len(REQUIRED_OUT) + 1):
+        calls = constrained_calls(mode, REQUIRED_OUT[:cut])
+        assert calls is not None, cut
+        expected = items[: (cut >= first_end) + (cut >= second_end)]
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+            (i["name"], i["parameters"]) for i in expected
+        ], cut
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", []),
+        ("  [ ] ", []),
+        ('[{"a": 1}, 12', [{"a": 1}]),  # a number the text ends on may be cut
+        ('[{"a": 1}, 12, true', [{"a": 1}, 12, True]),
+        ('[{"a": "x\\"', []),
+        ('{"a": 1}', None),  # no array
+        ('[{"a": 1} {"b": 2}]', None),  # no separator
+        ("[1] tail", None),
+    ],
+)
+def test_complete_items_of_cut_arrays(text, expected):
+    from openai_frontend.tools import complete_items
+
+    assert complete_items(text) == expected
+
+
+def test_a_cut_named_call_keeps_its_arguments_as_generated():
+    """A named choice's output is its call's arguments: cut short, they stay the call's
+    (incomplete) arguments, as streamed, never content."""
+    from openai_frontend.tools import ToolMode, constrained_calls
+
+    (call,) = constrained_calls(ToolMode("named", "get_time"), '{"tz": "C')
+    assert (call.name, call.arguments) == ("get_time", '{"tz": "C')
