@@ -20,6 +20,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import validator_for
 from pydantic import BaseModel, ConfigDict, StrictBool
 
 from .errors import OpenAIError
@@ -79,7 +82,13 @@ class ToolFields(BaseModel):
     parallel_tool_calls: StrictBool | None = None
 
     def tool_mode(self) -> ToolMode:
-        """Raises: OpenAIError 400 for a tool_choice without tools or naming an unknown one."""
+        """The request's ``ToolMode``; every tool's ``parameters`` checked first
+        (``check_parameters``), whatever the choice.
+
+        Raises:
+            OpenAIError: 400 for a tool_choice without tools or naming an unknown one, or a
+                ``parameters`` that is no valid JSON schema.
+        """
         choice = self.tool_choice
         parallel = self.parallel_tool_calls is not False
         if not self.tools:
@@ -88,6 +97,9 @@ class ToolFields(BaseModel):
                     "tool_choice needs tools", param="tool_choice", code="invalid_value"
                 )
             return ToolMode("off")
+        for i, tool in enumerate(self.tools):
+            if tool.function.parameters is not None:
+                check_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
         if isinstance(choice, NamedToolChoice):
             name = choice.function.name
             if name not in {t.function.name for t in self.tools}:
@@ -141,6 +153,34 @@ class ToolFields(BaseModel):
         if not mode.parallel:
             schema["maxItems"] = 1
         return ("tools", {"json": schema})
+
+
+def check_parameters(schema: dict[str, Any], param: str) -> None:
+    """Check a tool's ``parameters`` against the JSON Schema meta-schema of its ``$schema``
+    (Draft 2020-12 without one), as OpenAI refuses an invalid function schema with any
+    ``tool_choice``. Structure only, no grammar compile (that is for a ``required`` or named
+    choice, whose constraint the generator builds) and no ``format`` checks (a ``pattern``
+    is ECMA-262, which Python's ``re`` would misjudge).
+
+    Raises:
+        OpenAIError: 400 ``invalid_value`` naming ``param``, with jsonschema's reason.
+    """
+    declared = schema.get("$schema")
+    cls = validator_for(schema, Draft202012Validator) if isinstance(declared, str) else None
+    try:
+        (cls or Draft202012Validator).check_schema(schema, format_checker=None)
+    except SchemaError as exc:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.path)[1:]
+        reason = exc.message if len(exc.message) <= 200 else exc.message[:197] + "..."
+        raise OpenAIError(
+            f"{param} is not a valid JSON schema: {reason} (at {where or 'its root'})",
+            param=param,
+            code="invalid_value",
+        ) from None
+    except RecursionError:
+        raise OpenAIError(
+            f"{param} is nested too deeply", param=param, code="invalid_value"
+        ) from None
 
 
 # Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
@@ -255,6 +295,7 @@ __all__ = [
     "ToolDef",
     "ToolFields",
     "ToolMode",
+    "check_parameters",
     "complete_items",
     "constrained_calls",
 ]

@@ -5,7 +5,8 @@ tiny random-weight Qwen3, the openai SDK and LangChain as clients):
   validates, streamed and not, greedy and sampled, batched with unconstrained requests whose
   outputs equal their outputs alone; vLLM's guided_regex / guided_choice / guided_grammar and
   ``structured_outputs`` match.
-- An invalid schema, pattern or tool parameters schema is a 400 naming the client's field.
+- An invalid schema, pattern or tool parameters schema is a 400 naming the client's field (a
+  tool's parameters schema with any ``tool_choice``).
 - ``tool_choice`` named / ``required``: the arguments validate against the tool's parameters
   schema, non-streamed as ``message.tool_calls`` and streamed as OpenAI's deltas (id, type and
   name first, then argument fragments), with OpenAI's finish_reason; ``parallel_tool_calls``
@@ -189,6 +190,25 @@ def test_an_invalid_constraint_is_a_400_naming_the_field(client, sidecar, extra,
     assert info.value.body["param"] == param, info.value.body
     assert "structured_outputs." not in info.value.body["message"], info.value.body  # its name
     assert "<state>" not in info.value.body["message"], info.value.body  # no parser internals
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none"])
+def test_an_invalid_tool_parameters_schema_is_a_400_with_any_tool_choice(
+    client, sidecar, tool_choice
+):
+    """OpenAI refuses an invalid function parameters schema also when no choice forces the
+    tool (nothing compiles it then): checked against the JSON Schema meta-schema."""
+    bad = {"type": "object", "properties": {"days": {"type": "integer", "minimum": "one"}}}
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": bad}}]
+    extra = {} if tool_choice is None else {"tool_choice": tool_choice}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=sidecar.model_name, messages=USER, max_tokens=2, tools=tools, **extra
+        )
+    body = info.value.body
+    assert info.value.status_code == 400 and body["code"] == "invalid_value", body
+    assert body["param"] == "tools[1].function.parameters", body
+    assert "properties.days.minimum" in body["message"], body  # where in the schema
 
 
 def _check_calls(calls, parallel: bool) -> None:
