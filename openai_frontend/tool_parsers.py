@@ -7,7 +7,8 @@ One parser per template family, behind a registry (``TOOL_PARSERS``, chosen with
   without tools, ``tritonllm.tokenization.tools``): each call is
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; text outside the blocks is
   content. Streamed incrementally: content up to a ``<tool_call>`` tag, then the call's name as
-  soon as it is complete, then its arguments' JSON text as it arrives.
+  soon as it is complete, then its arguments' JSON text as it arrives. Whitespace around the
+  blocks is not content once the output has calls (``HermesParser``), streamed or not.
 - ``llama3_json``: Llama 3.x JSON calls: the whole output is ``{"name": ..., "parameters":
   {...}}`` (several separated by ``;``); an output that does not start with ``{`` is content.
   Streamed once complete (the output is held while it may be a call).
@@ -128,7 +129,16 @@ class _JsonValueScanner:
 
 
 class HermesParser(ToolParser):
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (module docstring)."""
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (module docstring).
+
+    Content is the text outside the blocks (and any block that is no valid call). Once the
+    output has a call, content is trimmed as ``str.strip`` would trim it: the ``"\\n"`` between
+    two blocks, after the last one or before the first text after a call is no content, so
+    an output of calls alone has none, streamed or not. Streamed, a whitespace run is held
+    until text that is not whitespace follows (then it is content) or the output ends (then it
+    is content only when there was no call). Whitespace before text that precedes the first
+    call is content (it goes out before any call is known), whole output or streamed alike.
+    """
 
     def __init__(self) -> None:
         self._buf = ""  # text not yet emitted or decided
@@ -138,6 +148,20 @@ class HermesParser(ToolParser):
         self._named = False
         self._args: _JsonValueScanner | None = None
         self._args_text = ""
+        self._space = ""  # content whitespace held (see the class docstring)
+        self._wrote = False  # any content other than whitespace emitted
+
+    def _content(self, out: ParsedDelta, text: str) -> None:
+        """Emit ``text`` (outside the blocks) as content, holding its trailing whitespace."""
+        text = self._space + text
+        end = len(text.rstrip())
+        body, self._space = text[:end], text[end:]
+        if not body:
+            return
+        if not self._wrote and self._index >= 0:
+            body = body.lstrip()  # the first text after a call: its separating whitespace
+        self._wrote = True
+        out.content += body
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
@@ -147,10 +171,10 @@ class HermesParser(ToolParser):
                 at = self._buf.find(_START)
                 if at < 0:
                     keep = _held_prefix(self._buf, _START)
-                    out.content += self._buf[: len(self._buf) - keep]
+                    self._content(out, self._buf[: len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep :]
                     break
-                out.content += self._buf[:at]
+                self._content(out, self._buf[:at])
                 self._buf = self._buf[at + len(_START) :]
                 self._in_call, self._raw, self._named = True, _START, False
                 self._args, self._args_text = None, ""
@@ -166,7 +190,7 @@ class HermesParser(ToolParser):
             if match is None:
                 end = self._buf.find(_END)
                 if end >= 0:  # a block without a recognisable call: content
-                    out.content += self._raw + self._buf[: end + len(_END)]
+                    self._content(out, self._raw + self._buf[: end + len(_END)])
                     self._buf = self._buf[end + len(_END) :]
                     self._in_call = False
                     return True
@@ -198,10 +222,12 @@ class HermesParser(ToolParser):
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
         if self._in_call and not self._named:
-            out.content = self._raw + self._buf  # an unfinished block that named no call
+            self._content(out, self._raw + self._buf)  # an unfinished block that named no call
         elif not self._in_call:
-            out.content = self._buf
-        self._buf = ""
+            self._content(out, self._buf)
+        if self._index < 0:
+            out.content += self._space  # no calls: the content exactly as generated
+        self._buf = self._space = ""
         return out
 
 

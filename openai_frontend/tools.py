@@ -20,6 +20,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import validator_for
 from pydantic import BaseModel, ConfigDict, StrictBool
 
 from .errors import OpenAIError
@@ -79,7 +82,13 @@ class ToolFields(BaseModel):
     parallel_tool_calls: StrictBool | None = None
 
     def tool_mode(self) -> ToolMode:
-        """Raises: OpenAIError 400 for a tool_choice without tools or naming an unknown one."""
+        """The request's ``ToolMode``; every tool's ``parameters`` checked first
+        (``check_parameters``), whatever the choice.
+
+        Raises:
+            OpenAIError: 400 for a tool_choice without tools or naming an unknown one, or a
+                ``parameters`` that is no valid JSON schema.
+        """
         choice = self.tool_choice
         parallel = self.parallel_tool_calls is not False
         if not self.tools:
@@ -88,6 +97,9 @@ class ToolFields(BaseModel):
                     "tool_choice needs tools", param="tool_choice", code="invalid_value"
                 )
             return ToolMode("off")
+        for i, tool in enumerate(self.tools):
+            if tool.function.parameters is not None:
+                check_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
         if isinstance(choice, NamedToolChoice):
             name = choice.function.name
             if name not in {t.function.name for t in self.tools}:
@@ -143,6 +155,34 @@ class ToolFields(BaseModel):
         return ("tools", {"json": schema})
 
 
+def check_parameters(schema: dict[str, Any], param: str) -> None:
+    """Check a tool's ``parameters`` against the JSON Schema meta-schema of its ``$schema``
+    (Draft 2020-12 without one), as OpenAI refuses an invalid function schema with any
+    ``tool_choice``. Structure only, no grammar compile (that is for a ``required`` or named
+    choice, whose constraint the generator builds) and no ``format`` checks (a ``pattern``
+    is ECMA-262, which Python's ``re`` would misjudge).
+
+    Raises:
+        OpenAIError: 400 ``invalid_value`` naming ``param``, with jsonschema's reason.
+    """
+    declared = schema.get("$schema")
+    cls = validator_for(schema, Draft202012Validator) if isinstance(declared, str) else None
+    try:
+        (cls or Draft202012Validator).check_schema(schema, format_checker=None)
+    except SchemaError as exc:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.path)[1:]
+        reason = exc.message if len(exc.message) <= 200 else exc.message[:197] + "..."
+        raise OpenAIError(
+            f"{param} is not a valid JSON schema: {reason} (at {where or 'its root'})",
+            param=param,
+            code="invalid_value",
+        ) from None
+    except RecursionError:
+        raise OpenAIError(
+            f"{param} is nested too deeply", param=param, code="invalid_value"
+        ) from None
+
+
 # Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 # Keywords whose values map names (any names, "default" included) to schemas.
@@ -171,20 +211,74 @@ def _rebase_refs(schema: Any, base: str) -> Any:
     return out
 
 
-def constrained_calls(mode: ToolMode, text: str) -> list[ToolCall] | None:
-    """The tool calls of a ``required`` or named choice's whole output, or None when it does
-    not parse (a generation cut by max_tokens)."""
-    if mode.kind == "named":
-        try:
-            json.loads(text)
-        except json.JSONDecodeError:
-            return None
-        return [ToolCall(new_call_id(), mode.name or "", text)]
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
+_DECODER = json.JSONDecoder()
+_SPACE = frozenset(" \t\n\r")  # JSON's whitespace
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in _SPACE:
+        pos += 1
+    return pos
+
+
+def complete_items(text: str) -> list[Any] | None:
+    """The complete items of a JSON array that may be cut short (an output that
+    ``max_tokens`` or a stop string ended): every item decoded in full, in order; the item the
+    text ends inside is dropped. Each item is decoded with ``json.JSONDecoder.raw_decode``,
+    which never accepts part of an object, array, string or literal; a number the text ends
+    on may be cut, so it is dropped too. An item that does not decode is taken as the cut one
+    (an output under the array's grammar has no other).
+
+    Returns:
+        the items (``[]`` for an empty or whitespace-only text, or a text that ends before the
+        first item is complete); None when ``text`` is not a JSON array, nor the start of one
+        (JSON other than an array, a separator that is no ``,``, text after the ``]``).
+    """
+    pos = _skip_space(text, 0)
+    if pos == len(text):
+        return []
+    if text[pos] != "[":
         return None
-    if not isinstance(items, list):
+    items: list[Any] = []
+    pos = _skip_space(text, pos + 1)
+    if text.startswith("]", pos):
+        return [] if _skip_space(text, pos + 1) == len(text) else None
+    while pos < len(text):
+        try:
+            item, pos = _DECODER.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return items  # the text ends inside this item (the grammar allows nothing else)
+        pos = _skip_space(text, pos)
+        if pos == len(text):
+            if not isinstance(item, int | float) or isinstance(item, bool):
+                items.append(item)
+            break
+        items.append(item)
+        if text[pos] == "]":
+            return items if _skip_space(text, pos + 1) == len(text) else None
+        if text[pos] != ",":
+            return None
+        pos = _skip_space(text, pos + 1)
+    return items
+
+
+def constrained_calls(mode: ToolMode, text: str) -> list[ToolCall] | None:
+    """The tool calls of a ``required`` or named choice's output, also of one cut short by
+    ``max_tokens`` (finish_reason ``length``), as vLLM parses a partial output:
+
+    - named: the one call, its arguments the text as generated (incomplete JSON when cut, as
+      OpenAI and vLLM return it, and as it was streamed);
+    - required: a call per complete item of the JSON array (``complete_items``): the item
+      the output was cut inside is dropped, so a cut array keeps the calls it completed (none,
+      when cut inside the first).
+
+    Returns None only for an output that is no array of ``{"name", "parameters"}`` calls,
+    which the grammar never lets through (the caller then returns it as content).
+    """
+    if mode.kind == "named":
+        return [ToolCall(new_call_id(), mode.name or "", text)]
+    items = complete_items(text)
+    if items is None:
         return None
     calls = []
     for item in items:
@@ -201,5 +295,7 @@ __all__ = [
     "ToolDef",
     "ToolFields",
     "ToolMode",
+    "check_parameters",
+    "complete_items",
     "constrained_calls",
 ]

@@ -295,6 +295,20 @@ def test_an_invalid_constraint_is_a_request_error_naming_its_field(kind, spec):
     assert info.value.param == f"structured_outputs.{kind}"
 
 
+def test_a_constraint_names_the_clients_field_without_splitting_the_grammar_cache():
+    """The field a client gave the constraint as is what its errors name (also the ones
+    found later, while generating), yet the same constraint under two names is one cache key."""
+    param = "sampling_parameters.guided_decoding.regex"
+    named = StructuredOutputs.from_wire({"regex": "[a-z]+"}, "sampling_parameters.guided_decoding")
+    assert named.param == param
+    plain = StructuredOutputs("regex", "[a-z]+")
+    assert plain.param == "structured_outputs.regex"
+    assert named == plain and hash(named) == hash(plain)
+    with pytest.raises(RequestError) as info:
+        StructuredOutputs.build("regex", "[a-z", param)
+    assert info.value.param == param and info.value.message.startswith(param)
+
+
 def test_properties_come_in_the_schemas_order(tiny_model_dir, tok):
     schema = {
         "type": "object",

@@ -5,11 +5,14 @@ tiny random-weight Qwen3, the openai SDK and LangChain as clients):
   validates, streamed and not, greedy and sampled, batched with unconstrained requests whose
   outputs equal their outputs alone; vLLM's guided_regex / guided_choice / guided_grammar and
   ``structured_outputs`` match.
-- An invalid schema, pattern or tool parameters schema is a 400 naming the client's field.
+- An invalid schema, pattern or tool parameters schema is a 400 naming the client's field (a
+  tool's parameters schema with any ``tool_choice``).
 - ``tool_choice`` named / ``required``: the arguments validate against the tool's parameters
   schema, non-streamed as ``message.tool_calls`` and streamed as OpenAI's deltas (id, type and
   name first, then argument fragments), with OpenAI's finish_reason; ``parallel_tool_calls``
-  false gives one call; a history with assistant tool calls and tool results is rendered.
+  false gives one call; a history with assistant tool calls and tool results is rendered;
+  a ``required`` array cut by ``max_tokens`` keeps the calls it completed (finish_reason
+  ``length``, no content), streamed and not.
 - The openai SDK's ``chat.completions.parse`` and LangChain's ``with_structured_output``
   (json_schema and function_calling) and ``bind_tools`` return valid objects.
 """
@@ -189,6 +192,25 @@ def test_an_invalid_constraint_is_a_400_naming_the_field(client, sidecar, extra,
     assert "<state>" not in info.value.body["message"], info.value.body  # no parser internals
 
 
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none"])
+def test_an_invalid_tool_parameters_schema_is_a_400_with_any_tool_choice(
+    client, sidecar, tool_choice
+):
+    """OpenAI refuses an invalid function parameters schema also when no choice forces the
+    tool (nothing compiles it then): checked against the JSON Schema meta-schema."""
+    bad = {"type": "object", "properties": {"days": {"type": "integer", "minimum": "one"}}}
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": bad}}]
+    extra = {} if tool_choice is None else {"tool_choice": tool_choice}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=sidecar.model_name, messages=USER, max_tokens=2, tools=tools, **extra
+        )
+    body = info.value.body
+    assert info.value.status_code == 400 and body["code"] == "invalid_value", body
+    assert body["param"] == "tools[1].function.parameters", body
+    assert "properties.days.minimum" in body["message"], body  # where in the schema
+
+
 def _check_calls(calls, parallel: bool) -> None:
     assert calls and (parallel or len(calls) == 1)
     for call in calls:
@@ -258,6 +280,76 @@ def test_forced_tool_calls_stream_as_openai_deltas(client, sidecar, choice):
         assert [c["name"] for c in calls.values()] == ["get_weather"]
 
 
+# Tools whose calls are ASCII JSON (enums and integers), so the token texts join to the output.
+DAYS = {
+    "type": "object",
+    "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["days"],
+    "additionalProperties": False,
+}
+ASCII_TOOLS = [
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+    {"type": "function", "function": {"name": "get_days", "parameters": DAYS}},
+]
+
+
+def _required_call(client, sidecar, seed, max_tokens, stream=False):
+    """A ``required`` choice sampled with ``seed``: (calls as (name, arguments) pairs, content,
+    finish_reason, token texts, or None streamed)."""
+    kwargs = dict(
+        model=sidecar.model_name,
+        messages=USER,
+        tools=ASCII_TOOLS,
+        tool_choice="required",
+        max_tokens=max_tokens,
+        temperature=1.0,
+        seed=seed,
+    )
+    if not stream:
+        (c,) = client.chat.completions.create(logprobs=True, **kwargs).choices
+        calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+        tokens = [t.token for t in c.logprobs.content]
+        return calls, c.message.content, c.finish_reason, tokens
+    calls, content, reason = {}, "", None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for d in delta.tool_calls or []:
+            if d.id is not None:
+                calls[d.index] = (d.function.name, "")
+            calls[d.index] = (calls[d.index][0], calls[d.index][1] + d.function.arguments)
+        reason = chunk.choices[0].finish_reason or reason
+    return [calls[i] for i in sorted(calls)], content, reason, None
+
+
+def test_a_required_array_cut_by_max_tokens_keeps_its_complete_calls(client, sidecar):
+    """OpenAI's and vLLM's answer to a tool-call array cut by max_tokens (finish_reason
+    "length"): the calls it completed in tool_calls, the cut one dropped, no content (not the
+    array's text), streamed and not. Oracle: the same seeded request uncut (its output starts
+    with the cut one's tokens), whose items end where their compact JSON ends."""
+    for seed in range(32):  # a seed whose array has two calls or more
+        full_calls, _, reason, tokens = _required_call(client, sidecar, seed, MAX_TOKENS)
+        if len(full_calls) >= 2:
+            break
+    assert reason == "tool_calls" and len(full_calls) >= 2, (seed, full_calls)
+    items = [f'{{"name": "{name}", "parameters": {args}}}' for name, args in full_calls]
+    # The compact JSON of the grammar, then the stop token the grammar allowed once complete.
+    assert "".join(tokens[:-1]) == "[" + ", ".join(items) + "]", tokens
+    first_end = 1 + len(items[0])
+    ends = [len("".join(tokens[:k])) for k in range(len(tokens) + 1)]
+    cuts = {
+        0: next(k for k, end in enumerate(ends) if end >= first_end // 2),  # in the first call
+        1: next(k for k, end in enumerate(ends) if end >= first_end + 4),  # in the second
+    }
+    assert ends[cuts[1]] < first_end + 2 + len(items[1])
+    for complete, k in cuts.items():
+        calls, content, reason, cut_tokens = _required_call(client, sidecar, seed, k)
+        assert cut_tokens == tokens[:k]  # the oracle's premise: a prefix of the uncut output
+        assert (calls, content, reason) == (full_calls[:complete], None, "length"), k
+        calls, content, reason, _ = _required_call(client, sidecar, seed, k, stream=True)
+        assert (calls, content, reason) == (full_calls[:complete], "", "length"), k
+
+
 def test_tool_call_history_is_rendered_into_the_prompt(client, sidecar):
     history = [
         *USER,
@@ -320,3 +412,24 @@ def test_langchain_structured_output_and_bound_tools(sidecar):
     assert message.tool_calls
     for call in message.tool_calls:
         jsonschema.validate(call["args"], PARAMS[call["name"]])
+
+
+def test_a_named_call_cut_by_max_tokens_keeps_its_arguments_as_streamed(client, sidecar):
+    """A named choice cut by max_tokens: its call with the arguments generated so far (the
+    same text its stream sent), not content; finish_reason "length"."""
+    kwargs = dict(
+        model=sidecar.model_name,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=3,
+        temperature=0.0,
+    )
+    (c,) = client.chat.completions.create(**kwargs).choices
+    assert c.finish_reason == "length" and c.message.content is None
+    ((name, arguments),) = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+    streamed = ""
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            streamed += d.function.arguments
+    assert name == "get_time" and arguments == streamed and arguments.startswith("{")

@@ -1,8 +1,9 @@
 """Tool calling's parts without a server: the tool-call parsers (each supported template
 family, whole outputs and streamed in any split, OpenAI's delta order: id, type and name first,
-then argument fragments; a block that is no valid call stays content) and the chat rendering of
-tools and tool-call history (the Qwen3 template renders them; a template without tools gets
-the Hermes-format fallback messages)."""
+then argument fragments; a block that is no valid call stays content; streamed token by token,
+the same content as the whole output, without the whitespace around calls) and the chat
+rendering of tools and tool-call history (the Qwen3 template renders them; a template without
+tools gets the Hermes-format fallback messages)."""
 
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def test_parsers_read_each_familys_calls_whole_and_streamed_alike(family):
 
 def test_hermes_streams_name_before_arguments_and_holds_a_split_tag():
     parser = get_tool_parser("hermes")
-    assert parser.feed("Hi <tool_").content == "Hi "  # the tag's start is held, not content
+    # the tag's start is held, not content (and the space before it, until text follows)
+    assert parser.feed("Hi <tool_").content == "Hi"
     out = parser.feed('call>{"name": "f", "arguments": {"a"')
     assert out.content == "" and out.calls[0].name == "f"
     rest = parser.feed(": 1}}</tool_call> bye")
@@ -99,6 +101,80 @@ def test_hermes_streams_name_before_arguments_and_holds_a_split_tag():
 def test_hermes_text_without_a_valid_call_is_content(text):
     content, calls = parse_output(get_tool_parser("hermes"), text)
     assert calls == [] and content == text
+
+
+def _call(name: str, arguments: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+A_CALL, B_CALL = _call("get_weather", WEATHER), _call("get_time", {"tz": "CET"})
+# (a model's output, its content): OpenAI's content of an output with calls has no whitespace
+# that only separates or trails them; an output without calls is content exactly as generated.
+WHITESPACE_CASES = [
+    (A_CALL + "\n" + B_CALL, ""),  # QA D7: a "\n" content chunk between two streamed calls
+    ("\n" + A_CALL + "\n\n" + B_CALL + "\n", ""),
+    ("Let me check.\n" + A_CALL + "\n" + B_CALL + "\n", "Let me check."),
+    (A_CALL + "\n\nDone.\n", "Done."),
+    ("A\n" + A_CALL + "\nB \n" + B_CALL + "\n", "A\n\nB"),
+    ("<tool_call>not json</tool_call>\n" + A_CALL + "\n", "<tool_call>not json</tool_call>"),
+    ("\n\nSure.\n" + A_CALL, "\n\nSure."),  # sent before any call is known
+    ("\n  no calls, spaces kept \n\n", "\n  no calls, spaces kept \n\n"),
+    (" \n ", " \n "),
+]
+
+
+def _token_pieces(tokenizer, text: str) -> list[str]:
+    """``text`` as the detokenizer streams it: one piece per token of the model's tokenizer."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces, done = [], ""
+    for i in range(len(ids)):
+        upto = tokenizer.decode(ids[: i + 1], skip_special_tokens=False)
+        pieces.append(upto[len(done) :])
+        done = upto
+    assert done == text
+    return pieces
+
+
+@pytest.mark.parametrize(("text", "expected"), WHITESPACE_CASES)
+def test_hermes_streamed_token_by_token_gives_the_whole_outputs_content(tokenizer, text, expected):
+    """Streamed and non-streamed responses agree: the same content (no whitespace-only chunk
+    between or after calls) and the same calls, fed one token (or character) at a time."""
+    content, calls = parse_output(get_tool_parser("hermes"), text)
+    assert content == expected
+    whole = [(c.name, c.arguments) for c in calls]
+    for pieces in (_token_pieces(tokenizer, text), list(text)):
+        parser = get_tool_parser("hermes")
+        chunks, deltas = [], []
+        for piece in pieces:
+            out = parser.feed(piece)
+            chunks.append(out.content)
+            deltas += out.calls
+        out = parser.finish()
+        chunks.append(out.content)
+        deltas += out.calls
+        assert "".join(chunks) == expected
+        if calls:  # no content chunk that is whitespace alone
+            assert all(chunk.strip() for chunk in chunks if chunk), chunks
+        assert [(c.name, c.arguments) for c in merge_calls(deltas)] == whole
+
+
+def test_chat_stream_and_whole_response_agree_on_content_between_calls(tokenizer):
+    """The chat route's two paths (``_ChoiceStream`` per delta, ``_choice`` whole): an output
+    of two calls separated by a newline has null content and no content delta."""
+    from openai_frontend.generation import Choice
+    from openai_frontend.routes.chat import _choice, _ChoiceStream
+    from openai_frontend.tools import ToolMode
+
+    text, mode = A_CALL + "\n" + B_CALL + "\n", ToolMode("auto")
+    whole = _choice(0, Choice(text, "stop", None), mode, "hermes")
+    assert whole.message.content is None and len(whole.message.tool_calls) == 2
+    assert whole.finish_reason == "tool_calls"
+    stream = _ChoiceStream(mode, "hermes")
+    deltas = [d for piece in _token_pieces(tokenizer, text) for d in stream.feed(piece)]
+    deltas += stream.finish()
+    assert not [d for d in deltas if "content" in d], deltas
+    names = [c["function"]["name"] for d in deltas for c in d["tool_calls"] if "id" in c]
+    assert names == [c.function.name for c in whole.message.tool_calls]
 
 
 def test_llama3_content_that_is_not_a_call_passes_through():
@@ -215,3 +291,58 @@ def test_a_required_choice_keeps_each_tools_defs_and_refs_resolvable():
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert book["properties"]["frm"] == {"$ref": "#/$defs/d"}  # the client's schema unchanged
+
+
+REQUIRED_OUT = json.dumps(
+    [
+        {"name": "get_weather", "parameters": {"city": "Pa]r{is", "days": 3}},
+        {"name": "get_time", "parameters": {"tz": "CET"}},
+    ]
+)
+
+
+def test_a_required_array_cut_anywhere_keeps_exactly_its_complete_calls():
+    """A ``required`` choice's output cut by max_tokens at every character: the calls whose
+    JSON item is complete (brackets and braces inside strings are no ends), the cut one
+    dropped; the whole array gives every call."""
+    from openai_frontend.tools import ToolMode, constrained_calls
+
+    mode = ToolMode("required")
+    items = json.loads(REQUIRED_OUT)
+    first_end = REQUIRED_OUT.index("}}") + 2  # the first item's last character, exclusive
+    second_end = REQUIRED_OUT.rindex("}}") + 2
+    for cut in range(len(REQUIRED_OUT) + 1):
+        calls = constrained_calls(mode, REQUIRED_OUT[:cut])
+        assert calls is not None, cut
+        expected = items[: (cut >= first_end) + (cut >= second_end)]
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+            (i["name"], i["parameters"]) for i in expected
+        ], cut
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", []),
+        ("  [ ] ", []),
+        ('[{"a": 1}, 12', [{"a": 1}]),  # a number the text ends on may be cut
+        ('[{"a": 1}, 12, true', [{"a": 1}, 12, True]),
+        ('[{"a": "x\\"', []),
+        ('{"a": 1}', None),  # no array
+        ('[{"a": 1} {"b": 2}]', None),  # no separator
+        ("[1] tail", None),
+    ],
+)
+def test_complete_items_of_cut_arrays(text, expected):
+    from openai_frontend.tools import complete_items
+
+    assert complete_items(text) == expected
+
+
+def test_a_cut_named_call_keeps_its_arguments_as_generated():
+    """A named choice's output is its call's arguments: cut short, they stay the call's
+    (incomplete) arguments, as streamed, never content."""
+    from openai_frontend.tools import ToolMode, constrained_calls
+
+    (call,) = constrained_calls(ToolMode("named", "get_time"), '{"tz": "C')
+    assert (call.name, call.arguments) == ("get_time", '{"tz": "C')

@@ -148,6 +148,50 @@ def test_vllm_parameters_the_service_cannot_honour_are_refused_by_name(
     assert f'"param":"{param}"' in str(error)
 
 
+@pytest.mark.parametrize("as_text", [False, True], ids=["object", "json-text"])
+def test_a_guided_decoding_error_names_the_clients_field(triton_server, as_text):
+    """vLLM's guided_decoding in sampling_parameters (an object, or its JSON text as the
+    sample client's Triton parameters need it): an error found while generating (a regex
+    past llguidance's lexer limits, QA's "b{500000}") names the field as the client sent it,
+    not the internal structured_outputs.regex, and keeps its code."""
+    guided = {"regex": "b{500000}"}
+    parameters = {"max_tokens": "4", "guided_decoding": json.dumps(guided) if as_text else guided}
+    if as_text:  # the sample client's flow: the same object also as the Triton parameters
+        _, errors = asyncio.run(
+            vllm_client_run(triton_server.grpc_url, PROMPTS[:1], True, parameters, True)
+        )
+    else:  # a dict is no Triton parameter: sampling_parameters alone
+        errors = _sampling_parameters_errors(triton_server.grpc_url, parameters)
+    (error,) = errors
+    message = str(error)
+    assert '"param":"sampling_parameters.guided_decoding.regex"' in message, message
+    assert '"code":"invalid_value"' in message, message
+    assert "structured_outputs" not in message, message
+
+
+def _sampling_parameters_errors(url, sampling_parameters):
+    """The errors of one streamed request whose sampling parameters are only its
+    ``sampling_parameters`` input."""
+    client = grpcclient.InferenceServerClient(url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put(error))
+    inputs = []
+    for name, value in (("text_input", PROMPTS[0]), ("sampling_parameters", sampling_parameters)):
+        text = value if isinstance(value, str) else json.dumps(value)
+        tensor = grpcclient.InferInput(name, [1], "BYTES")
+        tensor.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+        inputs.append(tensor)
+    client.async_stream_infer("llm", inputs, request_id="guided")
+    client.stop_stream()
+    client.close()
+    errors = []
+    while not results.empty():
+        error = results.get()
+        if error is not None:
+            errors.append(error)
+    return errors
+
+
 def test_http_generate_refuses_fields_it_would_otherwise_ignore(triton_server):
     """A TensorRT-LLM field sent to llm's HTTP generate becomes a request parameter (Triton's
     rule for JSON fields that are no input): refused by name, never ignored."""

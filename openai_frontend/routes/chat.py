@@ -3,7 +3,10 @@
 Tool calls (``tools.ToolFields``): ``auto`` outputs go through the server's tool-call parser,
 streamed as OpenAI's ``delta.tool_calls`` (a call's id, type and name first, then its
 arguments' fragments); a named choice streams its arguments as they are generated; a
-``required`` choice's JSON array is parsed once complete and sent as whole calls.
+``required`` choice's JSON array is parsed once the choice finished and sent as whole calls.
+An output cut by ``max_tokens`` (finish_reason ``length``) keeps the calls it completed, as
+vLLM's partial parse does: a ``required`` array's complete items (the cut one is dropped), a
+named call's arguments as generated; its content is null, never the array's text.
 """
 
 from __future__ import annotations
@@ -84,12 +87,13 @@ def _choice(index: int, c: Choice, mode: ToolMode, parser: str) -> ChatChoice:
     content: str | None = c.text
     calls: list[ParsedCall] | None = None
     if mode.kind == "auto":
+        # The parser's content, whitespace around the calls left out (as streamed: HermesParser).
         content, calls = parse_output(get_tool_parser(parser), c.text)
         calls = calls[:1] if calls and not mode.parallel else calls
-        content = content.strip() or None if calls else content
+        content = content or None if calls else content
     elif mode.kind in ("named", "required"):
         calls = constrained_calls(mode, c.text)
-        content = None if calls else c.text
+        content = None if calls is not None else c.text
     tool_calls = None
     if calls:
         tool_calls = [
@@ -140,9 +144,9 @@ class _ChoiceStream:
             return []
         text = "".join(self.buffer)
         calls = constrained_calls(self.mode, text)
-        if not calls:
+        if calls is None:
             return [{"content": text}] if text else []
-        self.called = True
+        self.called = bool(calls)
         return [
             _calls_delta([ToolCallDelta(i, c.arguments, c.id, c.name)]) for i, c in enumerate(calls)
         ]

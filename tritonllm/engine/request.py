@@ -160,7 +160,8 @@ class RequestOutput:
         error: the message when finish_reason is "error".
         error_code, error_param: with ``error``, an ``ErrorCode`` value and the parameter at
             fault when the request itself caused it (a constraint that breaks while
-            generating: ``invalid_value``, ``structured_outputs.<kind>``); None: the server failed.
+            generating: ``invalid_value``, its ``StructuredOutputs.param``, the field as the
+            client gave it); None: the server failed.
         trim_chars: characters to drop from the end of the text of `new_token_ids` (decoded
             after all earlier ones) so the output ends just before a matched stop string; 0
             unless a stop string ended the request (see `engine/stop_strings.py`).

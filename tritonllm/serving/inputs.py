@@ -146,7 +146,11 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def merge_sampling_values(sources: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """One dict of sampling fields from several sources (source name -> its fields).
+    """One dict of sampling fields from several sources (source name -> its fields, in the
+    order given). A field given by several sources keeps the first one's value (the others
+    are equal to it), so errors about it name the field as that source gave it (a
+    constraint's ``sampling_parameters.guided_decoding.regex`` rather than its copy in the
+    request's parameters).
 
     Raises:
         RequestError: (``invalid_value``) a field that two sources give different values.
@@ -155,14 +159,15 @@ def merge_sampling_values(sources: Mapping[str, Mapping[str, Any]]) -> dict[str,
     origin: dict[str, str] = {}
     for source, values in sources.items():
         for name, value in values.items():
-            if name in merged and not _same(merged[name], value):
+            if name not in merged:
+                merged[name], origin[name] = value, source
+            elif not _same(merged[name], value):
                 raise RequestError(
                     ErrorCode.INVALID_VALUE,
                     name,
                     f"{name} is given twice with different values ({origin[name]}: "
                     f"{short_repr(merged[name])}, {source}: {short_repr(value)})",
                 )
-            merged[name], origin[name] = value, source
     return merged
 
 

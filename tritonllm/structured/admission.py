@@ -99,7 +99,8 @@ class ConstraintAdmission:
         detail = None if constraint is None else constraint.error()
         if detail is not None:
             spec = req.params.structured_outputs
-            param = "structured_outputs" if spec is None else spec.param  # as a compile error's
+            # The client's field, as a validation error names it (StructuredOutputs.param).
+            param = "structured_outputs" if spec is None else spec.param
             return RequestError(
                 ErrorCode.INVALID_VALUE,
                 param,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tritonllm.contract import limits
@@ -59,13 +59,19 @@ class StructuredOutputs:
         spec: ``json``: the schema as canonical JSON text (sorted keys, compact); ``regex``:
             the pattern; ``choice``: the choices as a JSON list; ``grammar``: the EBNF text;
             ``json_object``: ``""``.
+        client_param: the request field the client gave it as (``guided_regex``'s wire name
+            ``structured_outputs.regex``, ``sampling_parameters.guided_decoding.regex``), which
+            every error about it names (``param``); None: ``structured_outputs.<kind>``. Data
+            about the request, not the constraint: equality and the hash (the grammar cache's
+            key) leave it out.
     Raises:
-        RequestError: (``invalid_value``, param ``structured_outputs.<kind>``) an unknown kind,
-            or a schema / pattern / grammar that llguidance refuses (its reason quoted).
+        RequestError: (``invalid_value``, param ``param``) an unknown kind, or a schema /
+            pattern / grammar that llguidance refuses (its reason quoted).
     """
 
     kind: str
     spec: str = ""
+    client_param: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -86,8 +92,9 @@ class StructuredOutputs:
 
     @property
     def param(self) -> str:
-        """The parameter errors about it name (``structured_outputs.json``, ...)."""
-        return f"structured_outputs.{self.kind}"
+        """The parameter errors about it name: ``client_param``, or ``structured_outputs.<kind>``
+        (``structured_outputs.json``, ...)."""
+        return self.client_param or f"structured_outputs.{self.kind}"
 
     def grammar(self) -> str:
         """The llguidance grammar (its JSON text) of this constraint, not yet validated (the
@@ -194,11 +201,7 @@ class StructuredOutputs:
             text = spec
         else:
             raise _invalid(param, f"kind must be one of {', '.join(KINDS)}")
-        try:
-            return cls(kind, text)
-        except RequestError as exc:  # named by the client's own field
-            message = exc.message.replace(str(exc.param), param, 1)
-            raise RequestError(exc.code, param, message) from None
+        return cls(kind, text, param)  # its errors, now and while generating, name ``param``
 
 
 # Keywords whose value is one subschema / a list of them / a map of names to them.
