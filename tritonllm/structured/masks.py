@@ -113,7 +113,7 @@ class TokenMaskBuffers:
         host_rows.numpy()[:] = rows
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        constraints = [r.constraint for r in reqs]
+        constraints = [r.constraint for r in reqs if r.constraint is not None]
         done = self._filler.submit(
             fill_bitmasks, host, list(range(len(rows))), constraints, self._executor
         )
