@@ -130,32 +130,6 @@ def test_generated_schemas_validate_with_overlap_and_mixed_steps_and_neighbours_
     assert serial == together
 
 
-def test_deferred_sampling_gives_the_same_outputs_and_runs_under_overlap(
-    tiny_model_dir, tok, monkeypatch
-):
-    """A grammar step's sampling is deferred (the masks fill on the mask thread while the
-    engine commits the step and builds the next one's inputs): the outputs equal those of the
-    same run with the deferral off, token for token, seeded sampling included."""
-    from tritonllm.engine import model_runner
-
-    constrained, plain = _schema_workload(tok)
-    late = {rid for rid, _, _ in constrained[::2]} | {"p1"}
-    engine = _engine(tiny_model_dir, overlap_schedule=True, mixed_steps=True)
-    launched = []
-    deferred = engine.runner._deferred_sampling
-    monkeypatch.setattr(
-        engine.runner, "_deferred_sampling", lambda *a: launched.append(1) or deferred(*a)
-    )
-    outs = _run(engine, constrained + plain, late)
-    assert len(launched) > 20  # every step with a grammar row deferred its sampling
-    _check_schema_outputs(tok, outs)
-    monkeypatch.setattr(model_runner, "_defers_sampling", lambda reqs: False)
-    reference = _run(
-        _engine(tiny_model_dir, overlap_schedule=True, mixed_steps=True), constrained + plain, late
-    )
-    assert reference == outs
-
-
 def test_overlap_waits_only_for_history_dependent_constraints(tiny_model_dir, tok):
     engine = _engine(tiny_model_dir, overlap_schedule=True)
     decisions: list[bool] = []

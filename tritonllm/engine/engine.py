@@ -193,7 +193,6 @@ class LLMEngine:
             # `_requests`: keep them so `abort_all` still delivers them and no request is lost.
             self._pending[:0] = outputs
             self._in_flight = None
-            self.runner.discard_deferred()
             raise
         return outputs
 

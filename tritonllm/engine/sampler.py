@@ -48,7 +48,7 @@ import torch
 from tritonllm.engine.request import Request
 from tritonllm.layers.fused import use_fused
 from tritonllm.sampling_params import SamplingParams
-from tritonllm.structured.masks import MaskFill, TokenMaskBuffers
+from tritonllm.structured.masks import TokenMaskBuffers
 
 
 def exponential_(out: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -152,22 +152,9 @@ class Sampler:
         gen.manual_seed(seed)
         return gen
 
-    def start_masks(self, vocab: int, reqs: list[Request]) -> MaskFill | None:
-        """Start filling the token masks of a step's ``reqs`` (rows of ``[B, vocab]`` logits)
-        on the mask thread, for a later `sample_device(..., masks=)`; None when no row is
-        constrained."""
-        masked = [i for i, r in enumerate(reqs) if r.constraint is not None and not r.finish_reason]
-        if not masked:
-            return None
-        return self._masks.start(vocab, masked, [reqs[i] for i in masked])
-
     @torch.inference_mode()
     def sample_device(
-        self,
-        logits: torch.Tensor,
-        reqs: list[Request],
-        ids_to_device: IdsToDevice | None = None,
-        masks: MaskFill | None = None,
+        self, logits: torch.Tensor, reqs: list[Request], ids_to_device: IdsToDevice | None = None
     ) -> DeviceSamples:
         """Sample the next token of each request without a host sync.
 
@@ -178,8 +165,6 @@ class Sampler:
             ids_to_device: maps a request's token ids to a device tensor (the model runner's
                 version resolves ids that are still on the device under overlap scheduling);
                 default: a plain copy.
-            masks: the step's token masks from `start_masks` (then they are applied, not
-                filled here), or None: filled and applied here.
 
         Returns:
             the samples, on the device.
@@ -188,10 +173,9 @@ class Sampler:
         if ids_to_device is None:
             ids_to_device = lambda ids: to_device(ids, torch.int64, device)  # noqa: E731
         params = [r.params for r in reqs]
-        if masks is None:
-            masks = self.start_masks(logits.shape[1], reqs)
-        if masks is not None:
-            self._masks.finish(logits, masks)
+        masked = [i for i, r in enumerate(reqs) if r.constraint is not None and not r.finish_reason]
+        if masked:
+            self._masks.apply(logits, masked, [reqs[i] for i in masked])
         penalised = [i for i, r in enumerate(reqs) if r.uses_penalties]
         fast = use_fused(self.fused, logits) and _is_plain(logits, reqs)
         if fast and not penalised:

@@ -7,16 +7,10 @@ on CUDA, so nothing waits for the device) and masks those rows of the logits in 
 with `kernels.token_bitmask.apply_token_bitmask` (one Triton kernel), elsewhere with
 `apply_token_bitmask_torch`. Two host buffers serve alternate steps: a buffer is refilled two
 steps later, after the engine has waited for the step that uploaded it, so its copy is done.
-
-The fill runs on a thread of its own (`start`: llguidance fills outside the GIL, on its
-executor's threads), so the engine thread can prepare the next step meanwhile; `finish` waits
-for it and applies the masks (`apply` is both at once).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,23 +52,8 @@ def apply_token_bitmask_torch(
         logits[row].masked_fill_(disallowed[i], float("-inf"))
 
 
-@dataclass
-class MaskFill:
-    """Token masks being filled for one step (`TokenMaskBuffers.start`).
-
-    Attributes:
-        host: ``[N, W]`` int32 host bitmasks (pinned on CUDA), row ``i`` for ``rows[i]``.
-        rows: ``[N]`` int32 host logits row of each mask.
-        done: the fill (on the buffers' thread); its exception is the fill's.
-    """
-
-    host: torch.Tensor
-    rows: torch.Tensor
-    done: Future[None]
-
-
 class TokenMaskBuffers:
-    """Host bitmask buffers, the fill thread and the llguidance executor of one sampler.
+    """Host bitmask buffers and the llguidance executor of one sampler.
 
     Args:
         device: where the logits are.
@@ -86,7 +65,6 @@ class TokenMaskBuffers:
         self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
         self._next = 0
         self._executor: Any = None
-        self._filler = ThreadPoolExecutor(1, thread_name_prefix="tritonllm-masks")
 
     def _buffer(self, batch: int, words: int) -> tuple[torch.Tensor, torch.Tensor]:
         index, self._next = self._next, self._next ^ 1
@@ -101,44 +79,28 @@ class TokenMaskBuffers:
             self._buffers[index] = buf
         return buf[0][:batch], buf[1][:batch]
 
-    def start(self, vocab: int, rows: list[int], reqs: list[Request]) -> MaskFill:
-        """Start filling the masks of logits rows ``rows`` (of a ``[B, vocab]`` step) by the
-        constraints of ``reqs`` (row ``rows[i]`` is ``reqs[i]``'s, each with a
-        `TokenConstraint`) on the fill thread. Until `finish`, the caller must not use these
-        requests' constraints."""
+    def apply(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
+        """Mask rows ``rows`` of ``logits`` (``[B, vocab]``, float32 / bfloat16 / float16, in
+        place: a disallowed token's logit becomes -inf) by the constraints of ``reqs`` (row
+        ``rows[i]`` is ``reqs[i]``'s, each with a `TokenConstraint`). No host sync."""
         import llguidance
 
+        vocab = logits.shape[1]
         host, host_rows = self._buffer(len(rows), bitmask_words(vocab))
         host.numpy()[:] = -1  # every token allowed until a constraint clears it
         host_rows.numpy()[:] = rows
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        constraints = [r.constraint for r in reqs if r.constraint is not None]
-        done = self._filler.submit(
-            fill_bitmasks, host, list(range(len(rows))), constraints, self._executor
-        )
-        return MaskFill(host, host_rows, done)
-
-    def finish(self, logits: torch.Tensor, fill: MaskFill) -> None:
-        """Wait for ``fill`` and mask its rows of ``logits`` (``[B, vocab]``, float32 /
-        bfloat16 / float16, in place: a disallowed token's logit becomes -inf). No host sync.
-
-        Raises:
-            Exception: the fill's own (an engine bug: constraints are checked when compiled).
-        """
-        fill.done.result()
+        constraints = [r.constraint for r in reqs]
+        fill_bitmasks(host, list(range(len(rows))), constraints, self._executor)  # type: ignore[arg-type]
         if self.device.type == "cuda":
             from kernels.token_bitmask import apply_token_bitmask
 
-            mask = fill.host.to(self.device, non_blocking=True)
-            index = fill.rows.to(self.device, non_blocking=True)
+            mask = host.to(self.device, non_blocking=True)
+            index = host_rows.to(self.device, non_blocking=True)
             apply_token_bitmask(logits, mask, index)
         else:
-            apply_token_bitmask_torch(logits, fill.host, fill.rows)
-
-    def apply(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
-        """`start` and `finish` at once: mask rows ``rows`` of ``logits`` by ``reqs``."""
-        self.finish(logits, self.start(logits.shape[1], rows, reqs))
+            apply_token_bitmask_torch(logits, host, host_rows)
 
 
-__all__ = ["MaskFill", "TokenMaskBuffers", "apply_token_bitmask_torch"]
+__all__ = ["TokenMaskBuffers", "apply_token_bitmask_torch"]
