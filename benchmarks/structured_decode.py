@@ -56,6 +56,9 @@ PLAIN_ITEM = {
 }
 PLAIN_SCHEMA = {"type": "array", "items": PLAIN_ITEM, "minItems": 1000}
 SCHEMAS = {"maxlength": SCHEMA, "plain": PLAIN_SCHEMA}  # --schema
+# max_tokens beyond the timed steps: the first requests decode while later ones still prefill
+# or wait for their matchers, and every request must stay in the batch to the last timed step.
+MAX_TOKENS_MARGIN = 256
 SCHEMA_NAMES = {"maxlength": "SCHEMA", "plain": "PLAIN_SCHEMA"}
 
 
@@ -122,7 +125,7 @@ def time_structured_step(
         batch_size,
         num_constrained,
         prompt_len,
-        steps + 16,
+        steps + MAX_TOKENS_MARGIN,
         temperature,
         engine_args,
         schema,

@@ -2,10 +2,10 @@
 token ids, bad words).
 
 - A constrained request is not queued in the scheduler at once: its constraint compiles on the
-  `ConstraintCompiler`'s thread, which also builds each choice's own `TokenConstraint`, while
-  the request waits here (status COMPILING); between steps the engine admits the requests
-  whose constraints are built (`ready`). A cached compile only builds the matchers (about half
-  a millisecond each), so a repeated schema usually waits no more than a step.
+  `ConstraintCompiler`'s thread, and then each choice gets its own `TokenConstraint` built on
+  the compiler's build threads, while the request waits here (status COMPILING); between
+  steps the engine admits the requests whose constraints are built (`ready`). A cached compile
+  only builds the matchers, so a repeated schema usually waits no more than a step.
 - Overlap scheduling: the mask of step N+1 needs the token of step N accepted by the matcher.
   The engine launches step N+1's forward, then, only when a row that samples in it has a
   constraint that depends on its history (`TokenConstraint.needs_history`) and its last token

@@ -25,6 +25,9 @@ from tritonllm.sampling_params import SamplingParams
 from tritonllm.structured.constraint import CompiledConstraint, TokenConstraint, ids_bitmask
 
 CACHE_ENTRIES = 512  # compiled constraints kept (grammar texts and token-id masks)
+# Threads that build the choices' matchers (llguidance builds outside the GIL), so a burst of
+# requests with one schema is admitted sooner than one build after another would allow.
+BUILD_THREADS = 4
 
 ConstraintKey = tuple[Any, tuple[int, ...] | None, tuple[str, ...]]
 
@@ -51,6 +54,7 @@ class ConstraintCompiler:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tritonllm-grammar")
+        self._builders = ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="tritonllm-matchers")
         self._lock = threading.Lock()
         self._cache: OrderedDict[ConstraintKey, Future[CompiledConstraint]] = OrderedDict()
         self._tokenizer: Any = None  # the Hugging Face tokenizer (bad words)
@@ -76,14 +80,15 @@ class ConstraintCompiler:
     def instantiate(self, params: SamplingParams, n: int) -> Future[list[TokenConstraint]]:
         """``n`` fresh `TokenConstraint`s (one per choice of a request) of ``params``' constraint,
         as a future: the compile (`submit`, cached) and then ``n`` matcher builds, on the worker
-        thread. Its exception is the compile's or the build's."""
+        thread and then on one of `BUILD_THREADS` (a burst of requests is admitted that much
+        sooner). Its exception is the compile's or the build's."""
         compiled = self.submit(params)
-        # The worker runs its tasks in order: `compiled` is done when this one starts.
-        return self._executor.submit(lambda: [compiled.result().new() for _ in range(n)])
+        return self._builders.submit(lambda: [compiled.result().new() for _ in range(n)])
 
     def shutdown(self) -> None:
-        """Stop the worker thread (compiles in progress finish first)."""
+        """Stop the worker threads (compiles and builds in progress finish first)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._builders.shutdown(wait=False, cancel_futures=True)
 
     # ---- worker thread ------------------------------------------------------------------------
     def _load(self) -> None:
@@ -147,4 +152,4 @@ class ConstraintCompiler:
         return banned_ids, tuple(sorted(sequences))
 
 
-__all__ = ["CACHE_ENTRIES", "ConstraintCompiler", "constraint_key"]
+__all__ = ["BUILD_THREADS", "CACHE_ENTRIES", "ConstraintCompiler", "constraint_key"]

@@ -74,8 +74,8 @@ class CompiledConstraint:
 
     def new(self) -> TokenConstraint:
         """A fresh constraint state for one choice of a request, with its own llguidance
-        ``LLMatcher`` (a grammar build: about half a millisecond for a common JSON schema,
-        outside the GIL). Not a copy of one prototype: ``LLMatcher.deep_copy`` shares the
+        ``LLMatcher`` (a grammar build, outside the GIL; `ConstraintCompiler.instantiate` runs
+        it off the engine thread). Not a copy of one prototype: ``LLMatcher.deep_copy`` shares the
         prototype's lexer behind one mutex, so the masks of all copies would be filled one at a
         time however many threads the executor has (llguidance 1.9's ``Matcher::clone``).
 
