@@ -465,3 +465,25 @@ def test_tensor_parallel_flag_reaches_the_servers_environment(tmp_path):
     tp = {"TRITONLLM_MODEL": model, "TRITONLLM_TENSOR_PARALLEL_SIZE": "2"}
     assert first.env == restart.env == tp
     assert without.new_triton().env == {"TRITONLLM_MODEL": model}
+
+
+def test_a_second_stop_signal_does_not_interrupt_the_first():
+    """`kill` of `make serve`'s process group reaches the launcher twice (directly, and
+    forwarded by make): the first raises the stop, the second is ignored, so the drain that
+    the first started is not cut short by a second `_Stop` (QA: a traceback, exit 1)."""
+    from tritonllm import launch
+
+    saved = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGTERM, launch._raise_stop)
+        signal.signal(signal.SIGINT, launch._raise_stop)
+        with pytest.raises(launch._Stop) as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode
+        assert stop.value.graceful
+        os.kill(os.getpid(), signal.SIGTERM)  # make's forwarded copy, while draining
+        time.sleep(0.2)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, saved[0])
+        signal.signal(signal.SIGINT, saved[1])

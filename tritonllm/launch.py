@@ -176,6 +176,10 @@ class _Stop(Exception):
 
 
 def _raise_stop(signum: int, frame: object) -> None:
+    # One stop only: `kill` of `make serve`'s process group reaches the launcher twice (once
+    # directly, once forwarded by make), and the second must not interrupt the first's drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise _Stop(graceful=signum == signal.SIGTERM)
 
 
