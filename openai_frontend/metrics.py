@@ -6,7 +6,8 @@ Names follow vLLM's (``vllm:e2e_request_latency_seconds`` ...) under the ``opena
 
 - ``openai_requests_total{route, status}``: HTTP requests answered, by route template
   (``/v1/chat/completions``; ``unmatched`` for unknown paths) and status code;
-- ``openai_requests_in_flight``: requests being answered (streams until their end);
+- ``openai_requests_in_flight``: requests being answered (streams until their end), the
+  ``/metrics`` scrape itself not counted (an idle server reads 0);
 - ``openai_e2e_request_latency_seconds{route}``: arrival to the last byte sent;
 - ``openai_time_to_first_token_seconds``: a generation's start to its first token, per choice;
 - ``openai_inter_token_latency_seconds``: between a choice's responses, per token of the later
@@ -87,11 +88,14 @@ class RequestMetrics:
                 status = message["status"]
             await send(message)
 
-        IN_FLIGHT.inc()
+        counted = scope.get("path") != "/metrics"  # a scrape would always see itself
+        if counted:
+            IN_FLIGHT.inc()
         try:
             await self.app(scope, receive, send_status)
         finally:
-            IN_FLIGHT.dec()
+            if counted:
+                IN_FLIGHT.dec()
             route = _route(scope)
             REQUESTS.labels(route, str(status)).inc()
             E2E_LATENCY.labels(route).observe(time.perf_counter() - start)
