@@ -5,9 +5,9 @@ the model's tokenizer; each choice of a request then gets its own `LLMatcher` bu
 (`CompiledConstraint.new`, `instantiate`). That is about a millisecond for a common schema (more
 for large grammars), but the first compile also loads the tokenizer and builds llguidance's
 `LLTokenizer` (seconds for a 150k vocabulary), so neither runs on the engine thread: `submit`
-and `instantiate` hand the work to one worker thread (llguidance builds grammars outside the
-GIL) and return a `Future`; the engine keeps the request out of the scheduler until the future
-is done (`ConstraintAdmission`'s compiling requests).
+hands the compile to one worker thread and `instantiate` the matcher builds to `BUILD_THREADS`
+more (llguidance builds grammars outside the GIL); both return a `Future`, and the engine keeps
+the request out of the scheduler until it is done (`ConstraintAdmission`'s compiling requests).
 Compiles are cached by what they were compiled from (the `StructuredOutputs` spec, the allowed
 token ids, the bad words), most recently used kept, so a repeated schema only builds its
 matchers, as vLLM's and SGLang's grammar caches do.
