@@ -1,17 +1,26 @@
-"""Host bitmask fill of llguidance: copies of one prototype matcher vs one matcher per row.
+"""Host bitmask fill of llguidance: how the rows' matchers are made, by executor threads.
 
 `python -m benchmarks.mask_fill --model DIR [--rows 32] [--steps 40] [--threads 1,4,12]
-[--schema maxlength|plain]`
+[--schema maxlength|plain] [--ways copy,own,shared] [--prewarm 0]`
 
 For each way of making the rows' matchers and each executor thread count, ``--rows`` matchers
 of `benchmarks.structured_decode`'s schema walk ``--steps`` steps together: each step fills all
 their bitmasks in one `fill_next_token_bitmask_par` call (timed) and then every row consumes a
 token drawn uniformly from its mask (seeded, so every configuration walks the same way). The
-ways: ``copy`` (`LLMatcher.deep_copy` of one prototype: the copies share its lexer behind one
-mutex, llguidance 1.9) and ``own`` (one `LLMatcher` built per row, as
-`structured.constraint.CompiledConstraint.new` does). The table gives the mean fill per step
-after 4 warm-up steps, and its ratio to the same way's one-thread time. No model weights are
-read: ``DIR`` only supplies the tokenizer. Prints the table; writes nothing.
+ways:
+
+- ``copy``: `LLMatcher.deep_copy` of one prototype (the copies share its lexer behind one
+  mutex, llguidance 1.9);
+- ``own``: one `LLMatcher` built per row;
+- ``shared``: as the engine makes them (`structured.constraint.CompiledConstraint` with as
+  many lexers as executor threads: copies of that many prototypes in turn, the rows grouped
+  by prototype in the batch call).
+
+With ``--prewarm N`` an earlier batch of the same way's matchers first walks N steps (another
+seed), as earlier requests of a schema do in a server: ``copy`` and ``shared`` then start
+from warm lexers, ``own`` from new ones. The table gives the mean fill per step after 4
+warm-up steps, and its ratio to the same way's one-thread time. No model weights are read:
+``DIR`` only supplies the tokenizer. Prints the table; writes nothing.
 """
 
 from __future__ import annotations
@@ -20,15 +29,72 @@ import argparse
 import json
 import random
 import time
+from typing import Any
 
 import numpy as np
 
 from benchmarks import common
 from benchmarks.structured_decode import SCHEMAS
-from tritonllm.structured.constraint import bitmask_words
+from tritonllm.structured.constraint import CompiledConstraint, bitmask_words
 from tritonllm.structured.spec import StructuredOutputs
 
 WARMUP_STEPS = 4
+WAYS = ("copy", "own", "shared")
+
+
+def make_matchers(tokenizer: object, grammar: str, way: str, rows: int, threads: int) -> Any:
+    """A function that returns ``rows`` new ``(matcher, group)`` pairs made the ``way`` of the
+    module docstring (the prototypes, if any, live as long as the function); ``group`` orders
+    the rows in the batch call.
+
+    Raises:
+        ValueError: an unknown ``way``.
+    """
+    import llguidance
+
+    if way == "copy":
+        proto = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        return lambda: [(proto.deep_copy(), 0) for _ in range(rows)]
+    if way == "own":
+        return lambda: [
+            (llguidance.LLMatcher(tokenizer, grammar, log_level=0), 0) for _ in range(rows)
+        ]
+    if way == "shared":
+        compiled = CompiledConstraint(grammar, tokenizer, lexers=threads)
+
+        def shared() -> list[tuple[Any, int]]:
+            constraints = [compiled.new() for _ in range(rows)]
+            return [(c.matcher, c.lexer) for c in constraints]
+
+        return shared
+    raise ValueError(f"unknown way {way!r}")
+
+
+def walk(
+    executor: Any, matchers: list[tuple[Any, int]], vocab: int, steps: int, seed: int
+) -> list[float]:
+    """Seconds of each of ``steps`` batched fills of ``matchers`` (rows grouped by their group),
+    each followed by every row consuming a token drawn from its mask.
+
+    Raises:
+        AssertionError: a row's matcher refused a token its own mask allowed.
+    """
+    import llguidance.numpy
+
+    order = sorted(range(len(matchers)), key=lambda i: matchers[i][1])
+    batch = [(matchers[i][0], i) for i in order]
+    masks = np.zeros((len(matchers), bitmask_words(vocab)), dtype=np.int32)
+    rng = random.Random(seed)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        llguidance.numpy.fill_next_token_bitmask_par(executor, batch, masks)
+        times.append(time.perf_counter() - start)
+        bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        for i, (matcher, _) in enumerate(matchers):
+            allowed = np.flatnonzero(bits[i])
+            assert matcher.consume_token(int(allowed[rng.randrange(len(allowed))]))
+    return times
 
 
 def fill_ms(
@@ -39,40 +105,23 @@ def fill_ms(
     rows: int,
     steps: int,
     threads: int,
+    prewarm: int = 0,
 ) -> float:
     """Mean milliseconds of one batched fill of ``rows`` masks over ``steps`` steps (after
-    `WARMUP_STEPS`), matchers made the ``way`` ``"copy"`` or ``"own"`` (module docstring).
+    `WARMUP_STEPS`), matchers made the ``way`` of the module docstring, after a ``prewarm``
+    walk of an earlier batch.
 
     Raises:
         ValueError: an unknown ``way``; AssertionError: a row's matcher refused a token its own
             mask allowed.
     """
     import llguidance
-    import llguidance.numpy
 
-    if way not in ("copy", "own"):
-        raise ValueError(f"unknown way {way!r}")
-    proto = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-    matchers = [
-        proto.deep_copy()
-        if way == "copy"
-        else llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        for _ in range(rows)
-    ]
+    make = make_matchers(tokenizer, grammar, way, rows, threads)
     executor = llguidance.LLExecutor(threads)
-    masks = np.zeros((rows, bitmask_words(vocab)), dtype=np.int32)
-    rng = random.Random(0)
-    times = []
-    for _ in range(WARMUP_STEPS + steps):
-        start = time.perf_counter()
-        llguidance.numpy.fill_next_token_bitmask_par(
-            executor, [(m, i) for i, m in enumerate(matchers)], masks
-        )
-        times.append(time.perf_counter() - start)
-        bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-        for i, matcher in enumerate(matchers):
-            allowed = np.flatnonzero(bits[i])
-            assert matcher.consume_token(int(allowed[rng.randrange(len(allowed))]))
+    if prewarm:
+        walk(executor, make(), vocab, prewarm, seed=1)
+    times = walk(executor, make(), vocab, WARMUP_STEPS + steps, seed=0)
     return float(np.mean(times[WARMUP_STEPS:])) * 1e3
 
 
@@ -84,7 +133,12 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--steps", type=common.positive_int, default=40)
     p.add_argument("--threads", default="1,4,12", help="executor thread counts, comma-separated")
     p.add_argument("--schema", choices=sorted(SCHEMAS), default="maxlength")
+    p.add_argument("--ways", default=",".join(WAYS), help="of: " + ", ".join(WAYS))
+    p.add_argument("--prewarm", type=int, default=0, help="steps of an earlier batch first")
     args = p.parse_args(argv)
+    ways = args.ways.split(",")
+    if any(way not in WAYS for way in ways):
+        p.error(f"--ways: each of {', '.join(WAYS)}")
     import llguidance.hf
     from transformers import AutoConfig, AutoTokenizer
 
@@ -92,10 +146,12 @@ def main(argv: list[str] | None = None) -> str:
     tokenizer = llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(args.model), vocab)
     grammar = StructuredOutputs("json", json.dumps(SCHEMAS[args.schema])).grammar()
     rows = []
-    for way in ("copy", "own"):
+    for way in ways:
         single = None
         for threads in [int(t) for t in args.threads.split(",")]:
-            ms = fill_ms(tokenizer, grammar, vocab, way, args.rows, args.steps, threads)
+            ms = fill_ms(
+                tokenizer, grammar, vocab, way, args.rows, args.steps, threads, args.prewarm
+            )
             single = ms if single is None and threads == 1 else single
             ratio = "" if single is None else f"{ms / single:.2f}"
             rows.append([way, str(threads), f"{ms:.2f}", ratio])

@@ -16,15 +16,23 @@ scheduling, the wait for the step in flight before its mask is filled
 the unconstrained one (fraction 0). Defaults: CUDA graphs and overlap scheduling on (the
 engine's defaults on CUDA), sampling at `--temperature`.
 
+With `--host-profile` the table also gives the host milliseconds per timed step spent in the
+parts a constrained row adds (the mask fill `fill_bitmasks`, the sampler's whole mask step
+`TokenMaskBuffers.apply`, the matchers' `accept`) and in the engine's `_process` of a step's
+samples (which includes `accept`), each function wrapped by a timer for the timed steps only.
+
 Exits with an error when a request left the batch before the timed steps ended (then the
 numbers would not be those of a full batch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import random
+import time
+from collections.abc import Iterator
 
 import torch
 
@@ -60,6 +68,44 @@ SCHEMAS = {"maxlength": SCHEMA, "plain": PLAIN_SCHEMA}  # --schema
 # or wait for their matchers, and every request must stay in the batch to the last timed step.
 MAX_TOKENS_MARGIN = 256
 SCHEMA_NAMES = {"maxlength": "SCHEMA", "plain": "PLAIN_SCHEMA"}
+
+
+def _host_parts() -> dict[str, tuple[object, str]]:
+    """`--host-profile`'s parts: name → (owner, attribute) of the function timed."""
+    from tritonllm.structured import masks
+    from tritonllm.structured.constraint import TokenConstraint
+
+    return {
+        "fill": (masks, "fill_bitmasks"),
+        "mask step": (masks.TokenMaskBuffers, "apply"),
+        "accept": (TokenConstraint, "accept"),
+        "process": (LLMEngine, "_process"),
+    }
+
+
+@contextlib.contextmanager
+def host_timers(seconds: dict[str, float]) -> Iterator[None]:
+    """Within the block, add each `_host_parts` function's wall seconds to ``seconds[name]``."""
+    parts = _host_parts()
+    originals = {name: getattr(owner, attr) for name, (owner, attr) in parts.items()}
+
+    def timed(name: str, fn):  # noqa: ANN001, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+
+        return wrapper
+
+    try:
+        for name, (owner, attr) in parts.items():
+            setattr(owner, attr, timed(name, originals[name]))
+        yield
+    finally:
+        for name, (owner, attr) in parts.items():
+            setattr(owner, attr, originals[name])
 
 
 def structured_engine(
@@ -112,8 +158,10 @@ def time_structured_step(
     temperature: float,
     engine_args: dict[str, str],
     schema: dict = SCHEMA,
+    host: dict[str, float] | None = None,
 ) -> float:
-    """Mean seconds of one decode step of `batch_size` rows, `num_constrained` under `schema`.
+    """Mean seconds of one decode step of `batch_size` rows, `num_constrained` under `schema`;
+    with ``host`` (a dict), also the mean host seconds per step of each `host_timers` part.
 
     Raises:
         SystemExit: a request finished before the timed steps ended.
@@ -130,7 +178,11 @@ def time_structured_step(
         engine_args,
         schema,
     )
-    seconds = time_steps(engine, steps, device)
+    totals: dict[str, float] = {}
+    with host_timers(totals) if host is not None else contextlib.nullcontext():
+        seconds = time_steps(engine, steps, device)
+    if host is not None:
+        host.update({name: total / steps for name, total in totals.items()})
     live = len(engine.scheduler.running)
     constrained = len(engine.constraints.live)
     del engine
@@ -149,8 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--schema", choices=sorted(SCHEMAS), default="maxlength")
+    p.add_argument("--host-profile", action="store_true", help="host ms per step by part")
     args = p.parse_args(argv)
     schema = SCHEMAS[args.schema]
+    parts = list(_host_parts()) if args.host_profile else []
     model = str(common.ensure_model(args.model, args.shape))
     extra = common.engine_args(args)
     bs = args.batch_size
@@ -162,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     rows, base = [], None
     for fraction in [float(f) for f in args.constrained_fractions.split(",")]:
         n = int(bs * fraction)
+        host: dict[str, float] | None = {} if args.host_profile else None
         seconds = time_structured_step(
             model,
             args.device,
@@ -173,12 +228,15 @@ def main(argv: list[str] | None = None) -> None:
             args.temperature,
             extra,
             schema,
+            host,
         )
         base = seconds if base is None and n == 0 else base
         ratio = "" if base is None else f"{seconds / base:.3f}"
-        rows.append([str(bs), str(n), f"{seconds * 1e3:.3f}", f"{bs / seconds:,.0f}", ratio])
+        row = [str(bs), str(n), f"{seconds * 1e3:.3f}", f"{bs / seconds:,.0f}", ratio]
+        rows.append(row + [f"{(host or {}).get(part, 0.0) * 1e3:.3f}" for part in parts])
         common.log(f"bs={bs} constrained={n}: {seconds * 1e3:.3f} ms/step {ratio}")
     headers = ["batch", "JSON-schema rows", "step (ms)", "tok/s", "vs unconstrained"]
+    headers += [f"host {part} (ms/step)" for part in parts]
     notes = [
         f"{args.attention_backend} attention, prompt {args.prompt_len} tokens, temperature "
         f"{args.temperature}, mean of {args.steps} decode steps after prefill and 4 warm-up "

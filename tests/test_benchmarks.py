@@ -526,15 +526,22 @@ def test_structured_decode_times_full_batches_with_constrained_rows(tiny_model_d
 
     seconds = time_structured_step(str(tiny_model_dir), "cpu", "torch", 3, 2, 8, 3, 0.6, {})
     assert seconds > 0
+    host: dict[str, float] = {}
+    time_structured_step(str(tiny_model_dir), "cpu", "torch", 3, 2, 8, 3, 0.6, {}, host=host)
+    # --host-profile: every part ran in the timed steps, the fill inside the mask step
+    assert set(host) == {"fill", "mask step", "accept", "process"}
+    assert 0 < host["fill"] <= host["mask step"] and host["accept"] > 0, host
 
 
-def test_mask_fill_times_both_ways_of_making_matchers(tiny_model_dir, capsys):
-    """The mask-fill benchmark walks copies and own matchers of its schema alike (each row's
-    token drawn from its own mask, so a wrong mask fails the walk) and tables both."""
+def test_mask_fill_times_every_way_of_making_matchers(tiny_model_dir, capsys):
+    """The mask-fill benchmark walks copies, own matchers and the engine's shared lexers of its
+    schema alike, after a pre-warm walk (each row's token drawn from its own mask, so a wrong
+    mask fails the walk) and tables each."""
     from benchmarks import mask_fill
 
     table = mask_fill.main(
         ["--model", str(tiny_model_dir), "--rows", "3", "--steps", "3", "--threads", "1,2"]
+        + ["--prewarm", "2"]
     )
     lines = table.splitlines()
     assert [line.split("|")[1:3] for line in lines[2:]] == [
@@ -542,5 +549,7 @@ def test_mask_fill_times_both_ways_of_making_matchers(tiny_model_dir, capsys):
         [" copy ", " 2 "],
         [" own ", " 1 "],
         [" own ", " 2 "],
+        [" shared ", " 1 "],
+        [" shared ", " 2 "],
     ]
     assert all(float(line.split("|")[3]) > 0 for line in lines[2:])

@@ -130,6 +130,56 @@ def test_generated_schemas_validate_with_overlap_and_mixed_steps_and_neighbours_
     assert serial == together
 
 
+def test_choices_share_lexers_in_turn_and_fill_the_masks_of_their_own_matchers(tiny_model_dir):
+    """`CompiledConstraint` with 3 lexers: choices get copies of its prototypes in turn (built
+    on first use, once each); copies that share a lexer keep their own parser state, and one
+    batched fill of copies walking apart gives each row the mask a matcher of its own gives."""
+    import llguidance
+    import numpy as np
+
+    from tritonllm.structured.compiler import ConstraintCompiler
+    from tritonllm.structured.constraint import bitmask_words, fill_bitmasks
+
+    vocab = EngineConfig(model=str(tiny_model_dir)).model_config.vocab_size
+    compiler = ConstraintCompiler(str(tiny_model_dir), vocab, [151645], lexers=3)
+    params = SamplingParams(structured_outputs=_json(SCHEMAS[0]))
+    compiled = compiler.submit(params).result()
+    assert compiled.lexers == 3 and compiled._prototypes == [None] * 3  # none built yet
+    constraints = [compiled.new() for _ in range(7)]
+    assert [c.lexer for c in constraints] == [0, 1, 2, 0, 1, 2, 0]
+    prototypes = list(compiled._prototypes)
+    assert all(p is not None for p in prototypes)
+    compiled.new()
+    assert compiled._prototypes == prototypes  # built once each
+    own = [llguidance.LLMatcher(compiled.tokenizer, compiled.grammar) for _ in constraints]
+    masks = torch.full((len(constraints), bitmask_words(vocab)), -1, dtype=torch.int32)
+    expected = np.full_like(masks.numpy(), -1)
+    rng = np.random.default_rng(0)
+    for _ in range(12):  # every row its own random walk through the grammar
+        masks.fill_(-1)
+        fill_bitmasks(masks, list(range(len(constraints))), constraints, llguidance.LLExecutor(3))
+        for i, matcher in enumerate(own):
+            expected[i] = -1
+            llguidance.numpy.fill_next_token_bitmask(matcher, expected, i)
+        np.testing.assert_array_equal(masks.numpy(), expected)
+        bits = np.unpackbits(expected.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        for i, (c, matcher) in enumerate(zip(constraints, own, strict=True)):
+            token = int(rng.choice(np.flatnonzero(bits[i])))
+            assert c.accept(token) and matcher.consume_token(token)
+    compiler.shutdown()
+
+
+def test_outputs_do_not_depend_on_how_many_lexers_the_choices_share(tiny_model_dir, tok):
+    """The generated schemas' outputs (greedy and sampled, twins in the batch) are the same
+    whether every choice's matcher shares one lexer or three lexers take turns."""
+    constrained, _ = _schema_workload(tok)
+    constrained += [(f"x{rid}", p, params) for rid, p, params in constrained]
+    one = _run(_engine(tiny_model_dir, grammar_threads=1), constrained)
+    three = _run(_engine(tiny_model_dir, grammar_threads=3), constrained)
+    _check_schema_outputs(tok, three)
+    assert three == one
+
+
 def test_overlap_waits_only_for_history_dependent_constraints(tiny_model_dir, tok):
     engine = _engine(tiny_model_dir, overlap_schedule=True)
     decisions: list[bool] = []

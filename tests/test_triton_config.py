@@ -156,6 +156,23 @@ def test_kernel_and_diagnostic_settings_are_engine_config_fields(tmp_path):
         engine_config({"tensor_core_decode_min_batch": "-1"}, {"TRITONLLM_DEVICE": "cpu"})
 
 
+def test_grammar_threads_is_a_setting_derived_from_the_cores(tmp_path, monkeypatch):
+    """``TRITONLLM_GRAMMAR_THREADS`` sets the mask-fill threads and lexers per grammar; unset,
+    half the cores this process may use, from 1 to ``MAX_GRAMMAR_THREADS``."""
+    import os
+
+    from tritonllm.config import MAX_GRAMMAR_THREADS
+
+    env = {"TRITONLLM_DEVICE": "cpu", "TRITONLLM_GRAMMAR_THREADS": "3"}
+    assert engine_config({"model": str(tmp_path)}, env).resolved_grammar_threads == 3
+    default = engine_config({"model": str(tmp_path)}, {"TRITONLLM_DEVICE": "cpu"})
+    for cores, threads in ((1, 1), (2, 1), (6, 3), (16, MAX_GRAMMAR_THREADS), (64, 8)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert default.resolved_grammar_threads == threads, cores
+    with pytest.raises(ValueError, match="grammar_threads"):
+        engine_config({"grammar_threads": "0"}, {"TRITONLLM_DEVICE": "cpu"})
+
+
 def test_engine_modules_read_no_environment():
     """Engine settings reach the engine as ``EngineConfig`` fields (parsed here, in one place),
     never through environment lookups in the engine's own modules, hot paths included."""

@@ -61,6 +61,8 @@ LINEAR_KERNELS = ("auto", "cublas", "triton")
 # best offline result of 1, 64 and 128 on the H200 (BENCHMARKS.md, "Offline: tensor-core
 # decode threshold").
 TENSOR_CORE_DECODE_MIN_BATCH = 64
+# Most threads (and lexers per grammar) of the derived EngineConfig.grammar_threads.
+MAX_GRAMMAR_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,10 @@ class EngineConfig:
             process per rank, each on its own GPU (`device` and the next ones) or all on the
             CPU (gloo), started by `EngineProcess`, whose child is rank 0. 1: the whole model
             in one engine, no process group.
+        grammar_threads: structured outputs: the threads that fill the constrained rows' token
+            masks (llguidance's executor), and the lexers each compiled grammar keeps (each
+            choice's matcher shares one of them, `structured.constraint.CompiledConstraint`);
+            None → `resolved_grammar_threads`.
     """
 
     model: str
@@ -159,6 +165,7 @@ class EngineConfig:
     tensor_core_decode_min_batch: int = TENSOR_CORE_DECODE_MIN_BATCH
     engine_profile: str | None = None
     tensor_parallel_size: int = 1
+    grammar_threads: int | None = None
 
     def __post_init__(self) -> None:
         cpu = device_type(self.device) == "cpu"
@@ -192,6 +199,8 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.grammar_threads is not None and self.grammar_threads < 1:
+            raise ValueError(f"grammar_threads must be >= 1, got {self.grammar_threads}")
         if self.tensor_core_decode_min_batch < 0:
             raise ValueError(
                 "tensor_core_decode_min_batch must be >= 0, "
@@ -248,6 +257,18 @@ class EngineConfig:
         if self.dtype_name != "float32" and importlib.util.find_spec("flashinfer"):
             return "flashinfer"
         return "triton" if importlib.util.find_spec("triton") else "torch"
+
+    @property
+    def resolved_grammar_threads(self) -> int:
+        """`grammar_threads`, else half the cores this process may run on, from 1 to
+        `MAX_GRAMMAR_THREADS`: the engine thread, the GPU driver's threads and the matcher
+        builds keep the other half (BENCHMARKS.md, "Structured decode with shared lexers")."""
+        if self.grammar_threads is not None:
+            return self.grammar_threads
+        import os
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return max(1, min(MAX_GRAMMAR_THREADS, (cores or 1) // 2))
 
     @property
     def use_overlap_schedule(self) -> bool:

@@ -149,7 +149,12 @@ class ModelRunner:
         options = AttentionOptions(tensor_core_decode_min_batch=config.tensor_core_decode_min_batch)
         self.backend = backend_cls(local, self.kv_cache, self.device, options)
         self.model.set_attention_backend(self.backend)
-        self.sampler = Sampler(self.device, config.seed, fused=config.fused_layers)
+        self.sampler = Sampler(
+            self.device,
+            config.seed,
+            fused=config.fused_layers,
+            grammar_threads=config.resolved_grammar_threads,
+        )
         self.future = FutureMap(config.max_running_requests, self.device)
         self._is_cuda = self.device.type == "cuda"
         # Set after each backend plan: the next plan waits for it, because FlashInfer stages

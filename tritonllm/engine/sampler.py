@@ -135,16 +135,19 @@ class Sampler:
         seed: seed of the generator for rows without a generator of their own.
         fused: take the fused Gumbel-max fast path on CUDA where it applies (module docstring;
             `EngineConfig.fused_layers`).
+        grammar_threads: threads that fill token masks (`EngineConfig.grammar_threads`).
     """
 
-    def __init__(self, device: torch.device, seed: int, fused: bool = True) -> None:
+    def __init__(
+        self, device: torch.device, seed: int, fused: bool = True, grammar_threads: int = 1
+    ) -> None:
         self.device = device
         self.fused = fused
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.seed = seed
         self.fast_steps = 0  # fast-path calls so far: the high word of their Philox counters
-        self._masks = TokenMaskBuffers(device)
+        self._masks = TokenMaskBuffers(device, grammar_threads)
 
     def make_generator(self, seed: int) -> torch.Generator:
         """A per-request generator on the sampling device."""

@@ -57,10 +57,12 @@ class TokenMaskBuffers:
 
     Args:
         device: where the logits are.
+        threads: the executor's threads (`EngineConfig.resolved_grammar_threads`).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, threads: int = 1) -> None:
         self.device = device
+        self.threads = threads
         # Per buffer: the [N, W] int32 bitmasks and the [N] int32 logits row of each.
         self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
         self._next = 0
@@ -90,7 +92,7 @@ class TokenMaskBuffers:
         host.numpy()[:] = -1  # every token allowed until a constraint clears it
         host_rows.numpy()[:] = rows
         if self._executor is None:
-            self._executor = llguidance.LLExecutor()
+            self._executor = llguidance.LLExecutor(self.threads)
         constraints = [r.constraint for r in reqs]
         fill_bitmasks(host, list(range(len(rows))), constraints, self._executor)  # type: ignore[arg-type]
         if self.device.type == "cuda":
