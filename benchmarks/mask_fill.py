@@ -1,7 +1,7 @@
 """Host bitmask fill of llguidance: how the rows' matchers are made, by executor threads.
 
 `python -m benchmarks.mask_fill --model DIR [--rows 32] [--steps 40] [--threads 1,4,12]
-[--schema maxlength|plain] [--ways copy,own,shared] [--prewarm 0]`
+[--schema maxlength|plain] [--ways copy,own] [--prewarm 0]`
 
 For each way of making the rows' matchers and each executor thread count, ``--rows`` matchers
 of `benchmarks.structured_decode`'s schema walk ``--steps`` steps together: each step fills all
@@ -11,14 +11,12 @@ ways:
 
 - ``copy``: `LLMatcher.deep_copy` of one prototype (the copies share its lexer behind one
   mutex, llguidance 1.9);
-- ``own``: one `LLMatcher` built per row;
-- ``shared``: as the engine makes them (`structured.constraint.CompiledConstraint` with as
-  many lexers as executor threads: copies of that many prototypes in turn, the rows grouped
-  by prototype in the batch call).
+- ``own``: one `LLMatcher` built per row, as `structured.constraint.CompiledConstraint.new`
+  does.
 
 With ``--prewarm N`` an earlier batch of the same way's matchers first walks N steps (another
-seed), as earlier requests of a schema do in a server: ``copy`` and ``shared`` then start
-from warm lexers, ``own`` from new ones. The table gives the mean fill per step after 4
+seed), as earlier requests of a schema do in a server: ``copy`` then starts from a warm lexer,
+``own`` from new ones. The table gives the mean fill per step after 4
 warm-up steps, and its ratio to the same way's one-thread time. No model weights are read:
 ``DIR`` only supplies the tokenizer. Prints the table; writes nothing.
 """
@@ -35,17 +33,16 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks.structured_decode import SCHEMAS
-from tritonllm.structured.constraint import CompiledConstraint, bitmask_words
+from tritonllm.structured.constraint import bitmask_words
 from tritonllm.structured.spec import StructuredOutputs
 
 WARMUP_STEPS = 4
-WAYS = ("copy", "own", "shared")
+WAYS = ("copy", "own")
 
 
-def make_matchers(tokenizer: object, grammar: str, way: str, rows: int, threads: int) -> Any:
-    """A function that returns ``rows`` new ``(matcher, group)`` pairs made the ``way`` of the
-    module docstring (the prototypes, if any, live as long as the function); ``group`` orders
-    the rows in the batch call.
+def make_matchers(tokenizer: object, grammar: str, way: str, rows: int) -> Any:
+    """A function that returns ``rows`` new matchers made the ``way`` of the module docstring
+    (the prototype, if any, lives as long as the function).
 
     Raises:
         ValueError: an unknown ``way``.
@@ -54,35 +51,22 @@ def make_matchers(tokenizer: object, grammar: str, way: str, rows: int, threads:
 
     if way == "copy":
         proto = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        return lambda: [(proto.deep_copy(), 0) for _ in range(rows)]
+        return lambda: [proto.deep_copy() for _ in range(rows)]
     if way == "own":
-        return lambda: [
-            (llguidance.LLMatcher(tokenizer, grammar, log_level=0), 0) for _ in range(rows)
-        ]
-    if way == "shared":
-        compiled = CompiledConstraint(grammar, tokenizer, lexers=threads)
-
-        def shared() -> list[tuple[Any, int]]:
-            constraints = [compiled.new() for _ in range(rows)]
-            return [(c.matcher, c.lexer) for c in constraints]
-
-        return shared
+        return lambda: [llguidance.LLMatcher(tokenizer, grammar, log_level=0) for _ in range(rows)]
     raise ValueError(f"unknown way {way!r}")
 
 
-def walk(
-    executor: Any, matchers: list[tuple[Any, int]], vocab: int, steps: int, seed: int
-) -> list[float]:
-    """Seconds of each of ``steps`` batched fills of ``matchers`` (rows grouped by their group),
-    each followed by every row consuming a token drawn from its mask.
+def walk(executor: Any, matchers: list[Any], vocab: int, steps: int, seed: int) -> list[float]:
+    """Seconds of each of ``steps`` batched fills of ``matchers``' masks, each followed by every
+    row consuming a token drawn from its mask.
 
     Raises:
         AssertionError: a row's matcher refused a token its own mask allowed.
     """
     import llguidance.numpy
 
-    order = sorted(range(len(matchers)), key=lambda i: matchers[i][1])
-    batch = [(matchers[i][0], i) for i in order]
+    batch = [(matcher, i) for i, matcher in enumerate(matchers)]
     masks = np.zeros((len(matchers), bitmask_words(vocab)), dtype=np.int32)
     rng = random.Random(seed)
     times = []
@@ -91,7 +75,7 @@ def walk(
         llguidance.numpy.fill_next_token_bitmask_par(executor, batch, masks)
         times.append(time.perf_counter() - start)
         bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-        for i, (matcher, _) in enumerate(matchers):
+        for i, matcher in enumerate(matchers):
             allowed = np.flatnonzero(bits[i])
             assert matcher.consume_token(int(allowed[rng.randrange(len(allowed))]))
     return times
@@ -117,7 +101,7 @@ def fill_ms(
     """
     import llguidance
 
-    make = make_matchers(tokenizer, grammar, way, rows, threads)
+    make = make_matchers(tokenizer, grammar, way, rows)
     executor = llguidance.LLExecutor(threads)
     if prewarm:
         walk(executor, make(), vocab, prewarm, seed=1)

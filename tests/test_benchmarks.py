@@ -534,9 +534,9 @@ def test_structured_decode_times_full_batches_with_constrained_rows(tiny_model_d
 
 
 def test_mask_fill_times_every_way_of_making_matchers(tiny_model_dir, capsys):
-    """The mask-fill benchmark walks copies, own matchers and the engine's shared lexers of its
-    schema alike, after a pre-warm walk (each row's token drawn from its own mask, so a wrong
-    mask fails the walk) and tables each."""
+    """The mask-fill benchmark walks copies and own matchers of its schema alike, after a
+    pre-warm walk (each row's token drawn from its own mask, so a wrong mask fails the walk)
+    and tables each."""
     from benchmarks import mask_fill
 
     table = mask_fill.main(
@@ -549,7 +549,5 @@ def test_mask_fill_times_every_way_of_making_matchers(tiny_model_dir, capsys):
         [" copy ", " 2 "],
         [" own ", " 1 "],
         [" own ", " 2 "],
-        [" shared ", " 1 "],
-        [" shared ", " 2 "],
     ]
     assert all(float(line.split("|")[3]) > 0 for line in lines[2:])

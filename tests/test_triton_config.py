@@ -157,8 +157,8 @@ def test_kernel_and_diagnostic_settings_are_engine_config_fields(tmp_path):
 
 
 def test_grammar_threads_is_a_setting_derived_from_the_cores(tmp_path, monkeypatch):
-    """``TRITONLLM_GRAMMAR_THREADS`` sets the mask-fill threads and lexers per grammar; unset,
-    half the cores this process may use, from 1 to ``MAX_GRAMMAR_THREADS``."""
+    """``TRITONLLM_GRAMMAR_THREADS`` sets the mask-fill threads; unset, 80% of the cores this
+    process may use (llguidance's own default), from 1 to ``MAX_GRAMMAR_THREADS``."""
     import os
 
     from tritonllm.config import MAX_GRAMMAR_THREADS
@@ -166,7 +166,7 @@ def test_grammar_threads_is_a_setting_derived_from_the_cores(tmp_path, monkeypat
     env = {"TRITONLLM_DEVICE": "cpu", "TRITONLLM_GRAMMAR_THREADS": "3"}
     assert engine_config({"model": str(tmp_path)}, env).resolved_grammar_threads == 3
     default = engine_config({"model": str(tmp_path)}, {"TRITONLLM_DEVICE": "cpu"})
-    for cores, threads in ((1, 1), (2, 1), (6, 3), (16, MAX_GRAMMAR_THREADS), (64, 8)):
+    for cores, threads in ((1, 1), (2, 1), (6, 4), (16, 12), (64, MAX_GRAMMAR_THREADS)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
         assert default.resolved_grammar_threads == threads, cores
     with pytest.raises(ValueError, match="grammar_threads"):

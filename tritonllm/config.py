@@ -61,8 +61,9 @@ LINEAR_KERNELS = ("auto", "cublas", "triton")
 # best offline result of 1, 64 and 128 on the H200 (BENCHMARKS.md, "Offline: tensor-core
 # decode threshold").
 TENSOR_CORE_DECODE_MIN_BATCH = 64
-# Most threads (and lexers per grammar) of the derived EngineConfig.grammar_threads.
-MAX_GRAMMAR_THREADS = 8
+# Most threads of the derived EngineConfig.grammar_threads (llguidance's own default: 80% of
+# the cores, at most 32).
+MAX_GRAMMAR_THREADS = 32
 
 
 @dataclass(frozen=True)
@@ -135,9 +136,7 @@ class EngineConfig:
             CPU (gloo), started by `EngineProcess`, whose child is rank 0. 1: the whole model
             in one engine, no process group.
         grammar_threads: structured outputs: the threads that fill the constrained rows' token
-            masks (llguidance's executor), and the lexers each compiled grammar keeps (each
-            choice's matcher shares one of them, `structured.constraint.CompiledConstraint`);
-            None → `resolved_grammar_threads`.
+            masks (llguidance's executor); None → `resolved_grammar_threads`.
     """
 
     model: str
@@ -260,15 +259,14 @@ class EngineConfig:
 
     @property
     def resolved_grammar_threads(self) -> int:
-        """`grammar_threads`, else half the cores this process may run on, from 1 to
-        `MAX_GRAMMAR_THREADS`: the engine thread, the GPU driver's threads and the matcher
-        builds keep the other half (BENCHMARKS.md, "Structured decode with shared lexers")."""
+        """`grammar_threads`, else llguidance's own default: 80% of the cores this process may
+        run on, from 1 to `MAX_GRAMMAR_THREADS`."""
         if self.grammar_threads is not None:
             return self.grammar_threads
         import os
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return max(1, min(MAX_GRAMMAR_THREADS, (cores or 1) // 2))
+        return max(1, min(MAX_GRAMMAR_THREADS, (cores or 1) * 4 // 5))
 
     @property
     def use_overlap_schedule(self) -> bool:

@@ -58,9 +58,8 @@ is a field of ``EngineConfig``; each can be set by the environment variable
 ``TRITONLLM_TENSOR_CORE_DECODE_MIN_BATCH``
                                        FlashInfer decode batches of at least this many
                                        sequences use its tensor-core kernels (64)
-``TRITONLLM_GRAMMAR_THREADS``          structured outputs: threads that fill token masks,
-                                       and lexers each compiled grammar keeps (default:
-                                       half the cores, at most 8; ``structured/``)
+``TRITONLLM_GRAMMAR_THREADS``          structured outputs: threads that fill token masks
+                                       (default: 80% of the cores, as llguidance's own)
 ``TRITONLLM_ENGINE_PROFILE``           diagnostics: a file path; the engine process runs its
                                        loop under cProfile and writes the stats there every
                                        10 s and at exit (``engine/engine_process.py``)

@@ -2,11 +2,10 @@
 token ids, bad words).
 
 - A constrained request is not queued in the scheduler at once: its constraint compiles on the
-  `ConstraintCompiler`'s thread, and then each choice gets its `TokenConstraint` (a matcher
-  copied from one of the compile's prototypes) on the compiler's build threads, while the
-  request waits here (status COMPILING); between steps the engine admits the requests whose
-  constraints are ready (`ready`). A cached compile only copies its prototypes, so a repeated
-  schema usually waits no more than a step.
+  `ConstraintCompiler`'s thread, and then each choice gets its own `TokenConstraint` built on
+  the compiler's build threads, while the request waits here (status COMPILING); between
+  steps the engine admits the requests whose constraints are built (`ready`). A cached compile
+  only builds the matchers, so a repeated schema usually waits no more than a step.
 - Overlap scheduling: the mask of step N+1 needs the token of step N accepted by the matcher.
   The engine launches step N+1's forward, then, only when a row that samples in it has a
   constraint that depends on its history (`TokenConstraint.needs_history`) and its last token
@@ -46,12 +45,7 @@ class ConstraintAdmission:
         """The compiler (created on first use: a service without constraints never loads it)."""
         if self._compiler is None:
             mc = self.config.model_config
-            self._compiler = ConstraintCompiler(
-                self.config.model,
-                mc.vocab_size,
-                mc.eos_token_ids,
-                lexers=self.config.resolved_grammar_threads,
-            )
+            self._compiler = ConstraintCompiler(self.config.model, mc.vocab_size, mc.eos_token_ids)
         return self._compiler
 
     @property
@@ -98,13 +92,12 @@ class ConstraintAdmission:
     def rejected(self, req: Request, token: int) -> str | RequestError:
         """A constraint of ``req`` refused its sampled ``token``: the error. A matcher in error
         is the request's fault (its constraint is beyond llguidance's limits while generating:
-        ``invalid_value``), and its compile leaves the cache (the lexer its matcher shares with
-        other choices may be unusable, so a retry compiles afresh); otherwise the mask let
-        through what the matcher refuses, an engine bug (a message)."""
+        ``invalid_value``; the matcher and its lexer are the choice's own, so no other request
+        is affected); otherwise the mask let through what the matcher refuses, an engine bug
+        (a message)."""
         constraint = req.constraint
         detail = None if constraint is None else constraint.error()
         if detail is not None:
-            self.compiler.forget(req.params)
             spec = req.params.structured_outputs
             # The client's field, as a validation error names it (StructuredOutputs.param).
             param = "structured_outputs" if spec is None else spec.param

@@ -1,18 +1,16 @@
 """`ConstraintCompiler`: compiles requests' token constraints off the engine's step loop.
 
 A compile builds the llguidance grammar (`StructuredOutputs.grammar`) and validates it against
-the model's tokenizer; each choice of a request then gets a matcher copied from one of the
-compile's `lexers` prototypes, which are built on first use (`CompiledConstraint.new`,
-`instantiate`). A build is about a millisecond for a common schema (more for large grammars),
-but the first compile also loads the tokenizer and builds llguidance's `LLTokenizer` (seconds
-for a 150k vocabulary), so none of it runs on the engine thread: `submit` hands the compile to
-one worker thread and `instantiate` the matchers to `BUILD_THREADS` more (llguidance builds
-grammars outside the GIL); both return a `Future`, and the engine keeps the request out of the
-scheduler until it is done (`ConstraintAdmission`'s compiling requests).
+the model's tokenizer; each choice of a request then gets its own `LLMatcher` built from it
+(`CompiledConstraint.new`, `instantiate`). That is about a millisecond for a common schema (more
+for large grammars), but the first compile also loads the tokenizer and builds llguidance's
+`LLTokenizer` (seconds for a 150k vocabulary), so neither runs on the engine thread: `submit`
+hands the compile to one worker thread and `instantiate` the matcher builds to `BUILD_THREADS`
+more (llguidance builds grammars outside the GIL); both return a `Future`, and the engine keeps
+the request out of the scheduler until it is done (`ConstraintAdmission`'s compiling requests).
 Compiles are cached by what they were compiled from (the `StructuredOutputs` spec, the allowed
-token ids, the bad words), most recently used kept, so a repeated schema only copies its
-warm prototypes, as vLLM's and SGLang's grammar caches do. A matcher that broke while
-generating leaves its compile out of the cache (`forget`): the lexer it shares may be unusable.
+token ids, the bad words), most recently used kept, so a repeated schema only builds its
+matchers, as vLLM's and SGLang's grammar caches do.
 """
 
 from __future__ import annotations
@@ -49,17 +47,12 @@ class ConstraintCompiler:
         vocab_size: the model's vocabulary (logits width; may exceed the tokenizer's).
         stop_token_ids: the ids that end a generation (the model's EOS ids): the grammar allows
             them once its output is complete (llguidance's EOS tokens).
-        lexers: prototype matchers per compiled grammar (`CompiledConstraint.lexers`; the
-            engine's `EngineConfig.resolved_grammar_threads`).
     """
 
-    def __init__(
-        self, model_dir: str, vocab_size: int, stop_token_ids: Sequence[int], lexers: int = 1
-    ) -> None:
+    def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        self.lexers = lexers
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tritonllm-grammar")
         self._builders = ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="tritonllm-matchers")
         self._lock = threading.Lock()
@@ -86,20 +79,11 @@ class ConstraintCompiler:
 
     def instantiate(self, params: SamplingParams, n: int) -> Future[list[TokenConstraint]]:
         """``n`` fresh `TokenConstraint`s (one per choice of a request) of ``params``' constraint,
-        as a future: the compile (`submit`, cached) on the worker thread, then ``n`` copies of
-        its prototypes (and the builds of those not yet built) on one of `BUILD_THREADS` (a
-        burst of requests of new schemas is admitted that much sooner). Its exception is the
-        compile's or the build's."""
+        as a future: the compile (`submit`, cached) and then ``n`` matcher builds, on the worker
+        thread and then on one of `BUILD_THREADS` (a burst of requests is admitted that much
+        sooner). Its exception is the compile's or the build's."""
         compiled = self.submit(params)
         return self._builders.submit(lambda: [compiled.result().new() for _ in range(n)])
-
-    def forget(self, params: SamplingParams) -> None:
-        """Drop the cached compile of ``params``' constraint (if any): the next request with it
-        compiles afresh, with new prototypes and lexers."""
-        key = constraint_key(params)
-        if key is not None:
-            with self._lock:
-                self._cache.pop(key, None)
 
     def shutdown(self) -> None:
         """Stop the worker threads (compiles and builds in progress finish first)."""
@@ -132,9 +116,7 @@ class ConstraintCompiler:
         banned, sequences = self._bad_words(params.bad_words)
         stop_ids = frozenset(self.stop_token_ids)
         tokenizer = None if grammar is None else self._ll_tokenizer
-        return CompiledConstraint(
-            grammar, tokenizer, stop_ids, allowed, banned, sequences, lexers=self.lexers
-        )
+        return CompiledConstraint(grammar, tokenizer, stop_ids, allowed, banned, sequences)
 
     def _validated(self, grammar: str) -> str:
         """``grammar``, once llguidance accepted it with this tokenizer.

@@ -20,10 +20,8 @@ overlap scheduling their rows make the engine wait for the step in flight (`need
 
 from __future__ import annotations
 
-import itertools
-import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,15 +54,6 @@ def clear_bits(row: np.ndarray, ids: Sequence[int] | np.ndarray) -> None:
 class CompiledConstraint:
     """The compiled, shareable part of a constraint (cached per spec; one per many requests).
 
-    A grammar keeps ``lexers`` prototype matchers (``LLMatcher``), built on first use and never
-    advanced; each choice's matcher is a ``deep_copy`` of one of them, in turn (`new`). In
-    llguidance 1.9 a copy shares its prototype's lexer (its DFA state cache) behind one mutex
-    (``Matcher::clone``), so the copies of one prototype fill their masks one at a time while
-    copies of different prototypes fill in parallel: ``lexers`` equal to the executor's
-    threads lets every thread work, and each lexer stays warm across requests, where a matcher
-    of its own per choice would start cold (BENCHMARKS.md, "Structured decode with shared
-    lexers").
-
     Attributes:
         grammar: the llguidance grammar (its JSON text), validated against ``tokenizer``, or
             None without a grammar.
@@ -74,7 +63,6 @@ class CompiledConstraint:
         allowed: ``[W]`` int32 bitmask row of the allowed token ids, or None (all allowed).
         banned: token ids always banned (single-token bad words).
         bad_sequences: multi-token bad words: (prefix ids, last id) pairs.
-        lexers: prototype matchers (lexers) of the grammar, >= 1.
     """
 
     grammar: str | None = None
@@ -83,47 +71,29 @@ class CompiledConstraint:
     allowed: np.ndarray | None = None
     banned: np.ndarray | None = None
     bad_sequences: tuple[tuple[tuple[int, ...], int], ...] = ()
-    lexers: int = 1
-    # The prototypes, built on first use (each under its own lock), and the next one's turn.
-    _prototypes: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
-    _locks: list[threading.Lock] = field(
-        default_factory=list, init=False, repr=False, compare=False
-    )
-    _turn: Iterator[int] = field(
-        default_factory=itertools.count, init=False, repr=False, compare=False
-    )
-
-    def __post_init__(self) -> None:
-        if self.lexers < 1:
-            raise ValueError(f"lexers must be >= 1, got {self.lexers}")
-        self._prototypes.extend([None] * self.lexers)
-        self._locks.extend(threading.Lock() for _ in range(self.lexers))
 
     def new(self) -> TokenConstraint:
-        """A fresh constraint state for one choice of a request: a copy of the next prototype
-        matcher (microseconds; the first use of a prototype builds it, a grammar build outside
-        the GIL: `ConstraintCompiler.instantiate` runs it off the engine thread). Thread-safe.
+        """A fresh constraint state for one choice of a request, with its own llguidance
+        ``LLMatcher`` (a grammar build, outside the GIL; `ConstraintCompiler.instantiate` runs
+        it off the engine thread). Not a copy of one prototype: ``LLMatcher.deep_copy`` shares the
+        prototype's lexer behind one mutex, so the masks of all copies would be filled one at a
+        time however many threads the executor has (llguidance 1.9's ``Matcher::clone``), and
+        its DFA state cache, whose limit (250k states) would then count the states of every
+        earlier request of the grammar: a request that succeeds alone failed after a dozen
+        others (BENCHMARKS.md, "Structured decode: shared lexers tried").
 
         Raises:
-            ValueError: llguidance could not build the prototype (its error message).
+            ValueError: llguidance could not build the matcher (its error message).
         """
-        if self.grammar is None:
-            return TokenConstraint(self, None, 0)
-        lexer = next(self._turn) % self.lexers  # itertools.count: atomic under the GIL
-        return TokenConstraint(self, self._prototype(lexer).deep_copy(), lexer)
+        matcher = None
+        if self.grammar is not None:
+            import llguidance
 
-    def _prototype(self, lexer: int) -> Any:
-        with self._locks[lexer]:
-            proto = self._prototypes[lexer]
-            if proto is None:
-                import llguidance
-
-                # log_level 0: a matcher's errors are read with get_error(), not printed.
-                proto = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
-                if proto.is_error():
-                    raise ValueError(proto.get_error())
-                self._prototypes[lexer] = proto
-            return proto
+            # log_level 0: a matcher's errors are read with get_error(), not printed.
+            matcher = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+            if matcher.is_error():
+                raise ValueError(matcher.get_error())
+        return TokenConstraint(self, matcher)
 
 
 class TokenConstraint:
@@ -132,14 +102,12 @@ class TokenConstraint:
 
     Args:
         compiled: the shared compiled part.
-        matcher: the choice's llguidance ``LLMatcher`` (None without a grammar).
-        lexer: which of ``compiled``'s prototypes ``matcher`` was copied from (its lexer).
+        matcher: the choice's own llguidance ``LLMatcher`` (None without a grammar).
     """
 
     __slots__ = (
         "compiled",
         "failed",
-        "lexer",
         "matcher",
         "needs_history",
         "restricts",
@@ -147,10 +115,9 @@ class TokenConstraint:
         "_output",
     )
 
-    def __init__(self, compiled: CompiledConstraint, matcher: Any, lexer: int = 0) -> None:
+    def __init__(self, compiled: CompiledConstraint, matcher: Any) -> None:
         self.compiled = compiled
         self.matcher = matcher
-        self.lexer = lexer
         # Whether the grammar accepted a stop token (the output is complete), and whether a
         # token was refused (`accept` returned False): either ends the request.
         self.terminated = False
@@ -213,10 +180,7 @@ def fill_bitmasks(
 ) -> None:
     """Fill the bitmask rows ``rows`` of ``bitmask`` (``[B, W]`` int32 on the CPU, contiguous,
     every bit set on entry) from ``constraints`` (one per row): the grammar rows in one
-    llguidance batch call (its threads, outside the GIL), then allowed ids and bad words. The
-    batch call gets the rows grouped by lexer (grammar, then prototype): its thread pool splits
-    the list into contiguous runs, so a thread's rows mostly share a lexer and the threads
-    seldom wait for each other's (`CompiledConstraint`).
+    llguidance batch call (its threads, outside the GIL), then allowed ids and bad words.
 
     Args:
         executor: an llguidance ``LLExecutor`` (the batch call's thread pool).
@@ -231,8 +195,6 @@ def fill_bitmasks(
     if len(grammar) == 1:
         llguidance.numpy.fill_next_token_bitmask(grammar[0][0], array, grammar[0][1])
     elif grammar:
-        lexer = {r: (id(c.compiled), c.lexer) for r, c in zip(rows, constraints, strict=True)}
-        grammar.sort(key=lambda item: lexer[item[1]])
         llguidance.numpy.fill_next_token_bitmask_par(executor, grammar, array)
     for r, c in zip(rows, constraints, strict=True):
         if c.restricts:
