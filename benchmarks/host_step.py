@@ -86,9 +86,7 @@ def stubbed_engine(
     runner.forward = forward
     if sampler == "stub":
 
-        def sample(logits, reqs, ids_to_device=None, during_fill=None):
-            if during_fill is not None:  # no masks here: the engine's work runs at once
-                during_fill()
+        def sample(logits, reqs, ids_to_device=None):
             n = logits.shape[0]
             token_ids = torch.full((n,), 7, dtype=torch.int64)
             return DeviceSamples(token_ids, None, None, None, [None] * n)

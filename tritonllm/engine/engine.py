@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 
 from tritonllm.config import EngineConfig
 from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
@@ -20,7 +19,6 @@ from tritonllm.engine.prefix_cache import NoPrefixCache, PrefixCache
 from tritonllm.engine.radix_cache import RadixCache
 from tritonllm.engine.request import Request, RequestOutput, RequestStatus
 from tritonllm.engine.request_limits import RequestLimits
-from tritonllm.engine.sampler import SamplerOutput
 from tritonllm.engine.scheduler import Scheduler
 from tritonllm.engine.stats import EngineStats
 from tritonllm.engine.stop_strings import StopStringChecker, check_stop_strings
@@ -207,52 +205,20 @@ class LLMEngine:
                 self._finish(req, "error", release=True, error=f"constraint compile: {error}")
                 outputs.append(self._pending.pop())
 
-    def _sync_constrained(
-        self, sample_reqs: list[Request], outputs: list[RequestOutput]
-    ) -> Callable[[], None] | None:
-        """Overlap scheduling: when a row of the step being launched needs it
-        (`ConstraintAdmission.needs_sync`), take the samples of the step in flight now and feed
-        their tokens to its constrained rows' matchers, before the masks of the launched step
-        are filled. Returns the rest of that step's processing (`_process`: stop checks and
-        outputs), which the sampler runs on its helper thread while the masks fill outside the
-        GIL (`TokenMaskBuffers.apply`); None when nothing waited."""
-        if self._in_flight is None or not self.constraints.needs_sync(sample_reqs):
-            return None
-        step, self._in_flight = self._in_flight, None
-        samples = self._samples(step)
-        if samples is None:
-            return None
-        accepted: dict[int, bool] = {}
-        live = self._requests
-        tokens = samples.token_ids
-        for j, req in enumerate(step.sample_reqs):
-            constraint = req.constraint
-            if constraint is not None and req.max_tokens and live.get(req.key) is req:
-                accepted[j] = constraint.accept(tokens[j])
-        return lambda: self._process(step, outputs, samples, accepted)
+    def _sync_constrained(self, sample_reqs: list[Request], outputs: list[RequestOutput]) -> None:
+        """Overlap scheduling: process the step in flight now, before the masks of the step
+        being launched are filled, when one of its rows needs it (`ConstraintAdmission`)."""
+        if self._in_flight is not None and self.constraints.needs_sync(sample_reqs):
+            step, self._in_flight = self._in_flight, None
+            self._process(step, outputs)
 
-    def _samples(self, step: LaunchedStep) -> SamplerOutput | None:
-        """`step.result()` (waits for its device-to-host copies), the wait counted."""
+    def _process(self, step: LaunchedStep, outputs: list[RequestOutput]) -> None:
+        """Fill in the sampled tokens of a finished step; stop checks; append to `outputs`."""
         start = time.perf_counter()
         samples = step.result()
         self._gpu_wait_s += time.perf_counter() - start
-        return samples
-
-    def _process(
-        self,
-        step: LaunchedStep,
-        outputs: list[RequestOutput],
-        samples: SamplerOutput | None = None,
-        accepted: dict[int, bool] | None = None,
-    ) -> None:
-        """Fill in the sampled tokens of a finished step; stop checks; append to `outputs`.
-        With `samples` the step's results were taken already, and `accepted[j]` is what row
-        `j`'s constraint said of its token (`_sync_constrained` fed it)."""
-        if samples is None:
-            samples = self._samples(step)
         if samples is None:
             return
-        accepted = accepted or {}
         live, prefilled = self._requests, len(step.sample_reqs) - step.batch.num_decode_rows
         tokens, logprobs, top_logprobs = samples.token_ids, samples.logprobs, samples.top_logprobs
         for j, (req, pos) in enumerate(zip(step.sample_reqs, step.token_pos, strict=True)):
@@ -261,22 +227,13 @@ class LLMEngine:
             req.token_ids[pos] = tokens[j]
             if j < prefilled:  # a prefill row that finished its prompt (they sample first)
                 self.cache.cache_prefix(req)
-            outputs.append(
-                self._append_token(req, pos, logprobs[j], top_logprobs[j], accepted.get(j))
-            )
+            outputs.append(self._append_token(req, pos, logprobs[j], top_logprobs[j]))
 
     def _append_token(
-        self,
-        req: Request,
-        pos: int,
-        lp: float | None,
-        top: dict[int, float] | None,
-        accepted: bool | None = None,
+        self, req: Request, pos: int, lp: float | None, top: dict[int, float] | None
     ) -> RequestOutput:
         """Stop checks for the token just filled in at `req.token_ids[pos]` (with its logprob
-        and top logprobs when asked); finishes the request if it stops. Returns its output.
-        `accepted`: what the request's constraint said of the token, when it was fed already
-        (None: feed it here)."""
+        and top logprobs when asked); finishes the request if it stops. Returns its output."""
         if req.max_tokens == 0:  # prefill only (it scored or echoes its prompt): no output id
             del req.token_ids[pos:]
             req.finish_reason = "length"
@@ -288,9 +245,7 @@ class LLMEngine:
         num_out = pos + 1 - req.num_prompt_tokens  # every id after `pos` is a placeholder
         reason = error = None
         constraint = req.constraint
-        if constraint is not None and not (
-            constraint.accept(token) if accepted is None else accepted
-        ):
+        if constraint is not None and not constraint.accept(token):
             reason, error = "error", self.constraints.rejected(req, token)
         elif token in req.stop_ids and num_out >= p.min_tokens:
             reason = "stop"

@@ -38,10 +38,6 @@ from tritonllm.models import load_model
 if TYPE_CHECKING:
     from tritonllm.engine.process_messages import StepBroadcast
 
-# `ModelRunner.run`'s hook: called with the rows that sample; may return work for the sampler
-# to run while the token masks fill.
-BeforeSample = Callable[[list[Request]], Callable[[], None] | None]
-
 
 @dataclass
 class StepInputs:
@@ -331,14 +327,13 @@ class ModelRunner:
     def run(
         self,
         batch: ScheduledBatch,
-        before_sample: BeforeSample | None = None,
+        before_sample: Callable[[list[Request]], None] | None = None,
     ) -> LaunchedStep:
         """Enqueue the forward and sampling of `batch`; no host sync. The engine commits the
         returned step and later takes its samples with `LaunchedStep.result()`.
         `before_sample(sample_reqs)` runs after the forward is enqueued and before the
-        sampler fills token masks (overlap scheduling: the engine may take the step in flight
-        there, see `structured.admission`); what it returns, if not None, the sampler runs
-        while the masks fill (`Sampler.sample_device`'s ``during_fill``).
+        sampler fills token masks (overlap scheduling: the engine may process the step in
+        flight there, see `structured.admission`).
 
         Raises:
             SystemExit: tensor-parallel rank 0 only, when the step failed (a rank is gone, a
@@ -352,7 +347,9 @@ class ModelRunner:
         except Exception as exc:
             raise SystemExit(f"tensor-parallel rank 0: step failed: {exc!r}") from exc
 
-    def _launch(self, batch: ScheduledBatch, before_sample: BeforeSample | None) -> LaunchedStep:
+    def _launch(
+        self, batch: ScheduledBatch, before_sample: Callable[[list[Request]], None] | None
+    ) -> LaunchedStep:
         fwd = self.build_inputs(batch)
         if self.followers is not None:  # before the forward: its collectives need every rank
             self.followers.send(fwd.host, len(fwd.sample_reqs))
@@ -364,10 +361,9 @@ class ModelRunner:
             logits = logits[:num_sampled]
         if not fwd.sample_reqs:
             return LaunchedStep(batch, [], scores=scores)
-        during_fill = None if before_sample is None else before_sample(fwd.sample_reqs)
-        samples = self.sampler.sample_device(
-            logits, fwd.sample_reqs, self.ids_to_device, during_fill
-        )
+        if before_sample is not None:
+            before_sample(fwd.sample_reqs)
+        samples = self.sampler.sample_device(logits, fwd.sample_reqs, self.ids_to_device)
         if self.tp is not None:  # the other ranks' future maps get the same ids
             self.tp.broadcast(samples.token_ids)
         slots = self.future.store(samples.token_ids)

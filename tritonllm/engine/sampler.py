@@ -157,11 +157,7 @@ class Sampler:
 
     @torch.inference_mode()
     def sample_device(
-        self,
-        logits: torch.Tensor,
-        reqs: list[Request],
-        ids_to_device: IdsToDevice | None = None,
-        during_fill: Callable[[], None] | None = None,
+        self, logits: torch.Tensor, reqs: list[Request], ids_to_device: IdsToDevice | None = None
     ) -> DeviceSamples:
         """Sample the next token of each request without a host sync.
 
@@ -172,10 +168,6 @@ class Sampler:
             ids_to_device: maps a request's token ids to a device tensor (the model runner's
                 version resolves ids that are still on the device under overlap scheduling);
                 default: a plain copy.
-            during_fill: work of the engine's (Python, GIL-bound) to run on the mask helper
-                thread while the constrained rows' masks fill outside the GIL
-                (`TokenMaskBuffers.apply`); run before anything else here when no row is
-                masked. Its exception propagates.
 
         Returns:
             the samples, on the device.
@@ -184,15 +176,9 @@ class Sampler:
         if ids_to_device is None:
             ids_to_device = lambda ids: to_device(ids, torch.int64, device)  # noqa: E731
         params = [r.params for r in reqs]
-        masked = [
-            i
-            for i, r in enumerate(reqs)
-            if r.constraint is not None and r.constraint.live and not r.finish_reason
-        ]
+        masked = [i for i, r in enumerate(reqs) if r.constraint is not None and not r.finish_reason]
         if masked:
-            self._masks.apply(logits, masked, [reqs[i] for i in masked], during_fill)
-        elif during_fill is not None:
-            during_fill()
+            self._masks.apply(logits, masked, [reqs[i] for i in masked])
         penalised = [i for i, r in enumerate(reqs) if r.uses_penalties]
         fast = use_fused(self.fused, logits) and _is_plain(logits, reqs)
         if fast and not penalised:

@@ -105,23 +105,13 @@ class TokenConstraint:
         matcher: the choice's own llguidance ``LLMatcher`` (None without a grammar).
     """
 
-    __slots__ = (
-        "compiled",
-        "failed",
-        "matcher",
-        "needs_history",
-        "restricts",
-        "terminated",
-        "_output",
-    )
+    __slots__ = ("compiled", "matcher", "needs_history", "restricts", "terminated", "_output")
 
     def __init__(self, compiled: CompiledConstraint, matcher: Any) -> None:
         self.compiled = compiled
         self.matcher = matcher
-        # Whether the grammar accepted a stop token (the output is complete), and whether a
-        # token was refused (`accept` returned False): either ends the request.
+        # Whether the grammar accepted a stop token (the output is complete).
         self.terminated = False
-        self.failed = False
         self.needs_history = matcher is not None or bool(compiled.bad_sequences)
         # Whether `restrict` changes anything (allowed ids or bad words).
         self.restricts = (
@@ -142,17 +132,10 @@ class TokenConstraint:
         # every token but EOS and accepts that: never an accepted token, so never a "stop".
         matcher = self.matcher
         if matcher.is_error() or not matcher.consume_token(token) or matcher.is_error():
-            self.failed = True
             return False
         # The mask allows a stop token only where the output is complete.
         self.terminated = token in self.compiled.stop_ids
         return True
-
-    @property
-    def live(self) -> bool:
-        """Whether the constraint still masks: it neither ended its output nor refused a token
-        (its request finishes on either, possibly a step after the sampler asks)."""
-        return not (self.terminated or self.failed)
 
     def error(self) -> str | None:
         """The grammar matcher's own error (llguidance's message), or None."""

@@ -7,18 +7,10 @@ on CUDA, so nothing waits for the device) and masks those rows of the logits in 
 with `kernels.token_bitmask.apply_token_bitmask` (one Triton kernel), elsewhere with
 `apply_token_bitmask_torch`. Two host buffers serve alternate steps: a buffer is refilled two
 steps later, after the engine has waited for the step that uploaded it, so its copy is done.
-
-The fill runs in llguidance's threads with the GIL released, so the engine's own Python work of
-the step can run meanwhile: `apply`'s ``during_fill`` (under overlap scheduling, the stop checks
-and outputs of the step just taken, `LLMEngine._sync_constrained`) runs on a helper thread,
-which takes the GIL while the calling thread waits in the fill; `apply` returns once both are
-done. The helper never touches the matchers being filled (their tokens were fed before).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -75,7 +67,6 @@ class TokenMaskBuffers:
         self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
         self._next = 0
         self._executor: Any = None
-        self._helper: ThreadPoolExecutor | None = None  # runs `apply`'s during_fill
 
     def _buffer(self, batch: int, words: int) -> tuple[torch.Tensor, torch.Tensor]:
         index, self._next = self._next, self._next ^ 1
@@ -90,18 +81,10 @@ class TokenMaskBuffers:
             self._buffers[index] = buf
         return buf[0][:batch], buf[1][:batch]
 
-    def apply(
-        self,
-        logits: torch.Tensor,
-        rows: list[int],
-        reqs: list[Request],
-        during_fill: Callable[[], None] | None = None,
-    ) -> None:
+    def apply(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
         """Mask rows ``rows`` of ``logits`` (``[B, vocab]``, float32 / bfloat16 / float16, in
         place: a disallowed token's logit becomes -inf) by the constraints of ``reqs`` (row
-        ``rows[i]`` is ``reqs[i]``'s, each with a `TokenConstraint`). No host sync.
-        ``during_fill`` runs on the helper thread while the masks fill (module docstring); its
-        exception propagates once the fill is done."""
+        ``rows[i]`` is ``reqs[i]``'s, each with a `TokenConstraint`). No host sync."""
         import llguidance
 
         vocab = logits.shape[1]
@@ -111,16 +94,7 @@ class TokenMaskBuffers:
         if self._executor is None:
             self._executor = llguidance.LLExecutor(self.threads)
         constraints = [r.constraint for r in reqs]
-        helped = None
-        if during_fill is not None:
-            if self._helper is None:
-                self._helper = ThreadPoolExecutor(1, thread_name_prefix="tritonllm-mask-helper")
-            helped = self._helper.submit(during_fill)
-        try:
-            fill_bitmasks(host, list(range(len(rows))), constraints, self._executor)  # type: ignore[arg-type]
-        finally:
-            if helped is not None:
-                helped.result()
+        fill_bitmasks(host, list(range(len(rows))), constraints, self._executor)  # type: ignore[arg-type]
         if self.device.type == "cuda":
             from kernels.token_bitmask import apply_token_bitmask
 
