@@ -240,3 +240,49 @@ def test_backend_errors_read_like_openai_validation_errors(client, sidecar):
     error = _error_body(info.value)
     assert error["message"] == "stop must be at most 16 strings, got 17"
     assert error["param"] == "stop"
+
+
+def test_an_in_band_stream_error_about_the_constraint_names_the_clients_field():
+    """A constraint that fails after the 200 (QA: llguidance's lexer limit hit mid-stream) is
+    sent in-band naming the field the client sent (``guided_regex``), as the same error before
+    the 200 is, not the backend's ``structured_outputs.regex``."""
+    import asyncio
+
+    from openai_frontend.errors import OpenAIError
+    from openai_frontend.protocol import (
+        ChatChunkChoice,
+        ChatCompletionChunk,
+        ChatCompletionRequest,
+        DeltaMessage,
+        Usage,
+    )
+    from openai_frontend.routes.sse import ChunkEncoder, _body
+    from openai_frontend.structured import rename_param
+
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "guided_regex": "a+"}
+    )
+
+    class Gen:
+        usage = Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2)
+
+        def close(self):
+            pass
+
+    async def events():
+        yield '{"choices":[]}'
+        param = "structured_outputs.regex"
+        raise OpenAIError(f"{param} failed while generating: too many states", param=param)
+
+    async def sent():
+        chunk = ChatCompletionChunk(
+            id="c", model="m", choices=[ChatChunkChoice(delta=DeltaMessage())]
+        )
+        encoder = ChunkEncoder(chunk, include_usage=False)
+        rename = lambda exc: rename_param(exc, body, None)  # noqa: E731
+        return [e async for e in _body(Gen(), events(), encoder, rename)]
+
+    chunks = asyncio.run(sent())
+    error = json.loads(chunks[1])["error"]
+    assert (error["param"], error["code"]) == ("guided_regex", None)
+    assert error["message"].startswith("guided_regex failed while generating")

@@ -53,11 +53,15 @@ async def create_chat_completion(
             stream are sent in-band.
     """
     mode = body.tool_mode()
+
+    def rename(exc: OpenAIError) -> None:  # a constraint error names the client's field
+        tool = body.tool_constraint(mode)
+        rename_param(exc, body, tool[0] if tool is not None else None)
+
     try:
         gen = await start_generation(request, body, "chatcmpl", "messages", chat_inputs)
     except OpenAIError as exc:
-        tool = body.tool_constraint(mode)
-        rename_param(exc, body, tool[0] if tool is not None else None)
+        rename(exc)
         raise
     state = get_state(request)
     if body.stream:
@@ -65,7 +69,7 @@ async def create_chat_completion(
         template = ChatCompletionChunk(id=gen.request_id, model=state.model_name, choices=[choice])
         encoder = ChunkEncoder(template, body.include_usage)
         events = _events(gen, encoder, mode, state.tool_call_parser)
-        return stream_response(gen, events, encoder)
+        return stream_response(gen, events, encoder, rename)
     choices = await collect_choices(request, gen)
     return ChatCompletion(
         id=gen.request_id,

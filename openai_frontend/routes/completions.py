@@ -112,7 +112,8 @@ async def create_completion(
     if body.stream:
         template = Completion(id=completion_id, model=model, choices=[CompletionChoice(text="")])
         encoder = ChunkEncoder(template, body.include_usage)
-        return stream_response(gens, _events(body, gens, encoder), encoder)
+        rename = lambda exc: rename_param(exc, body, None)  # noqa: E731
+        return stream_response(gens, _events(body, gens, encoder), encoder, rename)
     try:
         per_prompt = await asyncio.gather(*(collect_choices(request, g) for g in gens.gens))
     finally:

@@ -8,7 +8,7 @@ payloads: the chunks, an error after the 200 as an OpenAI error body, ``[DONE]``
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any, Protocol
 
@@ -78,14 +78,19 @@ class ChunkEncoder:
 
 
 def stream_response(
-    gen: Streamed, events: AsyncGenerator[str, None], encoder: ChunkEncoder
+    gen: Streamed,
+    events: AsyncGenerator[str, None],
+    encoder: ChunkEncoder,
+    on_error: Callable[[OpenAIError], None] | None = None,
 ) -> EventSourceResponse:
     """The SSE response of a started generation: ``events`` (the endpoint's chunk payloads),
     then the usage chunk when asked for, then ``[DONE]``. An error after the 200 is sent
-    in-band as an OpenAI error body, as OpenAI-compatible servers do. The generation is always
-    closed, also when the client disconnects (sse-starlette then cancels the body)."""
+    in-band as an OpenAI error body, as OpenAI-compatible servers do, after ``on_error`` saw
+    it (the endpoint's ``structured.rename_param``, as for an error before the 200). The
+    generation is always closed, also when the client disconnects (sse-starlette then cancels
+    the body)."""
     return EventSourceResponse(
-        _body(gen, events, encoder),
+        _body(gen, events, encoder, on_error),
         background=BackgroundTask(gen.close),
         sep="\n",
         ping=PING_S,
@@ -93,7 +98,10 @@ def stream_response(
 
 
 async def _body(
-    gen: Streamed, events: AsyncGenerator[str, None], encoder: ChunkEncoder
+    gen: Streamed,
+    events: AsyncGenerator[str, None],
+    encoder: ChunkEncoder,
+    on_error: Callable[[OpenAIError], None] | None = None,
 ) -> AsyncIterator[str]:
     try:
         async with aclosing(events):
@@ -102,6 +110,8 @@ async def _body(
         if encoder.include_usage:
             yield encoder.usage(gen.usage)
     except OpenAIError as exc:
+        if on_error is not None:
+            on_error(exc)
         yield _dumps(exc.body())
     finally:
         gen.close()
