@@ -267,7 +267,7 @@ def test_an_in_band_stream_error_about_the_constraint_names_the_clients_field():
         usage = Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2)
 
         def close(self):
-            pass
+            """Nothing to release: no backend generation behind this stand-in."""
 
     async def events():
         yield '{"choices":[]}'
