@@ -16,10 +16,14 @@ scheduling, the wait for the step in flight before its mask is filled
 the unconstrained one (fraction 0). Defaults: CUDA graphs and overlap scheduling on (the
 engine's defaults on CUDA), sampling at `--temperature`.
 
-With `--host-profile` the table also gives the host milliseconds per timed step spent in the
-parts a constrained row adds (the mask fill `fill_bitmasks`, the sampler's whole mask step
-`TokenMaskBuffers.apply`, the matchers' `accept`) and in the engine's `_process` of a step's
-samples (which includes `accept`), each function wrapped by a timer for the timed steps only.
+With `--host-profile` the table also gives the engine thread's milliseconds per timed step in
+the parts of `_host_parts`, each function wrapped by a timer for the timed steps only: the
+scheduler, the host half of the inputs, the forward's launch, the engine's `_process` of a
+step's samples (which includes `accept`, the constrained rows' matchers fed their tokens), and
+what a constrained row adds to the sampler: `mask start` (the fill started on its thread, or
+run there when the sampling is not deferred), `mask finish` (the wait for the fill, the
+uploads and the mask kernel's launch, `mask kernel`), and `fill`: the seconds inside llguidance's
+fill calls, on the fill thread or the engine thread (`TokenMaskBuffers.fill_seconds`).
 
 Exits with an error when a request left the batch before the timed steps ended (then the
 numbers would not be those of a full batch).
@@ -72,14 +76,19 @@ SCHEMA_NAMES = {"maxlength": "SCHEMA", "plain": "PLAIN_SCHEMA"}
 
 def _host_parts() -> dict[str, tuple[object, str]]:
     """`--host-profile`'s parts: name → (owner, attribute) of the function timed."""
+    import kernels.token_bitmask
+    from tritonllm.engine import engine, model_runner, scheduler
     from tritonllm.structured import masks
-    from tritonllm.structured.constraint import TokenConstraint
 
     return {
-        "fill": (masks, "fill_bitmasks"),
-        "mask step": (masks.TokenMaskBuffers, "apply"),
-        "accept": (TokenConstraint, "accept"),
+        "schedule": (scheduler.Scheduler, "schedule"),
+        "host inputs": (model_runner.ModelRunner, "host_inputs"),
+        "forward": (model_runner.ModelRunner, "forward"),
         "process": (LLMEngine, "_process"),
+        "accept": (engine, "accept_tokens"),
+        "mask start": (masks.TokenMaskBuffers, "start"),
+        "mask finish": (masks.TokenMaskBuffers, "finish"),
+        "mask kernel": (kernels.token_bitmask, "apply_token_bitmask"),
     }
 
 
@@ -179,8 +188,11 @@ def time_structured_step(
         schema,
     )
     totals: dict[str, float] = {}
+    masks = engine.runner.sampler.masks
+    filled = masks.fill_seconds
     with host_timers(totals) if host is not None else contextlib.nullcontext():
         seconds = time_steps(engine, steps, device)
+    totals["fill"] = masks.fill_seconds - filled  # llguidance's calls, on either thread
     if host is not None:
         host.update({name: total / steps for name, total in totals.items()})
     live = len(engine.scheduler.running)
@@ -204,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host-profile", action="store_true", help="host ms per step by part")
     args = p.parse_args(argv)
     schema = SCHEMAS[args.schema]
-    parts = list(_host_parts()) if args.host_profile else []
+    parts = [*_host_parts(), "fill"] if args.host_profile else []
     model = str(common.ensure_model(args.model, args.shape))
     extra = common.engine_args(args)
     bs = args.batch_size

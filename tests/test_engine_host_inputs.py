@@ -153,8 +153,8 @@ def test_build_inputs_match_per_request_reference(overlap):
     build = runner.build_inputs
     kinds = set()
 
-    def checked(batch):
-        fwd = build(batch)
+    def checked(batch, before_upload=None):
+        fwd = build(batch, before_upload)
         ref = _reference_inputs(runner, batch)
         meta = fwd.meta
         assert fwd.input_ids.tolist() == ref["ids"]

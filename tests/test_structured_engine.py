@@ -7,6 +7,8 @@ its tokenizer), the guarantees `tritonllm.structured` gives:
   decode (constrained decode rows inside mixed steps), twins of a request (same prompt, schema
   and seed) giving its output; the same constrained outputs with
   overlap scheduling off; unconstrained requests batched with them give the ids they give alone.
+- A grammar step's deferred sampling (masks filled while the engine builds the next step)
+  gives the outputs of the same run without it.
 - Overlap scheduling waits for the step in flight only for rows whose mask depends on their
   history (a grammar, multi-token bad words); unconstrained batches and allowed-token-id rows
   keep the full overlap.
@@ -139,6 +141,54 @@ def test_outputs_do_not_depend_on_the_mask_fill_threads(tiny_model_dir, tok):
     three = _run(_engine(tiny_model_dir, grammar_threads=3), constrained)
     _check_schema_outputs(tok, three)
     assert three == one
+
+
+def test_deferred_sampling_changes_no_output(tiny_model_dir, tok, monkeypatch):
+    """A grammar step's sampling is deferred (its masks fill on the mask thread while the
+    engine commits the step and builds the next one's inputs) unless a row of it uses
+    penalties: the outputs equal those of the same run with the deferral off, token for token,
+    under overlap scheduling and mixed steps, with late arrivals, seeded sampling, allowed ids,
+    bad words and a penalised row in the batch."""
+    constrained, plain = _schema_workload(tok)
+    prompt = tok.encode("Tell me more")
+    others = [
+        # seeded: an unseeded row's draws depend on which rows share its steps, and when a
+        # constrained request joins depends on its compile's timing
+        (
+            "ids",
+            prompt,
+            SamplingParams(max_tokens=12, seed=1, allowed_token_ids=[*range(100, 140)]),
+        ),
+        ("bad", prompt, SamplingParams(max_tokens=12, temperature=0.9, seed=3, bad_words=["a b"])),
+        ("pen", prompt, SamplingParams(max_tokens=12, seed=2, repetition_penalty=1.3)),
+    ]
+    workload = constrained + plain + others
+    late = {rid for rid, _, _ in constrained[::2]} | {"p1", "pen"}
+    engine = _engine(tiny_model_dir, overlap_schedule=True, mixed_steps=True)
+    runner = engine.runner
+    deferred, filled_here = [], []
+    defer, sample = runner._deferred_sampling, runner.sampler.sample_device
+
+    def spy(logits, reqs, ids_to_device=None, masks=None):
+        grammar = [r for r in reqs if r.constraint and r.constraint.matcher and not r.finish_reason]
+        if masks is None and grammar:
+            filled_here.append(any(r.uses_penalties for r in reqs))
+        return sample(logits, reqs, ids_to_device, masks)
+
+    monkeypatch.setattr(runner, "_deferred_sampling", lambda *a: deferred.append(1) or defer(*a))
+    monkeypatch.setattr(runner.sampler, "sample_device", spy)
+    outs = _run(engine, workload, late)
+    assert len(deferred) > 10  # steps with a grammar row deferred their sampling, ...
+    assert len(filled_here) > 5 and all(filled_here)  # ... all but those with the penalty
+    _check_schema_outputs(tok, outs)
+    reference = _run(
+        _engine(
+            tiny_model_dir, overlap_schedule=True, mixed_steps=True, defer_grammar_sampling=False
+        ),
+        workload,
+        late,
+    )
+    assert reference == outs
 
 
 def test_overlap_waits_only_for_history_dependent_constraints(tiny_model_dir, tok):

@@ -137,6 +137,10 @@ class EngineConfig:
             in one engine, no process group.
         grammar_threads: structured outputs: the threads that fill the constrained rows' token
             masks (llguidance's executor); None → `resolved_grammar_threads`.
+        defer_grammar_sampling: structured outputs: a step with rows under a grammar enqueues
+            its sampling only before the next step's uploads, its masks filling on a thread of
+            their own meanwhile (`engine.model_runner`); False: the masks fill and the step
+            samples as soon as its forward is enqueued.
     """
 
     model: str
@@ -165,6 +169,7 @@ class EngineConfig:
     engine_profile: str | None = None
     tensor_parallel_size: int = 1
     grammar_threads: int | None = None
+    defer_grammar_sampling: bool = True
 
     def __post_init__(self) -> None:
         cpu = device_type(self.device) == "cpu"

@@ -60,6 +60,9 @@ is a field of ``EngineConfig``; each can be set by the environment variable
                                        sequences use its tensor-core kernels (64)
 ``TRITONLLM_GRAMMAR_THREADS``          structured outputs: threads that fill token masks
                                        (default: 80% of the cores, as llguidance's own)
+``TRITONLLM_DEFER_GRAMMAR_SAMPLING``   ``true``/``false``: a grammar step's masks fill while
+                                       the engine builds the next step (default true;
+                                       ``engine/model_runner.py``)
 ``TRITONLLM_ENGINE_PROFILE``           diagnostics: a file path; the engine process runs its
                                        loop under cProfile and writes the stats there every
                                        10 s and at exit (``engine/engine_process.py``)

@@ -24,6 +24,7 @@ from tritonllm.engine.stats import EngineStats
 from tritonllm.engine.stop_strings import StopStringChecker, check_stop_strings
 from tritonllm.sampling_params import SamplingParams
 from tritonllm.structured.admission import ConstraintAdmission
+from tritonllm.structured.constraint import accept_tokens
 from tritonllm.tokenization.detokenizer import Detokenizer
 
 
@@ -193,6 +194,7 @@ class LLMEngine:
             # `_requests`: keep them so `abort_all` still delivers them and no request is lost.
             self._pending[:0] = outputs
             self._in_flight = None
+            self.runner.discard_deferred()
             raise
         return outputs
 
@@ -221,19 +223,43 @@ class LLMEngine:
             return
         live, prefilled = self._requests, len(step.sample_reqs) - step.batch.num_decode_rows
         tokens, logprobs, top_logprobs = samples.token_ids, samples.logprobs, samples.top_logprobs
+        accepted = self._accept(step, tokens) if self.constraints.live else {}
         for j, (req, pos) in enumerate(zip(step.sample_reqs, step.token_pos, strict=True)):
             if live.get(req.key) is not req:
                 continue  # finished (overlap: its extra token is discarded) or aborted
             req.token_ids[pos] = tokens[j]
             if j < prefilled:  # a prefill row that finished its prompt (they sample first)
                 self.cache.cache_prefix(req)
-            outputs.append(self._append_token(req, pos, logprobs[j], top_logprobs[j]))
+            outputs.append(
+                self._append_token(req, pos, logprobs[j], top_logprobs[j], accepted.get(j))
+            )
+
+    def _accept(self, step: LaunchedStep, tokens: list[int]) -> dict[int, bool]:
+        """Feed the step's sampled ``tokens`` to its live constrained rows' constraints, all at
+        once (`accept_tokens`: one llguidance batch call); row index → accepted."""
+        live, rows = self._requests, []
+        for j, req in enumerate(step.sample_reqs):
+            if req.constraint is not None and req.max_tokens and live.get(req.key) is req:
+                rows.append(j)
+        if not rows:
+            return {}
+        constraints = [step.sample_reqs[j].constraint for j in rows]
+        executor = self.runner.sampler.masks.executor
+        ok = accept_tokens(constraints, [tokens[j] for j in rows], executor)  # type: ignore[arg-type]
+        return dict(zip(rows, ok, strict=True))
 
     def _append_token(
-        self, req: Request, pos: int, lp: float | None, top: dict[int, float] | None
+        self,
+        req: Request,
+        pos: int,
+        lp: float | None,
+        top: dict[int, float] | None,
+        accepted: bool | None = None,
     ) -> RequestOutput:
         """Stop checks for the token just filled in at `req.token_ids[pos]` (with its logprob
-        and top logprobs when asked); finishes the request if it stops. Returns its output."""
+        and top logprobs when asked); finishes the request if it stops. Returns its output.
+        ``accepted``: what the request's constraint said of the token when `_accept` fed it
+        already (None: it is fed here)."""
         if req.max_tokens == 0:  # prefill only (it scored or echoes its prompt): no output id
             del req.token_ids[pos:]
             req.finish_reason = "length"
@@ -245,7 +271,9 @@ class LLMEngine:
         num_out = pos + 1 - req.num_prompt_tokens  # every id after `pos` is a placeholder
         reason = error = None
         constraint = req.constraint
-        if constraint is not None and not constraint.accept(token):
+        if constraint is not None and not (
+            constraint.accept(token) if accepted is None else accepted
+        ):
             reason, error = "error", self.constraints.rejected(req, token)
         elif token in req.stop_ids and num_out >= p.min_tokens:
             reason = "stop"

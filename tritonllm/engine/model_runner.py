@@ -28,7 +28,7 @@ from tritonllm.config import EngineConfig
 from tritonllm.distributed import TensorParallelGroup
 from tritonllm.engine.kv_cache import KVCache, derive_num_pages
 from tritonllm.engine.overlap import FutureMap, LaunchedStep
-from tritonllm.engine.prompt_logprobs import PromptRows
+from tritonllm.engine.prompt_logprobs import LaunchedScores, PromptRows
 from tritonllm.engine.request import Request
 from tritonllm.engine.sampler import Sampler
 from tritonllm.engine.scheduler import ScheduledBatch
@@ -156,6 +156,8 @@ class ModelRunner:
             grammar_threads=config.resolved_grammar_threads,
         )
         self.future = FutureMap(config.max_running_requests, self.device)
+        self.defer_grammar_sampling = config.defer_grammar_sampling and tp is None
+        self._deferred: LaunchedStep | None = None  # its sampling not yet enqueued
         self._is_cuda = self.device.type == "cuda"
         # Set after each backend plan: the next plan waits for it, because FlashInfer stages
         # its plan in one pinned host buffer per wrapper (see `_plan_fence`).
@@ -182,8 +184,21 @@ class ModelRunner:
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def build_inputs(self, batch: ScheduledBatch) -> ForwardInputs:
-        """Flatten `batch` (before its requests' `num_computed` advance) into model inputs.
+    def build_inputs(
+        self, batch: ScheduledBatch, before_upload: Callable[[], None] | None = None
+    ) -> ForwardInputs:
+        """Flatten `batch` (before its requests' `num_computed` advance) into model inputs:
+        `host_inputs`, then ``before_upload()`` (if given), then `device_inputs`."""
+        host = self.host_inputs(batch)
+        if before_upload is not None:
+            before_upload()
+        return self.device_inputs(*host)
+
+    def host_inputs(
+        self, batch: ScheduledBatch
+    ) -> tuple[StepInputs, list[Request], PromptRows | None]:
+        """The host half of `build_inputs`: `batch` flattened into the step's host arrays, its
+        sampling requests and its scored prompt rows. Nothing is enqueued on the device.
 
         Per request only its counters and new token ids are read in Python; positions, slots
         and the page table are numpy over the whole batch (the page table is one gather from
@@ -250,7 +265,7 @@ class ModelRunner:
         host = StepInputs(
             int64, int32, num_seqs, num_tokens, batch.is_decode, all_future, any_future
         )
-        return self.device_inputs(host, sample_reqs, prompt_rows)
+        return host, sample_reqs, prompt_rows
 
     def device_inputs(
         self,
@@ -350,7 +365,8 @@ class ModelRunner:
     def _launch(
         self, batch: ScheduledBatch, before_sample: Callable[[list[Request]], None] | None
     ) -> LaunchedStep:
-        fwd = self.build_inputs(batch)
+        # A deferred sampling is enqueued before the uploads: its ids are this forward's inputs.
+        fwd = self.build_inputs(batch, self.complete_deferred)
         if self.followers is not None:  # before the forward: its collectives need every rank
             self.followers.send(fwd.host, len(fwd.sample_reqs))
         logits = self.forward(fwd)
@@ -363,11 +379,50 @@ class ModelRunner:
             return LaunchedStep(batch, [], scores=scores)
         if before_sample is not None:
             before_sample(fwd.sample_reqs)
+        if self.defer_grammar_sampling and _defers_sampling(fwd.sample_reqs):
+            return self._deferred_sampling(batch, fwd.sample_reqs, logits, scores)
         samples = self.sampler.sample_device(logits, fwd.sample_reqs, self.ids_to_device)
         if self.tp is not None:  # the other ranks' future maps get the same ids
             self.tp.broadcast(samples.token_ids)
         slots = self.future.store(samples.token_ids)
         return LaunchedStep.from_samples(batch, fwd.sample_reqs, samples, slots, scores)
+
+    def _deferred_sampling(
+        self,
+        batch: ScheduledBatch,
+        reqs: list[Request],
+        logits: torch.Tensor,
+        scores: LaunchedScores | None,
+    ) -> LaunchedStep:
+        """The step with its sampling deferred (`engine.overlap`): the token masks start
+        filling on the mask thread and the step returns at once, so the engine commits it and
+        builds the next step's host inputs while llguidance works; `LaunchedStep.complete`
+        (called before the next forward's uploads, or by `result`) then applies the masks and
+        samples into the future-map slots reserved here. The device sees the same work in the
+        same order as without the deferral, and the sampler's random streams advance alike."""
+        masks = self.sampler.start_masks(logits.shape[1], reqs)
+        slots = self.future.reserve(len(reqs))
+        step = LaunchedStep(batch, reqs, slots=slots, scores=scores)
+
+        def finish() -> None:
+            samples = self.sampler.sample_device(logits, reqs, self.ids_to_device, masks)
+            self.future.write(slots, samples.token_ids)
+            step.copy_samples(samples)
+
+        step.finish = finish
+        self._deferred = step
+        return step
+
+    def complete_deferred(self) -> None:
+        """Enqueue the sampling of the step launched last, if it was deferred."""
+        step, self._deferred = self._deferred, None
+        if step is not None:
+            step.complete()
+
+    def discard_deferred(self) -> None:
+        """Forget a deferred sampling without running it (the engine dropped its step after a
+        failure); its mask fill, if still running, finishes on its own."""
+        self._deferred = None
 
     @torch.inference_mode()
     def run_follower(self, host: StepInputs, num_samples: int) -> None:
@@ -379,6 +434,20 @@ class ModelRunner:
             assert self.tp is not None  # only tensor-parallel ranks follow
             ids = torch.empty(num_samples, dtype=torch.int64, device=self.device)
             self.future.store(self.tp.broadcast(ids))
+
+
+def _defers_sampling(reqs: list[Request]) -> bool:
+    """Whether a step's sampling waits for its token masks on the mask thread
+    (`ModelRunner._deferred_sampling`): some row samples under a grammar and no row uses
+    penalties (they read the token history, which gains this step's placeholders when the
+    engine commits the step)."""
+    grammar = False
+    for r in reqs:
+        if r.uses_penalties:
+            return False
+        c = r.constraint
+        grammar = grammar or (c is not None and c.matcher is not None and not r.finish_reason)
+    return grammar
 
 
 def _set_kernel_switches(config: EngineConfig) -> None:

@@ -15,10 +15,18 @@ possible,
 
 Without overlap (and on CPU) the engine calls `result()` right after the launch: the same code
 path, with no placeholder ever visible to the scheduler.
+
+A step whose rows sample under a grammar may have its sampling *deferred*
+(`ModelRunner`): its forward is enqueued and its token masks start filling on another thread,
+and the step comes back without samples (`LaunchedStep.finish` pending) but with its future-map
+slots reserved, so the engine commits it and the scheduler plans the next step as usual. The
+sampling is enqueued (`complete`) before the next forward's inputs are uploaded, or when the
+step's results are asked for: the device sees the same work in the same order either way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -57,11 +65,21 @@ class FutureMap:
 
     def store(self, token_ids: torch.Tensor) -> list[int]:
         """Write `[S]` sampled ids (device) to the next half; returns their slots."""
-        n = token_ids.shape[0]
+        slots = self.reserve(token_ids.shape[0])
+        self.write(slots, token_ids)
+        return slots
+
+    def reserve(self, n: int) -> list[int]:
+        """The next half's first `n` slots, for ids that `write` stores later (a step whose
+        sampling is deferred, `LaunchedStep.finish`)."""
         base = self._half * self.max_batch
         self._half ^= 1
-        self.ids[base : base + n].copy_(token_ids)
         return list(range(base, base + n))
+
+    def write(self, slots: list[int], token_ids: torch.Tensor) -> None:
+        """Store `[S]` device ids in the `S` consecutive `slots` of one `reserve`."""
+        if slots:
+            self.ids[slots[0] : slots[0] + len(slots)].copy_(token_ids)
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         """`[N]` int64 device ids with placeholders → real ids (GPU gather, no sync)."""
@@ -87,6 +105,10 @@ class LaunchedStep:
         slots: future-map slot of each sampled id.
         token_pos: index in `req.token_ids` of each request's placeholder (set by `commit`).
         scores: the step's prompt scores on their way to the host, or None.
+        finish: a deferred sampling (`ModelRunner`: the forward is enqueued, the token masks
+            are being filled on another thread): enqueues the sampling and sets `host`, `num_top`
+            and `event`; run once by `complete`, before the next forward's inputs are uploaded
+            and before `result`.
     """
 
     batch: ScheduledBatch
@@ -97,6 +119,7 @@ class LaunchedStep:
     slots: list[int] = field(default_factory=list)
     token_pos: list[int] = field(default_factory=list)
     scores: LaunchedScores | None = None
+    finish: Callable[[], None] | None = None
 
     @classmethod
     def from_samples(
@@ -108,17 +131,29 @@ class LaunchedStep:
         scores: LaunchedScores | None = None,
     ) -> LaunchedStep:
         """Start the non-blocking device-to-host copies of `samples` (no sync)."""
+        step = cls(batch, sample_reqs, slots=slots, scores=scores)
+        step.copy_samples(samples)
+        return step
+
+    def copy_samples(self, samples: DeviceSamples) -> None:
+        """Start the non-blocking device-to-host copies of `samples` into `host` (no sync)."""
         tensors = samples.tensors()
-        event = None
+        self.event = None
         if tensors[0].is_cuda:
             host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
             for h, t in zip(host, tensors, strict=True):
                 h.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            self.event = torch.cuda.Event()
+            self.event.record()
         else:
             host = tensors
-        return cls(batch, sample_reqs, host, samples.num_top, event, slots, scores=scores)
+        self.host, self.num_top = host, samples.num_top
+
+    def complete(self) -> None:
+        """Run the deferred sampling `finish`, once (nothing when there is none)."""
+        finish, self.finish = self.finish, None
+        if finish is not None:
+            finish()
 
     def commit(self) -> None:
         """Advance the requests as if the step were done: `num_computed` grows by the extend
@@ -134,6 +169,7 @@ class LaunchedStep:
         """Wait for the copies, store the step's prompt scores in their requests (before the
         samples: a request's first output carries them) and return the host samples (None if
         nothing sampled)."""
+        self.complete()
         if self.scores is not None:
             self.scores.fill()
         if not self.sample_reqs:

@@ -48,7 +48,7 @@ import torch
 from tritonllm.engine.request import Request
 from tritonllm.layers.fused import use_fused
 from tritonllm.sampling_params import SamplingParams
-from tritonllm.structured.masks import TokenMaskBuffers
+from tritonllm.structured.masks import MaskFill, TokenMaskBuffers
 
 
 def exponential_(out: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -147,7 +147,16 @@ class Sampler:
         self.generator.manual_seed(seed)
         self.seed = seed
         self.fast_steps = 0  # fast-path calls so far: the high word of their Philox counters
-        self._masks = TokenMaskBuffers(device, grammar_threads)
+        self.masks = TokenMaskBuffers(device, grammar_threads)
+
+    def start_masks(self, vocab: int, reqs: list[Request]) -> MaskFill | None:
+        """Start filling the token masks of a step's ``reqs`` (rows of ``[B, vocab]`` logits) on
+        the mask fill thread (`TokenMaskBuffers.start`), for a later
+        `sample_device(..., masks=)`; None when no row is constrained."""
+        masked = [i for i, r in enumerate(reqs) if r.constraint is not None and not r.finish_reason]
+        if not masked:
+            return None
+        return self.masks.start(vocab, masked, [reqs[i] for i in masked])
 
     def make_generator(self, seed: int) -> torch.Generator:
         """A per-request generator on the sampling device."""
@@ -157,7 +166,11 @@ class Sampler:
 
     @torch.inference_mode()
     def sample_device(
-        self, logits: torch.Tensor, reqs: list[Request], ids_to_device: IdsToDevice | None = None
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        ids_to_device: IdsToDevice | None = None,
+        masks: MaskFill | None = None,
     ) -> DeviceSamples:
         """Sample the next token of each request without a host sync.
 
@@ -168,6 +181,8 @@ class Sampler:
             ids_to_device: maps a request's token ids to a device tensor (the model runner's
                 version resolves ids that are still on the device under overlap scheduling);
                 default: a plain copy.
+            masks: the step's token masks from `start_masks` (they are applied, not filled
+                here), or None: the constrained rows' masks are filled and applied here.
 
         Returns:
             the samples, on the device.
@@ -176,9 +191,14 @@ class Sampler:
         if ids_to_device is None:
             ids_to_device = lambda ids: to_device(ids, torch.int64, device)  # noqa: E731
         params = [r.params for r in reqs]
-        masked = [i for i, r in enumerate(reqs) if r.constraint is not None and not r.finish_reason]
-        if masked:
-            self._masks.apply(logits, masked, [reqs[i] for i in masked])
+        if masks is not None:
+            self.masks.finish(logits, masks)
+        else:
+            masked = [
+                i for i, r in enumerate(reqs) if r.constraint is not None and not r.finish_reason
+            ]
+            if masked:
+                self.masks.apply(logits, masked, [reqs[i] for i in masked])
         penalised = [i for i, r in enumerate(reqs) if r.uses_penalties]
         fast = use_fused(self.fused, logits) and _is_plain(logits, reqs)
         if fast and not penalised:

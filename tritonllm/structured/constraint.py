@@ -1,9 +1,10 @@
 """Per-request token masks: a grammar matcher, allowed token ids, bad words.
 
-A `TokenConstraint` is one choice's mask state. Each step the sampler asks every constrained row
-for its next-token bitmask (`fill_bitmasks`: llguidance's (and xgrammar's) layout,
-`[B, ceil(vocab / 32)]` int32, bit `t % 32` of word `t // 32` set = token t allowed) and applies it to the logits; the engine
-then feeds the sampled token back (`accept`). What each part allows:
+A `TokenConstraint` is one choice's mask state. Each step the sampler asks every constrained
+row for its next-token bitmask (`structured.masks`: llguidance's (and xgrammar's) layout,
+`[B, ceil(vocab / 32)]` int32, bit `t % 32` of word `t // 32` set = token t allowed) and
+applies it to the logits; the engine then feeds the sampled token back (`accept`, or
+`accept_tokens` for a step's rows at once). What each part allows:
 
 - grammar (llguidance `LLMatcher`): the tokens that keep the output a prefix of the grammar's
   language, and the stop tokens (the model's EOS ids, all of them the matcher's EOS tokens)
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -124,14 +124,22 @@ class TokenConstraint:
     def accept(self, token: int) -> bool:
         """Advance past the sampled ``token``; False when the grammar rejects it (the mask
         was not applied to this row: an engine bug)."""
+        self._record(token)
+        matcher = self.matcher
+        if matcher is None:
+            return True
+        return self._settle(token, not matcher.is_error() and matcher.consume_token(token))
+
+    def _record(self, token: int) -> None:
         if self.compiled.bad_sequences:
             self._output.append(token)
-        if self.matcher is None:
-            return True
-        # A matcher in error (a lexer or parser limit of llguidance hit while generating) masks
-        # every token but EOS and accepts that: never an accepted token, so never a "stop".
-        matcher = self.matcher
-        if matcher.is_error() or not matcher.consume_token(token) or matcher.is_error():
+
+    def _settle(self, token: int, consumed: bool) -> bool:
+        """What `accept` returns once the matcher was fed ``token`` (``consumed``: what it
+        said). A matcher in error (a lexer or parser limit of llguidance hit while generating)
+        masks every token but EOS and accepts that: never an accepted token, so never a
+        "stop"."""
+        if not consumed or self.matcher.is_error():
             return False
         # The mask allows a stop token only where the output is complete.
         self.terminated = token in self.compiled.stop_ids
@@ -158,30 +166,41 @@ class TokenConstraint:
                 clear_bits(row, [last])
 
 
-def fill_bitmasks(
-    bitmask: torch.Tensor, rows: list[int], constraints: list[TokenConstraint], executor: Any
-) -> None:
-    """Fill the bitmask rows ``rows`` of ``bitmask`` (``[B, W]`` int32 on the CPU, contiguous,
-    every bit set on entry) from ``constraints`` (one per row): the grammar rows in one
-    llguidance batch call (its threads, outside the GIL), then allowed ids and bad words.
-
-    Args:
-        executor: an llguidance ``LLExecutor`` (the batch call's thread pool).
-    """
-    # llguidance.numpy, not llguidance.torch: importing the latter runs a torch.compile.
-    import llguidance.numpy
-
-    array = bitmask.numpy()
-    grammar = [
-        (c.matcher, r) for r, c in zip(rows, constraints, strict=True) if c.matcher is not None
-    ]
-    if len(grammar) == 1:
-        llguidance.numpy.fill_next_token_bitmask(grammar[0][0], array, grammar[0][1])
-    elif grammar:
-        llguidance.numpy.fill_next_token_bitmask_par(executor, grammar, array)
-    for r, c in zip(rows, constraints, strict=True):
+def restrict_rows(bitmask: np.ndarray, constraints: list[TokenConstraint]) -> None:
+    """Apply the allowed ids and bad words of ``constraints`` (one per row) to the int32
+    bitmask rows of ``bitmask`` (``[N, W]``, in place), once the grammar rows are filled."""
+    for i, c in enumerate(constraints):
         if c.restricts:
-            c.restrict(array[r])
+            c.restrict(bitmask[i])
+
+
+def accept_tokens(
+    constraints: list[TokenConstraint], tokens: list[int], executor: Any = None
+) -> list[bool]:
+    """`TokenConstraint.accept` of ``tokens[i]`` by ``constraints[i]``, for every ``i``; with an
+    llguidance ``LLExecutor``, the grammar matchers consume their tokens in one batch call
+    (``consume_token_par``, on its threads, outside the GIL).
+
+    Returns:
+        per constraint, False where it rejected its token.
+    """
+    if executor is None or len(constraints) < 2:
+        return [c.accept(t) for c, t in zip(constraints, tokens, strict=True)]
+    ok = [True] * len(constraints)
+    batch, where = [], []
+    for i, (c, t) in enumerate(zip(constraints, tokens, strict=True)):
+        c._record(t)
+        if c.matcher is None:
+            continue
+        if c.matcher.is_error():
+            ok[i] = False
+        else:
+            batch.append((c.matcher, t))
+            where.append(i)
+    if batch:
+        for i, consumed in zip(where, executor.consume_token_par(batch), strict=True):
+            ok[i] = constraints[i]._settle(tokens[i], consumed)
+    return ok
 
 
 __all__ = [
@@ -189,6 +208,7 @@ __all__ = [
     "TokenConstraint",
     "bitmask_words",
     "clear_bits",
-    "fill_bitmasks",
+    "accept_tokens",
     "ids_bitmask",
+    "restrict_rows",
 ]

@@ -7,17 +7,31 @@ on CUDA, so nothing waits for the device) and masks those rows of the logits in 
 with `kernels.token_bitmask.apply_token_bitmask` (one Triton kernel), elsewhere with
 `apply_token_bitmask_torch`. Two host buffers serve alternate steps: a buffer is refilled two
 steps later, after the engine has waited for the step that uploaded it, so its copy is done.
+
+The fill can also run while the engine does other work (`start`, then `finish`; `apply` is
+both at once): the grammar rows' masks fill in one llguidance batch call, outside the GIL, on
+a thread of its own, so the engine thread can meanwhile commit the step and build the next
+step's host inputs (`engine.model_runner`'s deferred sampling). Starting it is a handshake:
+`start` returns only once that thread is inside the llguidance call. A thread that merely
+waits for the GIL gets it when the holder blocks or after the interpreter's switch interval
+(5 ms), so without the handshake the fill would start only when the engine thread next
+blocked, which is after the work it was meant to overlap (BENCHMARKS.md, "Structured decode:
+the fill beside the engine thread").
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from tritonllm.engine.request import Request
-from tritonllm.structured.constraint import bitmask_words, fill_bitmasks
+from tritonllm.structured.constraint import TokenConstraint, bitmask_words, restrict_rows
 
 
 def apply_token_bitmask_torch(
@@ -52,8 +66,28 @@ def apply_token_bitmask_torch(
         logits[row].masked_fill_(disallowed[i], float("-inf"))
 
 
+@dataclass
+class MaskFill:
+    """The token masks of one step, being filled (`TokenMaskBuffers.start`).
+
+    Attributes:
+        host: ``[N, W]`` int32 host bitmasks (pinned on CUDA), row ``i`` for logits row
+            ``rows[i]``.
+        rows: ``[N]`` int32 host logits row of each mask.
+        constraints: the N rows' constraints (their allowed ids and bad words are applied in
+            `TokenMaskBuffers.finish`, after the grammar fill).
+        done: the grammar rows' fill on the fill thread, or None (no grammar row: nothing to
+            wait for); its exception is llguidance's.
+    """
+
+    host: torch.Tensor
+    rows: torch.Tensor
+    constraints: list[TokenConstraint]
+    done: Future[None] | None
+
+
 class TokenMaskBuffers:
-    """Host bitmask buffers and the llguidance executor of one sampler.
+    """Host bitmask buffers, the fill thread and the llguidance executor of one sampler.
 
     Args:
         device: where the logits are.
@@ -67,6 +101,18 @@ class TokenMaskBuffers:
         self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
         self._next = 0
         self._executor: Any = None
+        self._filler: ThreadPoolExecutor | None = None
+        # Diagnostics: seconds inside llguidance's fill calls so far, on whichever thread.
+        self.fill_seconds = 0.0
+
+    @property
+    def executor(self) -> Any:
+        """The llguidance ``LLExecutor`` (created on first use)."""
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor(self.threads)
+        return self._executor
 
     def _buffer(self, batch: int, words: int) -> tuple[torch.Tensor, torch.Tensor]:
         index, self._next = self._next, self._next ^ 1
@@ -81,28 +127,71 @@ class TokenMaskBuffers:
             self._buffers[index] = buf
         return buf[0][:batch], buf[1][:batch]
 
-    def apply(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
-        """Mask rows ``rows`` of ``logits`` (``[B, vocab]``, float32 / bfloat16 / float16, in
-        place: a disallowed token's logit becomes -inf) by the constraints of ``reqs`` (row
-        ``rows[i]`` is ``reqs[i]``'s, each with a `TokenConstraint`). No host sync."""
-        import llguidance
-
-        vocab = logits.shape[1]
+    def start(
+        self, vocab: int, rows: list[int], reqs: list[Request], background: bool = True
+    ) -> MaskFill:
+        """Start filling the masks of logits rows ``rows`` (of a ``[B, vocab]`` step) by the
+        constraints of ``reqs`` (row ``rows[i]`` is ``reqs[i]``'s, each with a
+        `TokenConstraint`). With ``background`` the grammar rows' fill runs on the fill thread
+        and this returns once that thread is inside llguidance's call (module docstring);
+        until `finish`, the caller must not use these constraints. Without, it fills them
+        here, on the calling thread."""
         host, host_rows = self._buffer(len(rows), bitmask_words(vocab))
-        host.numpy()[:] = -1  # every token allowed until a constraint clears it
         host_rows.numpy()[:] = rows
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor(self.threads)
-        constraints = [r.constraint for r in reqs]
-        fill_bitmasks(host, list(range(len(rows))), constraints, self._executor)  # type: ignore[arg-type]
+        array = host.numpy()
+        constraints: list[TokenConstraint] = [r.constraint for r in reqs]  # type: ignore[misc]
+        grammar = []
+        for i, c in enumerate(constraints):
+            if c.matcher is not None:
+                grammar.append((c.matcher, i))  # llguidance writes the whole row
+            else:
+                array[i] = -1  # every token allowed until `restrict_rows` clears some
+        done = None
+        if grammar and not background:
+            begin = time.perf_counter()
+            self.executor.unsafe_compute_mask_ptr(
+                grammar, array.ctypes.data, array.shape[1] * 4, len(rows)
+            )
+            self.fill_seconds += time.perf_counter() - begin
+        elif grammar:
+            if self._filler is None:
+                self._filler = ThreadPoolExecutor(1, thread_name_prefix="tritonllm-masks")
+            inside = threading.Event()
+            executor, pointer, row_bytes = self.executor, array.ctypes.data, array.shape[1] * 4
+
+            def fill() -> None:  # llguidance.numpy.fill_next_token_bitmask_par's call, bare
+                inside.set()
+                begin = time.perf_counter()
+                executor.unsafe_compute_mask_ptr(grammar, pointer, row_bytes, len(rows))
+                self.fill_seconds += time.perf_counter() - begin
+
+            done = self._filler.submit(fill)
+            inside.wait()  # blocks the caller (GIL released) until the thread took the GIL
+        return MaskFill(host, host_rows, constraints, done)
+
+    def finish(self, logits: torch.Tensor, fill: MaskFill) -> None:
+        """Wait for ``fill`` and mask its rows of ``logits`` (``[B, vocab]``, float32 /
+        bfloat16 / float16, in place: a disallowed token's logit becomes -inf). No host sync.
+
+        Raises:
+            Exception: the fill's own (an engine bug: constraints are checked when compiled).
+        """
+        if fill.done is not None:
+            fill.done.result()
+        restrict_rows(fill.host.numpy(), fill.constraints)
         if self.device.type == "cuda":
             from kernels.token_bitmask import apply_token_bitmask
 
-            mask = host.to(self.device, non_blocking=True)
-            index = host_rows.to(self.device, non_blocking=True)
+            mask = fill.host.to(self.device, non_blocking=True)
+            index = fill.rows.to(self.device, non_blocking=True)
             apply_token_bitmask(logits, mask, index)
         else:
-            apply_token_bitmask_torch(logits, host, host_rows)
+            apply_token_bitmask_torch(logits, fill.host, fill.rows)
+
+    def apply(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
+        """`start` and `finish` at once: mask rows ``rows`` of ``logits`` (``[B, vocab]``)
+        by the constraints of ``reqs`` (row ``rows[i]`` is ``reqs[i]``'s). No host sync."""
+        self.finish(logits, self.start(logits.shape[1], rows, reqs, background=False))
 
 
-__all__ = ["TokenMaskBuffers", "apply_token_bitmask_torch"]
+__all__ = ["MaskFill", "TokenMaskBuffers", "apply_token_bitmask_torch"]
