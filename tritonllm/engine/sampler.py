@@ -153,7 +153,7 @@ class Sampler:
         """Start filling the token masks of a step's ``reqs`` (rows of ``[B, vocab]`` logits) on
         the mask fill thread (`TokenMaskBuffers.start`), for a later
         `sample_device(..., masks=)`; None when no row is constrained."""
-        masked = [i for i, r in enumerate(reqs) if r.constraint is not None and not r.finish_reason]
+        masked = _masked_rows(reqs)
         if not masked:
             return None
         return self.masks.start(vocab, masked, [reqs[i] for i in masked])
@@ -194,9 +194,7 @@ class Sampler:
         if masks is not None:
             self.masks.finish(logits, masks)
         else:
-            masked = [
-                i for i, r in enumerate(reqs) if r.constraint is not None and not r.finish_reason
-            ]
+            masked = _masked_rows(reqs)
             if masked:
                 self.masks.apply(logits, masked, [reqs[i] for i in masked])
         penalised = [i for i, r in enumerate(reqs) if r.uses_penalties]
@@ -296,6 +294,11 @@ class Sampler:
             if req.num_output_tokens < p.min_tokens and req.stop_ids:
                 stop = [t for t in sorted(req.stop_ids) if t < vocab]
                 logits[i, to_device(stop, torch.int64, device)] = float("-inf")
+
+
+def _masked_rows(reqs: list[Request]) -> list[int]:
+    """The rows whose token mask applies: a constraint, and not finished."""
+    return [i for i, r in enumerate(reqs) if r.constraint is not None and not r.finish_reason]
 
 
 def _is_plain(logits: torch.Tensor, reqs: list[Request]) -> bool:
