@@ -147,15 +147,7 @@ class TokenMaskBuffers:
             else:
                 array[i] = -1  # every token allowed until `restrict_rows` clears some
         done = None
-        if grammar and not background:
-            begin = time.perf_counter()
-            self.executor.unsafe_compute_mask_ptr(
-                grammar, array.ctypes.data, array.shape[1] * 4, len(rows)
-            )
-            self.fill_seconds += time.perf_counter() - begin
-        elif grammar:
-            if self._filler is None:
-                self._filler = ThreadPoolExecutor(1, thread_name_prefix="tritonllm-masks")
+        if grammar:
             inside = threading.Event()
             executor, pointer, row_bytes = self.executor, array.ctypes.data, array.shape[1] * 4
 
@@ -165,8 +157,13 @@ class TokenMaskBuffers:
                 executor.unsafe_compute_mask_ptr(grammar, pointer, row_bytes, len(rows))
                 self.fill_seconds += time.perf_counter() - begin
 
-            done = self._filler.submit(fill)
-            inside.wait()  # blocks the caller (GIL released) until the thread took the GIL
+            if not background:
+                fill()
+            else:
+                if self._filler is None:
+                    self._filler = ThreadPoolExecutor(1, thread_name_prefix="tritonllm-masks")
+                done = self._filler.submit(fill)
+                inside.wait()  # blocks the caller (GIL released) until the thread took the GIL
         return MaskFill(host, host_rows, constraints, done)
 
     def finish(self, logits: torch.Tensor, fill: MaskFill) -> None:
