@@ -145,8 +145,8 @@ def test_outputs_do_not_depend_on_the_mask_fill_threads(tiny_model_dir, tok):
 
 def test_deferred_sampling_changes_no_output(tiny_model_dir, tok, monkeypatch):
     """A grammar step's sampling is deferred (its masks fill on the mask thread while the
-    engine commits the step and builds the next one's inputs) unless a row of it uses
-    penalties: the outputs equal those of the same run with the deferral off, token for token,
+    engine finishes processing the step before, commits the step and builds the next one's
+    inputs) unless a row of it uses penalties: the outputs equal those of the same run with the deferral off, token for token,
     under overlap scheduling and mixed steps, with late arrivals, seeded sampling, allowed ids,
     bad words and a penalised row in the batch."""
     constrained, plain = _schema_workload(tok)
@@ -175,11 +175,32 @@ def test_deferred_sampling_changes_no_output(tiny_model_dir, tok, monkeypatch):
             filled_here.append(any(r.uses_penalties for r in reqs))
         return sample(logits, reqs, ids_to_device, masks)
 
+    # A deferred fill starts as soon as the step in flight's tokens are accepted, before that
+    # step's stop checks (`_append_token`): "early" counts those starts.
+    phase, early = {"accepted": False}, []
+    accept, append, start = engine._accept, engine._append_token, runner.sampler.start_masks
+
+    def spy_accept(*a):
+        phase["accepted"] = True
+        return accept(*a)
+
+    def spy_append(*a):
+        phase["accepted"] = False
+        return append(*a)
+
+    def spy_start(*a):
+        early.append(phase["accepted"])
+        return start(*a)
+
     monkeypatch.setattr(runner, "_deferred_sampling", lambda *a: deferred.append(1) or defer(*a))
     monkeypatch.setattr(runner.sampler, "sample_device", spy)
+    monkeypatch.setattr(runner.sampler, "start_masks", spy_start)
+    monkeypatch.setattr(engine, "_accept", spy_accept)
+    monkeypatch.setattr(engine, "_append_token", spy_append)
     outs = _run(engine, workload, late)
     assert len(deferred) > 10  # steps with a grammar row deferred their sampling, ...
     assert len(filled_here) > 5 and all(filled_here)  # ... all but those with the penalty
+    assert sum(early) > 10  # most deferred fills started before the stop checks
     _check_schema_outputs(tok, outs)
     reference = _run(
         _engine(

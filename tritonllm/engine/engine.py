@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 from tritonllm.config import EngineConfig
 from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
@@ -176,7 +177,7 @@ class LLMEngine:
             if batch is not None:
                 hook = None
                 if self._in_flight is not None and self.constraints.live:
-                    hook = lambda reqs: self._sync_constrained(reqs, outputs)  # noqa: E731
+                    hook = lambda reqs, start: self._sync_constrained(reqs, start, outputs)  # noqa: E731
                 launched = self.runner.run(batch, hook)
                 launched.commit()
                 self._num_steps += 1
@@ -207,15 +208,28 @@ class LLMEngine:
                 self._finish(req, "error", release=True, error=f"constraint compile: {error}")
                 outputs.append(self._pending.pop())
 
-    def _sync_constrained(self, sample_reqs: list[Request], outputs: list[RequestOutput]) -> None:
+    def _sync_constrained(
+        self,
+        sample_reqs: list[Request],
+        start_masks: Callable[[], None] | None,
+        outputs: list[RequestOutput],
+    ) -> None:
         """Overlap scheduling: process the step in flight now, before the masks of the step
-        being launched are filled, when one of its rows needs it (`ConstraintAdmission`)."""
+        being launched are filled, when one of its rows needs it (`ConstraintAdmission`);
+        a deferred fill (``start_masks``) starts as soon as the constraints took its tokens."""
         if self._in_flight is not None and self.constraints.needs_sync(sample_reqs):
             step, self._in_flight = self._in_flight, None
-            self._process(step, outputs)
+            self._process(step, outputs, start_masks)
 
-    def _process(self, step: LaunchedStep, outputs: list[RequestOutput]) -> None:
-        """Fill in the sampled tokens of a finished step; stop checks; append to `outputs`."""
+    def _process(
+        self,
+        step: LaunchedStep,
+        outputs: list[RequestOutput],
+        after_accept: Callable[[], None] | None = None,
+    ) -> None:
+        """Fill in the sampled tokens of a finished step; stop checks; append to `outputs`.
+        ``after_accept`` runs once the constraints took the step's tokens, before the stop
+        checks (the next step's mask fill starts there: `ModelRunner.run`)."""
         start = time.perf_counter()
         samples = step.result()
         self._gpu_wait_s += time.perf_counter() - start
@@ -224,6 +238,8 @@ class LLMEngine:
         live, prefilled = self._requests, len(step.sample_reqs) - step.batch.num_decode_rows
         tokens, logprobs, top_logprobs = samples.token_ids, samples.logprobs, samples.top_logprobs
         accepted = self._accept(step, tokens) if self.constraints.live else {}
+        if after_accept is not None:
+            after_accept()
         for j, (req, pos) in enumerate(zip(step.sample_reqs, step.token_pos, strict=True)):
             if live.get(req.key) is not req:
                 continue  # finished (overlap: its extra token is discarded) or aborted

@@ -37,6 +37,11 @@ from tritonllm.models import load_model
 
 if TYPE_CHECKING:
     from tritonllm.engine.process_messages import StepBroadcast
+    from tritonllm.structured.masks import MaskFill
+
+# `ModelRunner.run`'s hook: (the step's sampling requests, the start of its deferred mask fill
+# or None).
+BeforeSample = Callable[[list[Request], Callable[[], None] | None], None]
 
 
 @dataclass
@@ -342,13 +347,16 @@ class ModelRunner:
     def run(
         self,
         batch: ScheduledBatch,
-        before_sample: Callable[[list[Request]], None] | None = None,
+        before_sample: BeforeSample | None = None,
     ) -> LaunchedStep:
         """Enqueue the forward and sampling of `batch`; no host sync. The engine commits the
         returned step and later takes its samples with `LaunchedStep.result()`.
-        `before_sample(sample_reqs)` runs after the forward is enqueued and before the
-        sampler fills token masks (overlap scheduling: the engine may process the step in
-        flight there, see `structured.admission`).
+        `before_sample(sample_reqs, start_masks)` runs after the forward is enqueued and before
+        the sampler fills token masks (overlap scheduling: the engine may process the step in
+        flight there, see `structured.admission`). ``start_masks`` is None unless this step's
+        sampling is deferred; then calling it (once its rows' constraints took their last
+        tokens) starts the masks filling while the caller goes on, and it is called after
+        `before_sample` returns in any case.
 
         Raises:
             SystemExit: tensor-parallel rank 0 only, when the step failed (a rank is gone, a
@@ -362,9 +370,7 @@ class ModelRunner:
         except Exception as exc:
             raise SystemExit(f"tensor-parallel rank 0: step failed: {exc!r}") from exc
 
-    def _launch(
-        self, batch: ScheduledBatch, before_sample: Callable[[list[Request]], None] | None
-    ) -> LaunchedStep:
+    def _launch(self, batch: ScheduledBatch, before_sample: BeforeSample | None) -> LaunchedStep:
         # A deferred sampling is enqueued before the uploads: its ids are this forward's inputs.
         fwd = self.build_inputs(batch, self.complete_deferred)
         if self.followers is not None:  # before the forward: its collectives need every rank
@@ -377,10 +383,10 @@ class ModelRunner:
             logits = logits[:num_sampled]
         if not fwd.sample_reqs:
             return LaunchedStep(batch, [], scores=scores)
-        if before_sample is not None:
-            before_sample(fwd.sample_reqs)
         if self.defer_grammar_sampling and _defers_sampling(fwd.sample_reqs):
-            return self._deferred_sampling(batch, fwd.sample_reqs, logits, scores)
+            return self._deferred_sampling(batch, fwd.sample_reqs, logits, scores, before_sample)
+        if before_sample is not None:
+            before_sample(fwd.sample_reqs, None)
         samples = self.sampler.sample_device(logits, fwd.sample_reqs, self.ids_to_device)
         if self.tp is not None:  # the other ranks' future maps get the same ids
             self.tp.broadcast(samples.token_ids)
@@ -393,22 +399,35 @@ class ModelRunner:
         reqs: list[Request],
         logits: torch.Tensor,
         scores: LaunchedScores | None,
+        before_sample: BeforeSample | None,
     ) -> LaunchedStep:
         """The step with its sampling deferred (`engine.overlap`): the token masks start
         filling on the mask thread and the step returns at once, so the engine commits it and
         builds the next step's host inputs while llguidance works; `LaunchedStep.complete`
         (called before the next forward's uploads, or by `result`) then applies the masks and
         samples into the future-map slots reserved here. The device sees the same work in the
-        same order as without the deferral, and the sampler's random streams advance alike."""
-        masks = self.sampler.start_masks(logits.shape[1], reqs)
+        same order as without the deferral, and the sampler's random streams advance alike.
+
+        ``before_sample`` gets the fill's start: the engine processing the step in flight
+        calls it as soon as the constraints took that step's tokens, so the fill also runs
+        while the engine does the rest of that processing (stop checks, outputs)."""
         slots = self.future.reserve(len(reqs))
         step = LaunchedStep(batch, reqs, slots=slots, scores=scores)
+        started: list[MaskFill | None] = []
+
+        def start_masks() -> None:
+            if not started:
+                started.append(self.sampler.start_masks(logits.shape[1], reqs))
 
         def finish() -> None:
-            samples = self.sampler.sample_device(logits, reqs, self.ids_to_device, masks)
+            start_masks()
+            samples = self.sampler.sample_device(logits, reqs, self.ids_to_device, started[0])
             self.future.write(slots, samples.token_ids)
             step.copy_samples(samples)
 
+        if before_sample is not None:
+            before_sample(reqs, start_masks)
+        start_masks()
         step.finish = finish
         self._deferred = step
         return step

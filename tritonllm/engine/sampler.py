@@ -297,8 +297,13 @@ class Sampler:
 
 
 def _masked_rows(reqs: list[Request]) -> list[int]:
-    """The rows whose token mask applies: a constraint, and not finished."""
-    return [i for i, r in enumerate(reqs) if r.constraint is not None and not r.finish_reason]
+    """The rows whose token mask applies: a constraint, and not finished (nor finishing on
+    the token its constraint just took: `TokenConstraint.ended`)."""
+    return [
+        i
+        for i, r in enumerate(reqs)
+        if r.constraint is not None and not r.finish_reason and not r.constraint.ended
+    ]
 
 
 def _is_plain(logits: torch.Tensor, reqs: list[Request]) -> bool:

@@ -105,13 +105,23 @@ class TokenConstraint:
         matcher: the choice's own llguidance ``LLMatcher`` (None without a grammar).
     """
 
-    __slots__ = ("compiled", "matcher", "needs_history", "restricts", "terminated", "_output")
+    __slots__ = (
+        "compiled",
+        "matcher",
+        "needs_history",
+        "restricts",
+        "terminated",
+        "rejected",
+        "_output",
+    )
 
     def __init__(self, compiled: CompiledConstraint, matcher: Any) -> None:
         self.compiled = compiled
         self.matcher = matcher
         # Whether the grammar accepted a stop token (the output is complete).
         self.terminated = False
+        # Whether it refused a sampled token (the request ends with an error).
+        self.rejected = False
         self.needs_history = matcher is not None or bool(compiled.bad_sequences)
         # Whether `restrict` changes anything (allowed ids or bad words).
         self.restricts = (
@@ -120,6 +130,13 @@ class TokenConstraint:
             or bool(compiled.bad_sequences)
         )
         self._output: list[int] = []  # accepted ids (for multi-token bad words only)
+
+    @property
+    def ended(self) -> bool:
+        """Whether it accepted a stop token or refused a token: its request finishes on this
+        token, so no later mask is filled for it (the engine may start the next step's fill
+        before it marks the request finished)."""
+        return self.terminated or self.rejected
 
     def accept(self, token: int) -> bool:
         """Advance past the sampled ``token``; False when the grammar rejects it (the mask
@@ -140,6 +157,7 @@ class TokenConstraint:
         masks every token but EOS and accepts that: never an accepted token, so never a
         "stop"."""
         if not consumed or self.matcher.is_error():
+            self.rejected = True
             return False
         # The mask allows a stop token only where the output is complete.
         self.terminated = token in self.compiled.stop_ids
@@ -193,7 +211,7 @@ def accept_tokens(
         if c.matcher is None:
             continue
         if c.matcher.is_error():
-            ok[i] = False
+            ok[i] = c._settle(t, False)
         else:
             batch.append((c.matcher, t))
             where.append(i)
