@@ -14,7 +14,9 @@ bitmask fill on the host (llguidance), the upload and the in-place mask kernel, 
 scheduling, the wait for the step in flight before its mask is filled
 (`tritonllm.structured.admission`). The table gives each fraction's step time and its ratio to
 the unconstrained one (fraction 0). Defaults: CUDA graphs and overlap scheduling on (the
-engine's defaults on CUDA), sampling at `--temperature`.
+engine's defaults on CUDA), sampling at `--temperature`, each request with a seed of its own
+(the same walk in every configuration) unless `--unseeded` (as most API requests come: the
+sampler's fused path instead of a generator per row).
 
 With `--host-profile` the table also gives the engine thread's milliseconds per timed step in
 the parts of `_host_parts`, each function wrapped by a timer for the timed steps only: the
@@ -128,9 +130,11 @@ def structured_engine(
     temperature: float,
     engine_args: dict[str, str],
     schema: dict = SCHEMA,
+    seeded: bool = True,
 ) -> LLMEngine:
     """An engine with `batch_size` decoding requests (`num_constrained` of them under
-    `schema`), prefilled and past 4 warm-up decode steps (device synchronised)."""
+    `schema`; each with its own seed, request index ``i``, when ``seeded``), prefilled and past
+    4 warm-up decode steps (device synchronised)."""
     engine = LLMEngine(
         engine_config(model, device, backend, max(batch_size, 1), engine_args=engine_args)
     )
@@ -142,7 +146,7 @@ def structured_engine(
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
-            seed=i,
+            seed=i if seeded else None,
             ignore_eos=True,
             structured_outputs=constraint if i < num_constrained else None,
         )
@@ -168,6 +172,7 @@ def time_structured_step(
     engine_args: dict[str, str],
     schema: dict = SCHEMA,
     host: dict[str, float] | None = None,
+    seeded: bool = True,
 ) -> float:
     """Mean seconds of one decode step of `batch_size` rows, `num_constrained` under `schema`;
     with ``host`` (a dict), also the mean host seconds per step of each `host_timers` part.
@@ -186,6 +191,7 @@ def time_structured_step(
         temperature,
         engine_args,
         schema,
+        seeded,
     )
     totals: dict[str, float] = {}
     masks = engine.runner.sampler.masks
@@ -214,6 +220,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--schema", choices=sorted(SCHEMAS), default="maxlength")
     p.add_argument("--host-profile", action="store_true", help="host ms per step by part")
+    p.add_argument(
+        "--unseeded",
+        action="store_true",
+        help="no per-request seeds (as most API requests: the fused sampling path)",
+    )
     args = p.parse_args(argv)
     schema = SCHEMAS[args.schema]
     parts = [*_host_parts(), "fill"] if args.host_profile else []
@@ -241,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
             extra,
             schema,
             host,
+            not args.unseeded,
         )
         base = seconds if base is None and n == 0 else base
         ratio = "" if base is None else f"{seconds / base:.3f}"
@@ -251,7 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     headers += [f"host {part} (ms/step)" for part in parts]
     notes = [
         f"{args.attention_backend} attention, prompt {args.prompt_len} tokens, temperature "
-        f"{args.temperature}, mean of {args.steps} decode steps after prefill and 4 warm-up "
+        f"{args.temperature} ({'unseeded' if args.unseeded else 'a seed per request'}), mean "
+        f"of {args.steps} decode steps after prefill and 4 warm-up "
         "steps; engine defaults (CUDA graphs, overlap scheduling, mixed steps) unless "
         f"--engine-arg: {extra or 'none'}",
         f"constrained rows: `benchmarks.structured_decode.{SCHEMA_NAMES[args.schema]}` "
