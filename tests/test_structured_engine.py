@@ -411,6 +411,53 @@ def test_a_constraint_that_breaks_while_generating_fails_every_time_never_stops(
     assert len(ids) == 4 and reason == "length"  # the engine serves on
 
 
+def test_allowed_ids_that_leave_no_token_fail_naming_them_and_spare_the_batch(tiny_model_dir, tok):
+    """QA: allowed_token_ids that exclude every token a grammar allows (or that bad_words ban
+    entirely) left an empty mask: the request failed mid-generation as an engine fault ("token
+    N violates the request's constraint"). Now it is the request's own error naming the field,
+    and a plain request in the same batch is unchanged."""
+    engine = _engine(tiny_model_dir)
+    prompt = tok.encode("Once upon a time")
+    plain = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+    alone = _run(engine, [("p", prompt, plain)])["p"]
+    (seven,) = tok.encode("7", add_special_tokens=False)
+    regex = StructuredOutputs("regex", "a+")  # no token of it is "7"
+    requests = [
+        ("p", prompt, plain),
+        (
+            "grammar",
+            prompt,
+            SamplingParams(
+                max_tokens=6, temperature=0.0, structured_outputs=regex, allowed_token_ids=[seven]
+            ),
+        ),
+        ("ids", prompt, SamplingParams(max_tokens=6, allowed_token_ids=[seven], bad_words=["7"])),
+        (
+            "sampled",
+            prompt,
+            SamplingParams(
+                max_tokens=6,
+                temperature=1.0,
+                seed=1,
+                structured_outputs=regex,
+                allowed_token_ids=[seven],
+            ),
+        ),
+    ]
+    for rid, ids, params in requests:
+        engine.add_request(rid, ids, params)
+    outs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert [t for o in outs["p"] for t in o.new_token_ids] == alone[0]
+    for rid in ("grammar", "ids", "sampled"):
+        last = outs[rid][-1]
+        assert last.finished and last.finish_reason == "error", (rid, last)
+        assert (last.error_code, last.error_param) == ("invalid_value", "allowed_token_ids")
+        assert last.error.startswith("allowed_token_ids leaves no token to sample"), last.error
+
+
 def test_earlier_requests_of_a_grammar_never_fail_a_later_one(tiny_model_dir, tok):
     """Each choice's matcher has a lexer of its own: llguidance's lexer limit (250k DFA states)
     counts one generation's states, never those earlier requests of the same (cached) grammar

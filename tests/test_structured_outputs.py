@@ -192,6 +192,39 @@ def test_an_invalid_constraint_is_a_400_naming_the_field(client, sidecar, extra,
     assert "<state>" not in info.value.body["message"], info.value.body  # no parser internals
 
 
+@pytest.mark.parametrize("conflict", [False, True])
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_constraint_failing_while_generating_names_the_field_with_n_choices(
+    client, sidecar, tokenizer, route, conflict
+):
+    """QA: with ``n`` > 1 and no stream, a constraint that broke after the first token failed
+    naming the backend's ``structured_outputs.regex``: the error reached the client from
+    collecting the choices, which did not rename it (n=1 and streams did). And allowed token ids
+    that leave no token the grammar allows failed as a server fault; now a 400 naming them.
+    Both break at a later token (the first is sent before): llguidance's lexer limit four
+    tokens in (after "x" and up to 3 letters), and allowed ids that allow "7" but no "a"."""
+    kwargs = {"model": sidecar.model_name, "max_tokens": 5, "n": 2, "temperature": 1.0}
+    if conflict:
+        (seven,) = tokenizer.encode("7", add_special_tokens=False)
+        kwargs["extra_body"] = {"guided_regex": "7a+", "allowed_token_ids": [seven]}
+        field, message = "allowed_token_ids", "allowed_token_ids leaves no token to sample"
+    else:
+        kwargs["extra_body"] = {"guided_regex": "x[a-z]{1,3}(c{100000})"}
+        field, message = "guided_regex", "guided_regex failed while generating"
+    with pytest.raises(openai.BadRequestError) as info:
+        if route == "chat":
+            client.chat.completions.create(messages=USER, **kwargs)
+        else:
+            client.completions.create(prompt="say", **kwargs)
+    assert info.value.body["param"] == field, info.value.body
+    assert info.value.body["message"].startswith(message), info.value.body
+    # the service goes on
+    ok = client.completions.create(
+        model=sidecar.model_name, prompt="say", max_tokens=2, temperature=0
+    )
+    assert ok.choices[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize("tool_choice", [None, "auto", "none"])
 def test_an_invalid_tool_parameters_schema_is_a_400_with_any_tool_choice(
     client, sidecar, tool_choice

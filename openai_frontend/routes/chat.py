@@ -70,7 +70,11 @@ async def create_chat_completion(
         encoder = ChunkEncoder(template, body.include_usage)
         events = _events(gen, encoder, mode, state.tool_call_parser)
         return stream_response(gen, events, encoder, rename)
-    choices = await collect_choices(request, gen)
+    try:
+        choices = await collect_choices(request, gen)
+    except OpenAIError as exc:  # a choice's constraint failed while generating
+        rename(exc)
+        raise
     return ChatCompletion(
         id=gen.request_id,
         model=state.model_name,

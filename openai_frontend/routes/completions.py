@@ -109,13 +109,16 @@ async def create_completion(
     completion_id = new_id("cmpl")
     gens = await _start_all(request, body, completion_id)
     model = get_state(request).model_name
+    rename = lambda exc: rename_param(exc, body, None)  # noqa: E731  # the client's field
     if body.stream:
         template = Completion(id=completion_id, model=model, choices=[CompletionChoice(text="")])
         encoder = ChunkEncoder(template, body.include_usage)
-        rename = lambda exc: rename_param(exc, body, None)  # noqa: E731
         return stream_response(gens, _events(body, gens, encoder), encoder, rename)
     try:
         per_prompt = await asyncio.gather(*(collect_choices(request, g) for g in gens.gens))
+    except OpenAIError as exc:  # a choice's constraint failed while generating
+        rename(exc)
+        raise
     finally:
         gens.close()
     choices = []

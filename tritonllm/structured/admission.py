@@ -96,6 +96,20 @@ class ConstraintAdmission:
         is affected); otherwise the mask let through what the matcher refuses, an engine bug
         (a message)."""
         constraint = req.constraint
+        if constraint is not None and constraint.blocked:
+            # Checked before the grammar: it is the request's choice of ids that conflicts.
+            compiled = constraint.compiled
+            param = "allowed_token_ids" if compiled.allowed is not None else "bad_words"
+            return RequestError(
+                ErrorCode.INVALID_VALUE,
+                param,
+                f"{param} leaves no token to sample"
+                + (
+                    ""
+                    if compiled.grammar is None
+                    else " that the request's output constraint allows"
+                ),
+            )
         detail = None if constraint is None else constraint.error()
         if detail is not None:
             spec = req.params.structured_outputs

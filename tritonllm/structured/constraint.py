@@ -112,6 +112,7 @@ class TokenConstraint:
         "restricts",
         "terminated",
         "rejected",
+        "blocked",
         "_output",
     )
 
@@ -122,6 +123,9 @@ class TokenConstraint:
         self.terminated = False
         # Whether it refused a sampled token (the request ends with an error).
         self.rejected = False
+        # Whether `restrict` left no token in the row: the allowed ids and bad words exclude
+        # every token the grammar allows (or every token), a conflict of the request's own.
+        self.blocked = False
         self.needs_history = matcher is not None or bool(compiled.bad_sequences)
         # Whether `restrict` changes anything (allowed ids or bad words).
         self.restricts = (
@@ -143,6 +147,8 @@ class TokenConstraint:
         was not applied to this row: an engine bug)."""
         self._record(token)
         matcher = self.matcher
+        if self.blocked:
+            return self._settle(token, False)
         if matcher is None:
             return True
         return self._settle(token, not matcher.is_error() and matcher.consume_token(token))
@@ -171,7 +177,9 @@ class TokenConstraint:
 
     def restrict(self, row: np.ndarray) -> None:
         """Apply allowed ids and bad words to ``row`` (an int32 bitmask row, in place), after
-        the grammar filled it (or with every bit set when there is no grammar)."""
+        the grammar filled it (or with every bit set when there is no grammar). Where they
+        leave no token, the constraint is `blocked` and the row allows every token instead (the
+        sampler never sees a row of only -inf; the token it samples is refused by `accept`)."""
         compiled = self.compiled
         if compiled.allowed is not None:
             np.bitwise_and(row, compiled.allowed, out=row)
@@ -182,6 +190,9 @@ class TokenConstraint:
             n = len(prefix)
             if len(out) >= n and tuple(out[len(out) - n :]) == prefix:
                 clear_bits(row, [last])
+        if not row.any():
+            self.blocked = True
+            row[:] = -1
 
 
 def restrict_rows(bitmask: np.ndarray, constraints: list[TokenConstraint]) -> None:
@@ -208,9 +219,11 @@ def accept_tokens(
     batch, where = [], []
     for i, (c, t) in enumerate(zip(constraints, tokens, strict=True)):
         c._record(t)
-        if c.matcher is None:
+        if c.blocked:
+            ok[i] = c._settle(t, False)
+        elif c.matcher is None:
             continue
-        if c.matcher.is_error():
+        elif c.matcher.is_error():
             ok[i] = c._settle(t, False)
         else:
             batch.append((c.matcher, t))
