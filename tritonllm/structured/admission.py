@@ -93,11 +93,22 @@ class ConstraintAdmission:
         """A constraint of ``req`` refused its sampled ``token``: the error. A matcher in error
         is the request's fault (its constraint is beyond llguidance's limits while generating:
         ``invalid_value``; the matcher and its lexer are the choice's own, so no other request
-        is affected); otherwise the mask let through what the matcher refuses, an engine bug
-        (a message)."""
+        is affected); so is a constraint `blocked` by its allowed ids or bad words (they left no
+        token to sample: named as the field); otherwise the mask let through what the matcher
+        refuses, an engine bug (a message)."""
         constraint = req.constraint
+        detail = None if constraint is None else constraint.error()
+        if detail is not None:
+            spec = req.params.structured_outputs
+            # The client's field, as a validation error names it (StructuredOutputs.param).
+            param = "structured_outputs" if spec is None else spec.param
+            return RequestError(
+                ErrorCode.INVALID_VALUE,
+                param,
+                f"{param} failed while generating: {short_reason(detail)}",
+            )
         if constraint is not None and constraint.blocked:
-            # Checked before the grammar: it is the request's choice of ids that conflicts.
+            # The allowed ids or bad words left nothing the grammar (not in error) allows.
             compiled = constraint.compiled
             param = "allowed_token_ids" if compiled.allowed is not None else "bad_words"
             return RequestError(
@@ -109,16 +120,6 @@ class ConstraintAdmission:
                     if compiled.grammar is None
                     else " that the request's output constraint allows"
                 ),
-            )
-        detail = None if constraint is None else constraint.error()
-        if detail is not None:
-            spec = req.params.structured_outputs
-            # The client's field, as a validation error names it (StructuredOutputs.param).
-            param = "structured_outputs" if spec is None else spec.param
-            return RequestError(
-                ErrorCode.INVALID_VALUE,
-                param,
-                f"{param} failed while generating: {short_reason(detail)}",
             )
         return f"token {token} violates the request's constraint"
 
