@@ -379,9 +379,7 @@ def main(argv: list[str] | None = None) -> OfflineResult:
         model = Path(args.model or args.shape).name
         name = plots.run_name("offline", model)
         summary = plots.offline_summary(res, args.attention_backend, model)
-        plots.write_json(summary, args.plots_dir, name)
-        image = plots.offline_plot(summary, args.plots_dir, name)
-        table += "\n\n" + plots.markdown_images([image], args.benchmarks_md)
+        table += "\n\n" + plots.publish(summary, args.plots_dir, name, args.benchmarks_md)
     common.publish("Offline engine throughput", table, notes, args)
     return res
 

@@ -348,9 +348,7 @@ def main(argv: list[str] | None = None) -> OnlineRun:
 
         name = plots.run_name("online", args.model or args.shape)
         summary = online_report.summary(result)
-        plots.write_json(summary, args.plots_dir, name)
-        images = plots.online_plots(summary, args.plots_dir, name)
-        table += "\n\n" + plots.markdown_images(images, args.benchmarks_md)
+        table += "\n\n" + plots.publish(summary, args.plots_dir, name, args.benchmarks_md)
     common.publish("Online serving", table, notes, args)
     return result
 

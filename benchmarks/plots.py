@@ -9,13 +9,18 @@
   bound (and the HF peer's).
 
 `markdown_images` writes the `![...](...)` lines that link them, relative to BENCHMARKS.md.
+`publish` is what the benchmarks call: it writes the run's JSON summary and draws its plots, or,
+on a host without matplotlib (the offline GPU host's image), says how to draw them later from
+that JSON on another machine: `python -m benchmarks.plots [--benchmarks-md FILE] SUMMARY.json ...`.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -210,3 +215,53 @@ def markdown_images(paths: Sequence[Path], benchmarks_md: Path | str) -> str:
         rel = Path(os.path.relpath(Path(p).resolve(), base)).as_posix()
         lines.append(f"![{Path(p).stem}]({rel})")
     return "\n".join(lines)
+
+
+def draw(summary: dict[str, Any], out_dir: Path | str, name: str) -> list[Path]:
+    """The plots of one run's summary: `online_plots` for an online summary (it has `levels`),
+    `offline_plot` for an offline one (it has `rows`).
+
+    Raises:
+        ValueError: the summary is neither, or an online one has no levels.
+        ModuleNotFoundError: matplotlib is not installed.
+    """
+    if "levels" in summary:
+        return online_plots(summary, out_dir, name)
+    if "rows" in summary:
+        return [offline_plot(summary, out_dir, name)]
+    raise ValueError("not an online or offline summary: it has neither 'levels' nor 'rows'")
+
+
+def publish(
+    summary: dict[str, Any], out_dir: Path | str, name: str, benchmarks_md: Path | str
+) -> str:
+    """Write `{name}.json` into `out_dir` and draw its plots there; returns the markdown that
+    links them (relative to `benchmarks_md`), or, where matplotlib is missing, a line naming the
+    command that draws them later from the JSON (the numbers are kept either way)."""
+    path = write_json(summary, out_dir, name)
+    try:
+        images = draw(summary, out_dir, name)
+    except ModuleNotFoundError as exc:
+        if exc.name != "matplotlib":
+            raise
+        rel = Path(os.path.relpath(path.resolve(), Path(benchmarks_md).resolve().parent))
+        return f"Plots not drawn on this host (no matplotlib): `python -m benchmarks.plots {rel.as_posix()}`."
+    return markdown_images(images, benchmarks_md)
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    """Draw the plots of saved JSON summaries beside them (each file's stem names its images) and
+    print the markdown lines that link them."""
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("summaries", nargs="+", help="JSON summaries written by --plots-dir runs")
+    p.add_argument("--benchmarks-md", default="BENCHMARKS.md", help="links are relative to it")
+    args = p.parse_args(argv)
+    images = []
+    for file in map(Path, args.summaries):
+        images += draw(json.loads(file.read_text()), file.parent, file.stem)
+    print(markdown_images(images, args.benchmarks_md))
+    return images
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -128,3 +128,36 @@ def test_load_probe_rates_are_counter_increase_per_second():
     rates = LoadProbe.rates(before, after)
     assert rates == {"tritonllm_responses_total": 2_500.0, "tritonllm_new": 2.0}
     assert LoadProbe.rates(before, Snapshot(11.0, {}, {})) == {}
+
+
+def test_plots_drawn_later_from_the_saved_summary_where_matplotlib_is_missing(
+    tmp_path, monkeypatch, capsys
+):
+    """A GPU host without matplotlib keeps the run's numbers and names the command; that command
+    draws the same images from the JSON on another machine."""
+    summary = {"levels": [_level(1, 1.4, 1), _level(64, 30.0, 6)]}
+    out = tmp_path / "plots"
+    with monkeypatch.context() as m:
+        m.setitem(__import__("sys").modules, "matplotlib", None)  # import fails as when absent
+        text = plots.publish(summary, out, "online-y", tmp_path / "BENCHMARKS.md")
+    assert (
+        text
+        == "Plots not drawn on this host (no matplotlib): `python -m benchmarks.plots plots/online-y.json`."
+    )
+    assert not list(out.glob("*.png"))
+    images = plots.main(
+        [str(out / "online-y.json"), "--benchmarks-md", str(tmp_path / "BENCHMARKS.md")]
+    )
+    assert [p.name for p in images] == [
+        f"online-y-{k}.png" for k in ("throughput", "ttft", "chunks")
+    ]
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in images)
+    assert (
+        capsys.readouterr().out.splitlines()[0]
+        == "![online-y-throughput](plots/online-y-throughput.png)"
+    )
+    assert plots.publish(summary, out, "online-z", tmp_path / "BENCHMARKS.md").startswith(
+        "![online-z-throughput](plots/online-z-throughput.png)"
+    )
+    with pytest.raises(ValueError, match="neither"):
+        plots.draw({"x": 1}, out, "bad")
