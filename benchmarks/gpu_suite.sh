@@ -28,7 +28,8 @@
 # left of SUITE_SECONDS (default 570: under the device tool's 10-minute command, with time left to
 # pack); a step with less than a minute left is skipped. A step is stopped with SIGINT, so that
 # the benchmarks stop the servers they started, then SIGKILL 30 s later.
-# ONLINE8B_ARGS: extra flags of the 8B online run (default: 2 requests per client per level).
+# ONLINE_ARGS, ONLINE8B_ARGS: extra flags of the online runs (default: none; 8B: 2 requests per
+# client per level).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage() {
@@ -133,9 +134,10 @@ for step in "${steps[@]}"; do
       --model models/qwen3-0.6b --plots-dir "$plots"
     ;;
   online)
+    # shellcheck disable=SC2086  # ONLINE_ARGS is a list of flags
     run online 600 "$out/online.log" python3 -m benchmarks.online --benchmarks-md "$md" \
       --model models/qwen3-0.6b --server-log "$out/server.log" --plots-dir "$plots" \
-      --ceiling --ceiling-log "$out/ceiling-server.log"
+      --ceiling --ceiling-log "$out/ceiling-server.log" ${ONLINE_ARGS:-}
     ;;
   ceiling)
     run ceiling 240 "$out/ceiling.log" python3 -m benchmarks.ceiling --benchmarks-md "$md" \
