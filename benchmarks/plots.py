@@ -209,12 +209,13 @@ def write_json(data: dict[str, Any], out_dir: Path | str, name: str) -> Path:
 
 def markdown_images(paths: Sequence[Path], benchmarks_md: Path | str) -> str:
     """One `![stem](relative path)` line per image, relative to `benchmarks_md`'s folder."""
+    return "\n".join(f"![{Path(p).stem}]({_relative(p, benchmarks_md)})" for p in paths)
+
+
+def _relative(path: Path | str, benchmarks_md: Path | str) -> str:
+    """`path` relative to `benchmarks_md`'s folder, with forward slashes."""
     base = Path(benchmarks_md).resolve().parent
-    lines = []
-    for p in paths:
-        rel = Path(os.path.relpath(Path(p).resolve(), base)).as_posix()
-        lines.append(f"![{Path(p).stem}]({rel})")
-    return "\n".join(lines)
+    return Path(os.path.relpath(Path(path).resolve(), base)).as_posix()
 
 
 def draw(summary: dict[str, Any], out_dir: Path | str, name: str) -> list[Path]:
@@ -244,8 +245,8 @@ def publish(
     except ModuleNotFoundError as exc:
         if exc.name != "matplotlib":
             raise
-        rel = Path(os.path.relpath(path.resolve(), Path(benchmarks_md).resolve().parent))
-        return f"Plots not drawn on this host (no matplotlib): `python -m benchmarks.plots {rel.as_posix()}`."
+        rel = _relative(path, benchmarks_md)
+        return f"Plots not drawn on this host (no matplotlib): `python -m benchmarks.plots {rel}`."
     return markdown_images(images, benchmarks_md)
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from benchmarks import online_report, plots
@@ -138,7 +140,7 @@ def test_plots_drawn_later_from_the_saved_summary_where_matplotlib_is_missing(
     summary = {"levels": [_level(1, 1.4, 1), _level(64, 30.0, 6)]}
     out = tmp_path / "plots"
     with monkeypatch.context() as m:
-        m.setitem(__import__("sys").modules, "matplotlib", None)  # import fails as when absent
+        m.setitem(sys.modules, "matplotlib", None)  # import fails as when absent
         text = plots.publish(summary, out, "online-y", tmp_path / "BENCHMARKS.md")
     assert (
         text
