@@ -238,7 +238,11 @@ def publish(
 ) -> str:
     """Write `{name}.json` into `out_dir` and draw its plots there; returns the markdown that
     links them (relative to `benchmarks_md`), or, where matplotlib is missing, a line naming the
-    command that draws them later from the JSON (the numbers are kept either way)."""
+    command that draws them later from the JSON (the numbers are kept either way).
+
+    Raises:
+        ValueError: as `draw`.
+    """
     path = write_json(summary, out_dir, name)
     try:
         images = draw(summary, out_dir, name)
@@ -252,7 +256,12 @@ def publish(
 
 def main(argv: list[str] | None = None) -> list[Path]:
     """Draw the plots of saved JSON summaries beside them (each file's stem names its images) and
-    print the markdown lines that link them."""
+    print the markdown lines that link them.
+
+    Raises:
+        ValueError, ModuleNotFoundError: as `draw`; OSError, json.JSONDecodeError: a file that
+            cannot be read as JSON.
+    """
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("summaries", nargs="+", help="JSON summaries written by --plots-dir runs")
     p.add_argument("--benchmarks-md", default="BENCHMARKS.md", help="links are relative to it")
