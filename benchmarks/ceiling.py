@@ -6,15 +6,17 @@ backend delivers when the model does nothing else.
 
 A tritonserver on `benchmarks/ceiling_repository` serves `ceiling_stream`, a decoupled Python
 model whose one sender thread streams one-token responses with the generator's tensors, alone
-and inside `ceiling_llm`, an ensemble shaped like `llm` (a Python step before it, and one after
-it batched as the detokenizer is: one request per response). At each concurrency level, closed-loop clients
+inside `ceiling_llm`, an ensemble shaped like `llm` (a Python step before it, and one after
+it batched as the detokenizer is: one request per response), and inside `ceiling_fused`, shaped
+like `llm_fused` (the Python step before it only; the stream answers text itself). At each concurrency level, closed-loop clients
 stream requests of `--ceiling-tokens` responses over gRPC with the sidecar's own client
 (`openai_frontend.triton_client.TritonClient`, one stream per request), spread over several
 client processes so that the client is not what limits; the first requests have staggered
 lengths so that the clients do not finish in step. The ceiling of a level is the responses
 received during a fixed window (after a short warm-up) over the window's length.
 `benchmarks.online --ceiling` runs it in the same command as the served levels and reports the
-generator's responses/s as a fraction of the ensemble's ceiling at the same concurrency.
+generator's responses/s as a fraction of the ceiling of the ensemble the sidecar streams from
+(`ceiling_fused`, shaped like `llm_fused`) at the same concurrency.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from benchmarks.load_probe import process_cpu_seconds
 REPOSITORY = Path(__file__).resolve().parent / "ceiling_repository"
 STREAM_MODEL = "ceiling_stream"
 ENSEMBLE_MODEL = "ceiling_llm"
-MODES = {"alone": STREAM_MODEL, "ensemble": ENSEMBLE_MODEL}
+FUSED_MODEL = "ceiling_fused"
+MODES = {"alone": STREAM_MODEL, "ensemble": ENSEMBLE_MODEL, "fused": FUSED_MODEL}
 PROMPT = "ceiling " * 64  # 512 bytes, 512 ids through ceiling_pre
 VOCAB = 151936  # = ceiling_stream's VOCAB
 WARM_S = 0.5  # of each level, before its window opens
@@ -67,7 +70,8 @@ class CeilingLevel:
     """One model at one concurrency.
 
     Attributes:
-        mode: "alone" (`ceiling_stream`) or "ensemble" (`ceiling_llm`).
+        mode: "alone" (`ceiling_stream`), "ensemble" (`ceiling_llm`) or "fused"
+            (`ceiling_fused`).
         window_s: the counting window (seconds).
         client_cores: CPU cores the client processes used together while they ran.
         client_max_cores: the busiest client process' cores (near 1.0: the client limited).
@@ -111,8 +115,8 @@ def repository_copy(instances: int, into: Path) -> Path:
 
 def _check(chunks: int, last, length: int, num_input: int, ensemble: bool) -> str | None:
     """Why a finished stream is wrong, or None: `length` responses, the last one counting
-    `length` tokens with finish_reason "length" (and, through the ensemble, its token written
-    out by ceiling_post)."""
+    `length` tokens with finish_reason "length" (and, through an ensemble, its token written
+    out, by ceiling_post or by the stream itself)."""
     if chunks != length or last is None:
         return f"{chunks} responses, expected {length}"
     if last.num_output_tokens != length or last.finish_reason != "length":
@@ -128,7 +132,7 @@ async def _clients(
     from openai_frontend.triton_client import TritonClient, TritonError
 
     start_at, window_start, window_end = times
-    ensemble = mode == "ensemble"
+    ensemble = mode != "alone"
     if ensemble:
         inputs, num_input = {"text_input": PROMPT}, len(PROMPT.encode())
     else:
@@ -228,7 +232,7 @@ class CeilingServer:
         self._tmp.cleanup()
 
     def level(self, mode: str, concurrency: int, tokens: int, seconds: float) -> CeilingLevel:
-        """Run `concurrency` closed-loop clients of `mode` ("alone" or "ensemble") for a
+        """Run `concurrency` closed-loop clients of `mode` (a key of `MODES`) for a
         `seconds` window after `WARM_S` of warm-up; clients start no request after the window
         and read every stream to its end (a cancelled ensemble stream leaks in Triton 2.51).
 
@@ -281,7 +285,7 @@ def run_ceiling(
     """Every level of `concurrency` for both modes (after one short warm-up stream each).
 
     Returns:
-        mode ("alone", "ensemble") -> concurrency -> its `CeilingLevel`.
+        mode (a key of `MODES`) -> concurrency -> its `CeilingLevel`.
     Raises:
         RuntimeError: the server did not start, or a warm-up stream failed.
     """
@@ -301,28 +305,37 @@ def run_ceiling(
 
 
 def report(levels: dict[str, dict[int, CeilingLevel]]) -> str:
-    """The markdown table: one row per concurrency, both modes."""
+    """The markdown table: one row per concurrency, every mode."""
     headers = [
         "concurrency",
         "alone: responses/s",
-        "ensemble: responses/s",
+        "ensemble (llm-shaped): responses/s",
+        "fused (llm_fused-shaped): responses/s",
         "ensemble / alone",
-        "requests (failed) alone / ensemble",
-        "client CPU cores (busiest process) alone / ensemble",
+        "fused / alone",
+        "requests (failed) alone / ensemble / fused",
+        "client CPU cores (busiest process) alone / ensemble / fused",
         "server CPU cores per process (ensemble)",
     ]
+
+    def ratio(level: CeilingLevel, alone: CeilingLevel) -> str:
+        return f"{level.responses_per_s / alone.responses_per_s:.0%}" if alone.responses else "-"
+
     rows = []
     for c, alone in levels["alone"].items():
-        ens = levels["ensemble"][c]
+        ens, fused = levels["ensemble"][c], levels["fused"][c]
         rows.append(
             [
                 str(c),
                 fmt(alone.responses_per_s, 0),
                 fmt(ens.responses_per_s, 0),
-                f"{ens.responses_per_s / alone.responses_per_s:.0%}" if alone.responses else "-",
-                f"{alone.requests} ({len(alone.errors)}) / {ens.requests} ({len(ens.errors)})",
-                f"{alone.client_cores:.2f} ({alone.client_max_cores:.2f}) / "
-                f"{ens.client_cores:.2f} ({ens.client_max_cores:.2f})",
+                fmt(fused.responses_per_s, 0),
+                ratio(ens, alone),
+                ratio(fused, alone),
+                " / ".join(f"{x.requests} ({len(x.errors)})" for x in (alone, ens, fused)),
+                " / ".join(
+                    f"{x.client_cores:.2f} ({x.client_max_cores:.2f})" for x in (alone, ens, fused)
+                ),
                 ens.server_cpu,
             ]
         )
@@ -333,8 +346,9 @@ def notes(args: argparse.Namespace) -> list[str]:
     """The section notes of a ceiling run with `args` (`add_arguments`' flags)."""
     return [
         f"ceiling: {args.ceiling_instances} instance(s) of ceiling_stream (one sender thread "
-        "each, the generator's tensors per one-token response: 4, 6 in a stream's first and last), alone and as the middle step "
-        f"of ceiling_llm (shaped like llm); closed-loop gRPC streams of {args.ceiling_tokens} "
+        "each, the generator's tensors per one-token response: 4, 6 in a stream's first and last), alone, as the middle step "
+        f"of ceiling_llm (shaped like llm) and as the last step of ceiling_fused (shaped like "
+        f"llm_fused); closed-loop gRPC streams of {args.ceiling_tokens} "
         f"responses from {args.ceiling_client_processes} client processes (at most); responses "
         f"counted in a {args.ceiling_seconds:g} s window after {WARM_S:g} s of warm-up",
     ]

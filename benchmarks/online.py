@@ -127,15 +127,17 @@ class Sidecar:
     until `/health` answers (RuntimeError with its log tail after 120 s); leaving stops its
     process group."""
 
-    def __init__(self, triton_url: str, log_path: Path | None = None) -> None:
-        self.triton_url = triton_url
+    def __init__(
+        self, triton_url: str, log_path: Path | None = None, triton_model: str | None = None
+    ) -> None:
+        self.triton_url, self.triton_model = triton_url, triton_model
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path or Path(tempfile.mkstemp(prefix="sidecar-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Sidecar:
-        command = sidecar_command(self.triton_url, self.port)
+        command = sidecar_command(self.triton_url, self.port, triton_model=self.triton_model)
         self.proc = start_process_group(command, self.log_path, cwd=common.REPO_ROOT)
         try:
             wait_http_ok(f"{self.base_url}/health", 120, self.proc, "sidecar")
@@ -207,7 +209,7 @@ def serve_and_run(
     if args.openai_url:
         return go(args.openai_url)
     if args.triton_url:
-        with Sidecar(args.triton_url) as sidecar:
+        with Sidecar(args.triton_url, triton_model=args.triton_model) as sidecar:
             return go(sidecar.base_url, LoadProbe([sidecar.proc.pid], args.metrics_url))
     env = {
         "TRITONLLM_DEVICE": args.device,
@@ -222,7 +224,7 @@ def serve_and_run(
     try:
         server.start(timeout=600)
         log(f"tritonserver ready on {server.grpc_url}; starting the sidecar")
-        with Sidecar(server.grpc_url) as sidecar:
+        with Sidecar(server.grpc_url, triton_model=args.triton_model) as sidecar:
             probe = LoadProbe([server.process.pid, sidecar.proc.pid], server.metrics_url)
             return go(sidecar.base_url, probe)
     except RuntimeError:
@@ -252,6 +254,7 @@ def run(args: argparse.Namespace) -> OnlineRun:
     platform = ceiling.from_args(args) if args.ceiling else None
     result = serve_and_run(args, model, level_inputs)
     result.offline, result.decode_step_s, result.ceiling = offline, step, platform
+    result.ceiling_mode = "fused" if args.triton_model == "llm_fused" else "ensemble"
     return result
 
 
@@ -290,6 +293,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "generator's time counters per level",
     )
     p.add_argument("--openai-url", help="use a running sidecar (http://HOST:PORT)")
+    p.add_argument(
+        "--triton-model",
+        choices=("llm_fused", "llm"),
+        default="llm_fused",
+        help="the ensemble the sidecar streams from (its --triton-model); the ceiling of the "
+        "same shape is the one the generator's responses/s are compared with",
+    )
     p.add_argument("--server-log", help="tritonserver log file (default: a temp file)")
     p.add_argument(
         "--tensor-parallel-size",
@@ -325,7 +335,8 @@ def main(argv: list[str] | None = None) -> OnlineRun:
         f"tensor parallel size {args.tensor_parallel_size}",
         "offline engine: the same prompt ids, same concurrency cap (closed loop), same run",
         "generator responses/s: tritonllm_responses_total over the level's wall time; of "
-        "ceiling: against the ensemble ceiling at the same concurrency, same run",
+        f"ceiling: against the ceiling of the {args.triton_model} shape (the sidecar's "
+        "--triton-model) at the same concurrency, same run",
     ]
     itl = online_report.itl_note(result)
     if itl:

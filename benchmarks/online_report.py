@@ -30,6 +30,8 @@ class OnlineRun:
         responses_per_s: per level, the generator's responses/s ({} without its metrics).
         decode_step_s: the offline engine's batch-1 decode step (seconds; None: not run).
         ceiling: `benchmarks.ceiling.run_ceiling`'s levels (None: not run).
+        ceiling_mode: the ceiling mode of the ensemble the sidecar streamed from ("fused" for
+            llm_fused, "ensemble" for llm): the one "of ceiling" compares with.
     """
 
     results: dict[int, LevelResult]
@@ -38,9 +40,11 @@ class OnlineRun:
     responses_per_s: dict[int, float] = field(default_factory=dict)
     decode_step_s: float | None = None
     ceiling: dict[str, dict[int, CeilingLevel]] | None = None
+    ceiling_mode: str = "fused"
 
     def ceiling_per_s(self, mode: str, c: int) -> float | None:
-        """The ceiling's responses/s of `mode` ("alone", "ensemble") at concurrency `c`."""
+        """The ceiling's responses/s of `mode` (a `benchmarks.ceiling.MODES` key) at
+        concurrency `c`."""
         level = (self.ceiling or {}).get(mode, {}).get(c)
         return level.responses_per_s if level else None
 
@@ -69,7 +73,7 @@ def level_summary(run: OnlineRun, c: int) -> dict[str, Any]:
     gaps = [g for r in ok for g in r.chunk_gaps]
     offline = (run.offline or {}).get(c)
     responses = run.responses_per_s.get(c)
-    ceiling = run.ceiling_per_s("ensemble", c)
+    ceiling = run.ceiling_per_s(run.ceiling_mode, c)
     return {
         "concurrency": c,
         "requests": len(res.records),
@@ -89,7 +93,9 @@ def level_summary(run: OnlineRun, c: int) -> dict[str, Any]:
         "tokens_per_chunk": res.tokens_per_chunk,
         "generator_responses_per_s": responses,
         "ceiling_alone_responses_per_s": run.ceiling_per_s("alone", c),
-        "ceiling_ensemble_responses_per_s": ceiling,
+        "ceiling_ensemble_responses_per_s": run.ceiling_per_s("ensemble", c),
+        "ceiling_fused_responses_per_s": run.ceiling_per_s("fused", c),
+        "ceiling_mode": run.ceiling_mode,
         "generator_over_ceiling": _ratio(responses, ceiling),
     }
 

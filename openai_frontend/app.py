@@ -119,7 +119,7 @@ class BodySizeLimit:
 def create_app(
     triton_url: str,
     model_name: str,
-    triton_model: str = "llm",
+    triton_model: str = "llm_fused",
     generator_model: str = "generator",
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     stream_idle_timeout_s: float | None = DEFAULT_STREAM_IDLE_TIMEOUT_S,
@@ -162,6 +162,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The gRPC channel binds to the running event loop, so it is made here, not at import.
         client = TritonClient(triton_url, triton_model, generator_model, control_secret)
+        client.start_lease()  # this process' death then aborts its generations
         app.state.server = state = ServerState(
             client=client,
             model_name=model_name,
@@ -219,7 +220,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model-name", default=None, help="served model name (default: --model's basename)"
     )
     p.add_argument("--model", default=None, help="the served checkpoint (only names the model)")
-    p.add_argument("--triton-model", default="llm", help="the ensemble to call")
+    p.add_argument(
+        "--triton-model",
+        default="llm_fused",
+        help="the ensemble to call (llm_fused: the generator makes the text; llm: through the "
+        "detokenizer step)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: all interfaces)")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--log-level", default="warning")

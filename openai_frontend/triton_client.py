@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import struct
 import sys
 from collections.abc import Mapping
@@ -201,31 +202,87 @@ class ResponseStream:
 
 # gRPC statuses of a Triton that cannot answer (rather than of a request it refused).
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Seconds between two attempts to (re)open the generator lease (``TritonClient.hold_lease``).
+LEASE_RETRY_S = 1.0
 
 
 class TritonClient:
     """An async gRPC client of one tritonserver, shared by all requests of the sidecar.
 
+    Every request id it sends to Triton is ``"<lease>/<request id>"``: ``hold_lease`` keeps a
+    ``client_lease`` control request open in the generator, and when this process dies its gRPC
+    stream closes and the generator aborts every request of the lease (``GeneratorCore``,
+    "leases"). Through ``llm_fused`` nothing else would see that the streams are gone.
+
     Args:
         url: ``host:port`` of Triton's gRPC endpoint.
-        model: the ensemble to generate with (``llm``).
+        model: the ensemble to generate with (``llm_fused``).
         generator: the decoupled model that takes ``abort_request_id`` (``generator``).
-        secret: the server's ``TRITONLLM_CONTROL_SECRET``, sent with every abort.
+        secret: the server's ``TRITONLLM_CONTROL_SECRET``, sent with every abort and the lease.
+    Attributes:
+        lease: this client's lease id (random).
     """
 
     def __init__(
-        self, url: str, model: str = "llm", generator: str = "generator", secret: str | None = None
+        self,
+        url: str,
+        model: str = "llm_fused",
+        generator: str = "generator",
+        secret: str | None = None,
     ) -> None:
         self.url, self.model, self.generator_model = url, model, generator
         self._control_secret = secret
+        self.lease = f"sidecar-{secrets.token_hex(8)}"
+        self._lease_task: asyncio.Task | None = None
         options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
         self._channel = grpc.aio.insecure_channel(url, options=options)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         self._specs: dict[str, dict[str, InputSpec]] = {}
         self._background: set[asyncio.Task] = set()
 
+    def triton_id(self, request_id: str) -> str:
+        """The Triton request id of ``request_id``: ``"<lease>/<request_id>"``."""
+        return f"{self.lease}/{request_id}"
+
+    def _secret(self) -> dict[str, InputValue]:
+        return {} if self._control_secret is None else {"control_secret": self._control_secret}
+
+    def start_lease(self) -> None:
+        """Hold the generator lease from now on (``hold_lease`` in a task; ``close`` ends it)."""
+        if self._lease_task is None:
+            self._lease_task = asyncio.get_running_loop().create_task(self.hold_lease())
+
+    async def hold_lease(self) -> None:
+        """Keep this client's ``client_lease`` open in the generator: the generator answers
+        each lease request after about a second and this opens the next one at once (after
+        ``LEASE_RETRY_S`` when it failed: tritonserver restarting or unreachable); runs until
+        cancelled. A lease left unrenewed for a few seconds, or whose open request is
+        cancelled (by ``close`` or by this process' death), aborts this client's requests."""
+        inputs = {"client_lease": self.lease, **self._secret()}
+        while True:
+            call, renew = None, False
+            try:
+                request = await self._request(self.generator_model, f"lease-{self.lease}", inputs)
+                call = self._stub.ModelStreamInfer(iter([request]))
+                async for message in call:  # one empty final response, then the stream ends
+                    if message.error_message:
+                        log.warning("generator lease refused: %s", message.error_message)
+                        break
+                else:
+                    renew = True
+            except (TritonError, grpc.aio.AioRpcError) as exc:
+                log.debug("generator lease failed: %r", exc)
+            finally:
+                if call is not None and not renew:
+                    call.cancel()
+            if not renew:
+                await asyncio.sleep(LEASE_RETRY_S)
+
     async def close(self) -> None:
-        """Wait for scheduled aborts, then close the gRPC channel."""
+        """End the lease, wait for scheduled aborts, then close the gRPC channel."""
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            await asyncio.gather(self._lease_task, return_exceptions=True)
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self._channel.close()
@@ -323,12 +380,13 @@ class TritonClient:
         """Send one request to the ensemble on its own gRPC stream.
 
         Args:
-            request_id: the Triton request id (the OpenAI completion id; aborts name it).
+            request_id: the request's id (the OpenAI completion id; aborts name it), sent to
+                Triton as ``triton_id(request_id)``.
             inputs: ensemble input name → value; only inputs the client was given.
         Raises:
             TritonError: unknown input, Triton unreachable.
         """
-        request = await self._request(self.model, request_id, inputs)
+        request = await self._request(self.model, self.triton_id(request_id), inputs)
         # One request, then half-close: Triton keeps the stream open until the final response.
         return ResponseStream(self._stub.ModelStreamInfer(iter([request])))
 
@@ -351,8 +409,7 @@ class TritonClient:
     async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
         """Ask the generator to abort ``request_id`` now and free its KV pages (control request
         ``abort_request_id`` + the secret); True when acknowledged within ``timeout`` s."""
-        secret = {} if self._control_secret is None else {"control_secret": self._control_secret}
-        inputs: dict[str, InputValue] = {"abort_request_id": request_id, **secret}
+        inputs = {"abort_request_id": self.triton_id(request_id), **self._secret()}
         return await self._control(f"abort-{request_id}", inputs, timeout)
 
     async def finish(

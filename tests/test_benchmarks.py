@@ -237,7 +237,7 @@ def test_online_benchmark_streams_exact_token_counts(
     # The generator's responses/s: at least one response per request, and per streamed chunk.
     for c, level in results.items():
         assert run.responses_per_s[c] * level.seconds >= len(level.records)
-        for mode in ("alone", "ensemble"):
+        for mode in ("alone", "ensemble", "fused"):
             ceiling_level = run.ceiling[mode][c]
             assert ceiling_level.errors == () and ceiling_level.responses > 0
     (summary_file,) = (tmp_path / "plots").glob("online-*.json")
@@ -246,8 +246,9 @@ def test_online_benchmark_streams_exact_token_counts(
     for lv in summary["levels"]:
         c = lv["concurrency"]
         assert lv["generator_over_ceiling"] == pytest.approx(
-            run.responses_per_s[c] / run.ceiling["ensemble"][c].responses_per_s
+            run.responses_per_s[c] / run.ceiling["fused"][c].responses_per_s
         )
+        assert lv["ceiling_mode"] == "fused"  # the sidecar's default streams from llm_fused
         assert lv["online_over_offline"] == pytest.approx(
             results[c].output_tokens_per_s / offline_tps[c]
         )

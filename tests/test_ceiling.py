@@ -42,15 +42,17 @@ def test_ceiling_levels_stream_exact_responses_alone_and_through_the_ensemble(tm
     log = tmp_path / "ceiling-server.log"
     with ceiling.CeilingServer(instances=2, client_processes=2, log_path=log) as bench:
         url = bench.server.grpc_url
-        # One stream read by hand: ids counted up, the text of the ensemble's last step.
-        chunks = asyncio.run(
-            _one_stream(url, ceiling.ENSEMBLE_MODEL, {"text_input": "abc", "max_tokens": 5})
-        )
-        assert [c.num_output_tokens for c in chunks] == [1, 2, 3, 4, 5]
-        assert [c.finish_reason for c in chunks] == ["", "", "", "", "length"]
-        # the prompt's count in the first and last responses only, as the generator sends it
-        assert [c.num_input_tokens for c in chunks] == [3, 0, 0, 0, 3]
-        assert [c.text for c in chunks] == [str((3 + 7919 * k) % ceiling.VOCAB) for k in range(5)]
+        # One stream read by hand per ensemble: ids counted up, their text written out by the
+        # ensemble's last step (ceiling_post, or the stream itself in the fused shape).
+        for model in (ceiling.ENSEMBLE_MODEL, ceiling.FUSED_MODEL):
+            inputs = {"text_input": "abc", "max_tokens": 5}
+            chunks = asyncio.run(_one_stream(url, model, inputs))
+            assert [c.num_output_tokens for c in chunks] == [1, 2, 3, 4, 5]
+            assert [c.finish_reason for c in chunks] == ["", "", "", "", "length"]
+            # the prompt's count in the first and last responses only, as the generator sends
+            assert [c.num_input_tokens for c in chunks] == [3, 0, 0, 0, 3]
+            want = [str((3 + 7919 * k) % ceiling.VOCAB) for k in range(5)]
+            assert [c.text for c in chunks] == want, model
         with pytest.raises(TritonError, match="max_tokens must be >= 1"):
             asyncio.run(
                 _one_stream(url, ceiling.STREAM_MODEL, {"input_ids": [1, 2], "max_tokens": 0})
@@ -66,5 +68,5 @@ def test_ceiling_levels_stream_exact_responses_alone_and_through_the_ensemble(tm
                 assert "stub:ceiling_stream" in level.server_cpu
         with pytest.raises(KeyError, match="mode"):
             bench.level("nope", 1, 8, 0.5)
-    levels = {"alone": {1: level}, "ensemble": {1: level}}
+    levels = {"alone": {1: level}, "ensemble": {1: level}, "fused": {1: level}}
     assert ceiling.report(levels).splitlines()[2].startswith("| 1 | ")

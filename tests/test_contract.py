@@ -53,11 +53,12 @@ def test_config_pbtxt_equals_the_contract(spec):
     assert config.model_transaction_policy.decoupled == spec.decoupled
 
 
-def test_llm_ensemble_steps_map_only_declared_tensors():
+@pytest.mark.parametrize("ensemble", ["llm", "llm_fused"])
+def test_llm_ensemble_steps_map_only_declared_tensors(ensemble):
     """Every step's input_map keys are inputs of its model and its output_map keys outputs;
     every ensemble input reaches a step, every ensemble output comes from one, and every
     internal tensor a step reads is one an earlier step writes."""
-    config = _config("llm")
+    config = _config(ensemble)
     by_name = {spec.name: spec for spec in tensors.MODELS}
     written, read = set(config.input[i].name for i in range(len(config.input))), set()
     produced_outputs = set()

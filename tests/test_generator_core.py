@@ -207,6 +207,89 @@ def test_an_abort_that_overtakes_its_request_ends_it_on_arrival(core):
     assert "early" not in core.engine.submitted
 
 
+def _lease(name: str) -> dict:
+    return {"client_lease": np.array([name.encode()], dtype=object)}
+
+
+def test_a_cancelled_lease_aborts_the_requests_it_covers_and_no_other(core):
+    lease, replaced = Sink(), Sink()
+    core.execute("lease-a", _lease("side"), "", replaced)
+    core.execute("lease-b", _lease("side"), "", lease)  # the same id again replaces it
+    assert replaced.sent == [(None, True)] and lease.sent == []
+    covered = {rid: Sink() for rid in ("side/1", "side/2", "side")}
+    others = {rid: Sink() for rid in ("sidecar/1", "other/1")}
+    for rid, sink in {**covered, **others}.items():
+        core.execute(rid, {"input_ids": ids(1, 2)}, "", sink)
+    time.sleep(0.05)
+    assert core.engine.aborted == []  # a live lease aborts nothing
+    lease.cancelled = True  # its client went away
+    lease.wait()
+    eventually(lambda: len(core.engine.aborted) == 2)
+    assert sorted(core.engine.aborted) == ["side/1", "side/2"]
+    assert lease.sent == [(None, True)]
+    for rid in ("side/1", "side/2"):
+        assert covered[rid].sent == [(None, True)]
+    for sink in (covered["side"], *others.values()):
+        assert sink.sent == []
+
+
+def test_a_lease_is_renewed_and_ends_when_its_client_stops_renewing_it():
+    """Each lease request is answered after lease_s (tritonserver's shutdown waits for open
+    requests); a client that renews keeps its requests, one that stops loses them after the
+    grace period."""
+    engine = RecordingEngine()
+    core = GeneratorCore(
+        engine,
+        lambda *a: None,
+        lambda: True,
+        print,
+        print,
+        metrics_interval_s=0.01,
+        lease_check_s=0.01,
+        lease_s=0.1,
+        lease_grace_s=0.3,
+    ).start()
+    try:
+        work = Sink()
+        core.execute("kept/1", {"input_ids": ids(1)}, "", work)
+        lease = Sink()
+        core.execute("l0", _lease("kept"), "", lease)
+        for i in range(1, 6):  # renewed as soon as answered, for about 0.5 s
+            lease.wait()
+            lease = Sink()
+            core.execute(f"l{i}", _lease("kept"), "", lease)
+        assert engine.aborted == [] and work.sent == []
+        lease.wait()  # answered, and not renewed
+        eventually(lambda: engine.aborted == ["kept/1"])
+        assert work.sent == [(None, True)]
+    finally:
+        core.finalize()
+
+
+@pytest.mark.parametrize("name", ["", "a/b"])
+def test_a_lease_id_must_be_non_empty_without_the_separator(core, name):
+    sink = Sink()
+    core.execute("l", _lease(name), "", sink)
+    assert sink.error().code == ErrorCode.INVALID_VALUE and sink.error().param == "client_lease"
+
+
+def test_a_lease_needs_the_control_secret():
+    engine = RecordingEngine()
+    core = GeneratorCore(
+        engine, lambda *a: None, lambda: True, print, print, control_secret="s3"
+    ).start()
+    try:
+        refused, taken = Sink(), Sink()
+        core.execute("l1", _lease("x"), "", refused)
+        assert refused.error().code == ErrorCode.PERMISSION_DENIED
+        secret = {"control_secret": np.array([b"s3"], dtype=object)}
+        core.execute("l2", {**_lease("x"), **secret}, "", taken)
+        assert taken.sent == [] and taken.errors == []
+    finally:
+        core.finalize()
+    assert taken.sent == [(None, True)]  # unloading ends the lease
+
+
 def test_health_probe_reports_engine_liveness_and_aborts_nothing(core):
     live = Sink()
     core.execute("live", {"input_ids": ids(1)}, "", live)

@@ -166,7 +166,7 @@ def test_2000_requests_in_a_row_leave_every_process_memory_stable(sidecar, trito
 
 FAULTY_GENERATOR = '''
 """The real generator (loaded from its file), with a fault injected by the test: a request
-whose id starts with "fault-" raises in its own output handling on the sender thread, at its
+whose id (after the client's lease) starts with "fault-" raises in its own output handling on the sender thread, at its
 second output."""
 import importlib.util
 
@@ -193,7 +193,8 @@ class TritonPythonModel(real.TritonPythonModel):
     def execute(self, requests):
         super().execute(requests)
         for request in requests:
-            if request.request_id().startswith("fault-"):
+            # (the sidecar's client sends "<lease>/<id>")
+            if request.request_id().rpartition("/")[2].startswith("fault-"):
                 entry = self.core.requests.get(request.request_id())
                 if entry is not None:
                     entry.states = [FaultyState(s) for s in entry.states]
@@ -205,7 +206,7 @@ class TritonPythonModel(real.TritonPythonModel):
 def faulty_server(tiny_model_dir, tmp_path_factory):
     """tritonserver on a model repository whose generator carries the injected fault."""
     repo = tmp_path_factory.mktemp("faulty_repository")
-    for model in ("tokenizer", "detokenizer", "llm"):
+    for model in ("tokenizer", "detokenizer", "llm", "llm_fused"):
         (repo / model).symlink_to(MODEL_REPOSITORY / model, target_is_directory=True)
     (repo / "generator" / "1").mkdir(parents=True)
     shutil.copy(MODEL_REPOSITORY / "generator" / "config.pbtxt", repo / "generator")
@@ -460,7 +461,9 @@ def test_health_probes_cannot_load_the_engine(sidecar):
 
     def llm_requests() -> float:
         text = httpx.get(sidecar.metrics_url, timeout=10).text
-        found = re.search(r'^nv_inference_request_success\{model="llm",[^}]*\} (\S+)$', text, re.M)
+        found = re.search(
+            r'^nv_inference_request_success\{model="llm_fused",[^}]*\} (\S+)$', text, re.M
+        )
         return float(found.group(1))
 
     # Past the health interval (1 s) of the fixture's own /health wait: the burst's first

@@ -19,6 +19,8 @@ import pytest
 from frontend_fixtures import start_sidecar, stop_process
 from openai_helpers import engine_gauges, engine_idle, wait_for_gauges
 
+# The ensemble the sidecar streams from (openai_frontend --triton-model's default).
+SIDECAR_MODEL = "llm_fused"
 LONG = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
 MESSAGES = [{"role": "user", "content": "Write a very long story."}]
 
@@ -94,14 +96,14 @@ def test_non_stream_client_timeout_aborts_the_generation(sidecar, triton_server)
     """A non-streaming client that gives up (read timeout) also frees the generator, and its
     ``llm`` request completes in Triton."""
     body = {"model": sidecar.model_name, "messages": MESSAGES, **LONG}
-    success, fail = _inference_counts(triton_server, "llm")
+    success, fail = _inference_counts(triton_server, SIDECAR_MODEL)
 
     try:
         httpx.post(f"{sidecar.base_url}/chat/completions", json=body, timeout=1.0)
         raise AssertionError("2000 tokens should take longer than the 1 s client timeout")
     except httpx.ReadTimeout:
         pass
-    counts = _wait_for_counts(triton_server, "llm", (success + 1, fail), timeout_s=5.0)
+    counts = _wait_for_counts(triton_server, SIDECAR_MODEL, (success + 1, fail), timeout_s=5.0)
     assert counts == (success + 1, fail), f"llm (success, fail): {counts}, was {(success, fail)}"
     _assert_aborted_then_serving(sidecar)
 
@@ -128,9 +130,9 @@ def test_disconnected_stream_ends_its_llm_request(sidecar, triton_server, endpoi
 
     A cancelled ensemble request instead fails (Triton 2.51's ensemble then never releases it:
     an inference in flight until shutdown)."""
-    success, fail = _inference_counts(triton_server, "llm")
+    success, fail = _inference_counts(triton_server, SIDECAR_MODEL)
     _disconnect(sidecar.base_url, sidecar.model_name, endpoint, n=n)
-    counts = _wait_for_counts(triton_server, "llm", (success + 1, fail), timeout_s=5.0)
+    counts = _wait_for_counts(triton_server, SIDECAR_MODEL, (success + 1, fail), timeout_s=5.0)
     assert counts == (success + 1, fail), f"llm (success, fail): {counts}, was {(success, fail)}"
     assert engine_idle(wait_for_gauges(sidecar.metrics_url, engine_idle, timeout_s=2.0))
 
@@ -166,8 +168,8 @@ def test_server_shuts_down_with_nothing_in_flight_after_disconnects(tiny_model_d
         sidecar, base_url = start_sidecar(
             server.grpc_url, model, tmp_path / "sidecar.log", control_secret=server.control_secret
         )
-        # The sidecar's /health sent llm one probe generation before it answered 200.
-        before = _inference_counts(server, "llm")
+        # The sidecar's /health sent its ensemble one probe generation before it answered 200.
+        before = _inference_counts(server, SIDECAR_MODEL)
         completed: list[int] = []
         background = threading.Thread(
             target=lambda: completed.append(_read_all(base_url, model, max_tokens=800))
@@ -179,7 +181,7 @@ def test_server_shuts_down_with_nothing_in_flight_after_disconnects(tiny_model_d
         background.join(timeout=120)
         # The background stream completes too.
         want = (before[0] + len(disconnects) + 1, before[1])
-        counts = _wait_for_counts(server, "llm", want, timeout_s=5.0)
+        counts = _wait_for_counts(server, SIDECAR_MODEL, want, timeout_s=5.0)
     finally:
         if sidecar is not None:
             stop_process(sidecar)
@@ -189,7 +191,7 @@ def test_server_shuts_down_with_nothing_in_flight_after_disconnects(tiny_model_d
     log = log_path.read_text(errors="replace")
     assert not re.search(r"has \d+ in-flight inferences", log), log[-3000:]
     assert "Found 0 model versions that have in-flight inferences" in log, log[-3000:]
-    for name in ("llm", "tokenizer", "generator", "detokenizer", "ensemble"):
+    for name in ("llm", "llm_fused", "tokenizer", "generator", "detokenizer", "ensemble"):
         assert f"successfully unloaded '{name}'" in log, log[-3000:]
     assert server.process.returncode != -signal.SIGKILL, f"killed after {stopped_s:.1f} s"
     assert completed == [800]

@@ -89,8 +89,8 @@ def _ceiling(mode: str, c: int, responses: int) -> CeilingLevel:
 
 
 def test_summary_relates_each_level_to_offline_ceiling_and_decode_step():
-    """online / offline, generator responses/s over the ensemble ceiling at the same
-    concurrency, and chunk-ITL p50 at concurrency 1 over the batch-1 decode step."""
+    """online / offline, generator responses/s over the ceiling of the sidecar's ensemble at
+    the same concurrency, and chunk-ITL p50 at concurrency 1 over the batch-1 decode step."""
     c1 = LevelResult(1, [_record(0.0, [0.05, 0.052, 0.055, 0.059], 4)], seconds=0.1)
     c4 = LevelResult(4, [_record(0.0, [0.1, 0.2], 6)] * 4, seconds=0.5)
     run = online_report.OnlineRun(
@@ -101,6 +101,7 @@ def test_summary_relates_each_level_to_offline_ceiling_and_decode_step():
         ceiling={
             "alone": {1: _ceiling("alone", 1, 20_000), 4: _ceiling("alone", 4, 24_000)},
             "ensemble": {1: _ceiling("ensemble", 1, 8_000), 4: _ceiling("ensemble", 4, 10_000)},
+            "fused": {1: _ceiling("fused", 1, 12_000), 4: _ceiling("fused", 4, 14_000)},
         },
     )
     s = online_report.summary(run)
@@ -108,7 +109,12 @@ def test_summary_relates_each_level_to_offline_ceiling_and_decode_step():
     assert one["output_tokens_per_s"] == pytest.approx(40.0)  # 4 tokens in 0.1 s
     assert one["online_over_offline"] == pytest.approx(0.8)
     assert four["online_over_offline"] == pytest.approx(48.0 / 40.0)
-    assert one["generator_over_ceiling"] == pytest.approx(40.0 / 4_000)  # 8,000 in a 2 s window
+    # against the ceiling of the shape the sidecar streamed from (llm_fused by default)
+    assert one["generator_over_ceiling"] == pytest.approx(40.0 / 6_000)  # 12,000 in 2 s
+    assert one["ceiling_ensemble_responses_per_s"] == pytest.approx(4_000)
+    run.ceiling_mode = "ensemble"  # a sidecar that streamed from llm
+    one = online_report.summary(run)["levels"][0]
+    assert one["generator_over_ceiling"] == pytest.approx(40.0 / 4_000)  # 8,000 in 2 s
     assert four["ceiling_alone_responses_per_s"] == pytest.approx(12_000)
     assert one["chunk_gap_p50_ms"] == pytest.approx(3.0)  # gaps 2, 3, 4 ms
     assert four["tokens_per_chunk"] == pytest.approx(3.0)

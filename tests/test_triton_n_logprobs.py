@@ -22,7 +22,7 @@ import torch
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # noqa: E402
 
-INT32 = {"max_tokens", "top_k", "input_ids", "logprobs", "n", "stop_token_ids"}
+INT32 = {"max_tokens", "top_k", "input_ids", "logprobs", "n", "stop_token_ids", "prompt_logprobs"}
 PROMPT = "The quick brown fox"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 TOL = 1e-4

@@ -142,12 +142,16 @@ def sidecar_command(
     drain_timeout_s: float | None = None,
     cache_salt_from_api_key: bool = False,
     cors_origins: tuple[str, ...] = (),
+    triton_model: str | None = None,
 ) -> list[str]:
     """The command line of the OpenAI sidecar (``python -m openai_frontend``): it calls the
     tritonserver gRPC endpoint ``grpc_url`` (``HOST:PORT``) and listens on ``host`` / ``port``;
-    ``model_name`` / ``drain_timeout_s`` None leave the sidecar's defaults. Secrets (API keys,
-    the control secret) are never on it: ``sidecar_env``."""
+    ``model_name`` / ``drain_timeout_s`` / ``triton_model`` (the ensemble it streams from)
+    None leave the sidecar's defaults. Secrets (API keys, the control secret) are never on it:
+    ``sidecar_env``."""
     command = [sys.executable, "-m", "openai_frontend", f"--triton-url={grpc_url}"]
+    if triton_model is not None:
+        command.append(f"--triton-model={triton_model}")
     if model_name is not None:
         command.append(f"--model-name={model_name}")
     if drain_timeout_s is not None:

@@ -148,6 +148,11 @@ TOKENIZER = ModelSpec(
 # Control requests carry one of these instead of input_ids.
 ABORT_REQUEST_ID = _opt("abort_request_id", "BYTES")  # abort that request id
 HEALTH_PROBE = _opt("health_probe", "BOOL")  # only reports whether the engine runs
+# A lease: the request stays open, unanswered, while its client lives; once its client cancels
+# it (or dies: its gRPC stream closes), every live request whose id starts with "<lease>/" is
+# aborted. The sidecar holds one, because through llm_fused no step after the generator sees a
+# cancelled stream (GeneratorCore, "leases"). Needs control_secret as an abort does.
+CLIENT_LEASE = _opt("client_lease", "BYTES")
 # An abort must carry the service's control secret (TRITONLLM_CONTROL_SECRET) when one is set.
 CONTROL_SECRET = _opt("control_secret", "BYTES")
 GENERATOR_OUTPUTS: tuple[TensorSpec, ...] = (
@@ -177,6 +182,15 @@ GENERATOR_OUTPUTS: tuple[TensorSpec, ...] = (
 )
 # Only in the answer to a health probe: the engine's context limit (prompt + output tokens).
 MAX_MODEL_LEN = _opt("max_model_len", "INT32")
+# Only in answers to a request that asks for text_output and not output_ids (the llm_fused
+# ensemble): the generator then answers the detokenizer's text outputs itself
+# (tritonllm.serving.text_outputs), together with finish_reason, the counts, index and the
+# logprobs above, and without the ids.
+GENERATOR_TEXT_OUTPUTS: tuple[TensorSpec, ...] = (
+    _opt("text_output", "BYTES"),
+    _opt("logprobs_json", "BYTES"),  # only with logprobs
+    _opt("prompt_logprobs_json", "BYTES"),  # only with prompt logprobs
+)
 GENERATOR = ModelSpec(
     "generator",
     inputs=(
@@ -187,9 +201,10 @@ GENERATOR = ModelSpec(
         ECHO_TEXT,
         ABORT_REQUEST_ID,
         HEALTH_PROBE,
+        CLIENT_LEASE,
         CONTROL_SECRET,
     ),
-    outputs=(*GENERATOR_OUTPUTS, MAX_MODEL_LEN),
+    outputs=(*GENERATOR_OUTPUTS, MAX_MODEL_LEN, *GENERATOR_TEXT_OUTPUTS),
     decoupled=True,
 )
 
@@ -233,6 +248,19 @@ LLM = ModelSpec(
         SAMPLING_PARAMETERS,
     ),
     outputs=LLM_OUTPUTS,
+)
+
+# The same service with the text made by the generator itself (tokenizer -> generator, no
+# detokenizer step: one Python step fewer per streamed response); the OpenAI sidecar's default.
+# Its outputs are llm's, except that a response leaves out index when it is 0 (n = 1) and
+# logprobs_json when it is "" (no logprobs): absent reads as those values.
+LLM_FUSED = ModelSpec(
+    "llm_fused",
+    inputs=LLM.inputs,
+    outputs=tuple(
+        _opt(s.name, s.dtype, s.dims) if s.name in ("index", "logprobs_json") else s
+        for s in LLM_OUTPUTS
+    ),
 )
 
 # --- the TensorRT-LLM convention entry ------------------------------------------------------
@@ -280,4 +308,11 @@ TRTLLM_ENSEMBLE = ModelSpec(
     "ensemble", inputs=TRTLLM_INPUTS, outputs=TRTLLM_OUTPUTS, max_batch_size=1, decoupled=True
 )
 
-MODELS: tuple[ModelSpec, ...] = (TOKENIZER, GENERATOR, DETOKENIZER, LLM, TRTLLM_ENSEMBLE)
+MODELS: tuple[ModelSpec, ...] = (
+    TOKENIZER,
+    GENERATOR,
+    DETOKENIZER,
+    LLM,
+    LLM_FUSED,
+    TRTLLM_ENSEMBLE,
+)

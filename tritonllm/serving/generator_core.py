@@ -15,6 +15,16 @@ a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept 
   an abort must carry it (``control_secret``, compared in constant time), else it is refused
   (``permission_denied``) before it touches any state: only the service's own parts (the
   sidecar, the detokenizer, the ``ensemble`` model) abort, never another Triton client;
+- leases: a ``client_lease`` control request (with the control secret) is held open,
+  unanswered, for ``lease_s`` seconds, then answered with an empty final response, and its
+  client opens it again at once (a request held open for good would keep tritonserver from
+  unloading the generator on shutdown: it waits for every response sender). The lease ends
+  when its client cancelled the open request (asked every ``lease_check_s`` on the sender
+  thread's tick; a client that dies closes its gRPC stream, which Triton turns into a
+  cancellation) or left it closed for ``lease_grace_s``; then every live request whose id
+  starts with ``"<lease>/"`` is aborted. The sidecar holds one and prefixes its request ids
+  with it: through the ``llm_fused`` ensemble no step after the generator sees a cancelled
+  stream, so without the lease a sidecar that dies would leave its generations running;
 - admission: with ``max_live_requests``, a request that finds that many live (running or
   waiting in the engine) is refused at once with ``server_overloaded`` (the sidecar's 429);
 - choices: a request's responses carry each output's ``index``; the final flag comes with the
@@ -59,6 +69,14 @@ from tritonllm.serving.stream_state import ResponseChunk, StreamState
 # detokenizer's CancelWatch turns a cancelled stream into an abort, ARCHITECTURE.md).
 CANCEL_CHECK_S = 0.2
 CANCEL_CHECKS_PER_S = 200.0
+# How often each lease's client is asked whether it cancelled (seconds; one IPC each), how
+# long one lease request is held open before its client renews it, and how long a lease may
+# stay unrenewed before its requests are aborted.
+LEASE_CHECK_S = 0.25
+LEASE_S = 1.0
+LEASE_GRACE_S = 5.0
+# Between a lease id and the rest of the request ids it covers: "<lease>/<id>".
+LEASE_SEPARATOR = "/"
 
 
 @dataclass
@@ -72,6 +90,15 @@ class _Entry:
     cancelled: bool = False  # aborted here: its remaining engine outputs are dropped
     arrival: float = 0.0
     last_sent: list[float | None] = field(default_factory=list)
+
+
+@dataclass
+class _Lease:
+    """A client lease: its open request's sink (None between two of them) and since when that
+    request is open, or the lease has been closed (monotonic seconds)."""
+
+    sink: ResponseSink | None = None
+    since: float = 0.0
 
 
 class GeneratorCore:
@@ -96,6 +123,8 @@ class GeneratorCore:
         max_live_requests: most requests live at once (None: no limit); more get
             ``server_overloaded``.
         max_model_len: the engine's context limit (tokens), which health probes report.
+        lease_check_s, lease_s, lease_grace_s: seconds between two cancellation checks of each
+            lease, that one lease request is held open, that a lease may stay unrenewed.
     """
 
     def __init__(
@@ -113,8 +142,16 @@ class GeneratorCore:
         control_secret: str | None = None,
         max_live_requests: int | None = None,
         max_model_len: int = 0,
+        lease_check_s: float = LEASE_CHECK_S,
+        lease_s: float = LEASE_S,
+        lease_grace_s: float = LEASE_GRACE_S,
     ) -> None:
         self.engine = engine
+        self._leases: dict[str, _Lease] = {}
+        self._leases_lock = threading.Lock()
+        self._lease_check_s, self._lease_s = lease_check_s, lease_s
+        self._lease_grace_s = lease_grace_s
+        self._last_lease_scan = time.monotonic()
         self._control_secret = None if control_secret is None else control_secret.encode()
         self._max_live_requests = max_live_requests
         self.max_model_len = max_model_len
@@ -197,6 +234,11 @@ class GeneratorCore:
                 self.engine.abort(key)
             sink.send(None, final=True)
             return
+        lease = inputs.get(tensors.CLIENT_LEASE.name)
+        if lease is not None:
+            self._check_secret(inputs.get(tensors.CONTROL_SECRET.name))
+            self._open_lease(scalar(lease, "client_lease", str), sink)
+            return
         if inputs.get(tensors.HEALTH_PROBE.name) is not None:
             if self.engine.is_alive():
                 sink.send_info(self.max_model_len)
@@ -242,6 +284,58 @@ class GeneratorCore:
         except Exception:
             self.requests.pop(key)
             raise
+
+    def _open_lease(self, lease: str, sink: ResponseSink) -> None:
+        """Hold ``sink`` open as (a renewal of) lease ``lease`` (module doc, "leases"); an
+        open request of the same lease is answered first.
+
+        Raises:
+            RequestError: an empty lease id, or one that holds the separator.
+        """
+        if not lease or LEASE_SEPARATOR in lease:
+            raise RequestError(
+                ErrorCode.INVALID_VALUE,
+                "client_lease",
+                f"client_lease must be a non-empty id without {LEASE_SEPARATOR!r}",
+            )
+        with self._leases_lock:
+            state = self._leases.setdefault(lease, _Lease())
+            older, state.sink, state.since = state.sink, sink, time.monotonic()
+        if older is not None:
+            _close(older)
+
+    def _check_leases(self, now: float) -> None:
+        """Renew, or end, the leases (sender thread): an open request held ``lease_s`` is
+        answered; a lease whose client cancelled, or that stayed closed ``lease_grace_s``, ends
+        and its requests are aborted."""
+        if now - self._last_lease_scan < self._lease_check_s:
+            return
+        self._last_lease_scan = now
+        with self._leases_lock:
+            leases = list(self._leases.items())
+        for lease, state in leases:
+            sink = state.sink
+            if sink is None:
+                ended = now - state.since >= self._lease_grace_s
+            else:
+                ended = sink.is_cancelled()
+                if not ended and now - state.since >= self._lease_s:
+                    with self._leases_lock:
+                        if state.sink is sink:  # not renewed meanwhile
+                            state.sink, state.since = None, now
+                    _close(sink)  # its client opens the next one
+            if not ended:
+                continue
+            with self._leases_lock:
+                if state.sink is not sink:  # renewed meanwhile
+                    continue
+                del self._leases[lease]
+            prefix = lease + LEASE_SEPARATOR
+            for key, entry in self.requests.items():
+                if key.startswith(prefix) and not entry.cancelled:
+                    self._cancel(key, entry)
+            if sink is not None:
+                _close(sink)
 
     # --- sender thread -----------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> int:
@@ -360,6 +454,7 @@ class GeneratorCore:
         if not self._parent_alive():
             return
         now = time.monotonic()
+        self._check_leases(now)
         if now - self._last_cancel_scan >= self._cancel_check_s:
             # Requests that send nothing for a while (waiting for admission) are checked here.
             self._last_cancel_scan = now
@@ -383,9 +478,22 @@ class GeneratorCore:
         self.engine.shutdown()
         self.streamer.stop()
         unloading = encode_error(ErrorCode.ENGINE_UNAVAILABLE, "the model is being unloaded")
+        with self._leases_lock:
+            leases, self._leases = list(self._leases.values()), {}
+        for state in leases:
+            if state.sink is not None:
+                _close(state.sink)
         for _, entry in self.requests.items():
             if not entry.cancelled:
                 try:
                     entry.sink.send_error(unloading)
                 except Exception:
                     pass
+
+
+def _close(sink: ResponseSink) -> None:
+    """Send ``sink`` its final (empty) response; a stream already gone is left as it is."""
+    try:
+        sink.send(None, final=True)
+    except Exception:
+        pass

@@ -9,7 +9,9 @@ pass through), ``logprobs_json`` is the OpenAI chat ``content`` list of this res
 (``tritonllm.serving.logprobs.logprob_entries``); ``""`` otherwise. With the prompt's scores
 (``prompt_ids``, ``prompt_token_logprobs``, ``prompt_top_logprob_ids``, ``prompt_top_logprobs``,
 a choice's first response of a request with prompt logprobs), ``prompt_logprobs_json`` holds
-the same entries for every prompt token (``prompt_logprob_entries``).
+the same entries for every prompt token (``prompt_logprob_entries``). All of it is
+``tritonllm.serving.text_outputs.text_outputs``, which the generator also calls when its
+request asks for ``text_output`` itself (the ``llm_fused`` ensemble, which has no detokenizer).
 
 Cancellation: a client that cancelled its ``llm`` stream makes Triton mark the detokenizer
 requests that follow as cancelled; the detokenizer then sends the generator an abort of that
@@ -19,7 +21,6 @@ before the model sees it, and the ensemble request then never completes.
 Inputs and outputs: ``tritonllm.contract.tensors.DETOKENIZER``.
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -32,10 +33,9 @@ except ImportError:  # not pip-installed: use the checkout that holds this repos
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
-from tritonllm.engine.stop_strings import apply_trim
 from tritonllm.serving.bls import abort_generation
 from tritonllm.serving.cancel_watch import CancelWatch
-from tritonllm.serving.logprobs import logprob_entries, prompt_logprob_entries
+from tritonllm.serving.text_outputs import text_outputs
 from tritonllm.tokenization.detokenizer import Detokenizer
 from tritonllm.triton_config import model_parameters, served_model_dir, serving_config
 
@@ -49,6 +49,7 @@ OPTIONAL_PASS_THROUGH = (
     "top_logprob_ids",
     "top_logprobs",
 )
+LOGPROB_INPUTS = ("output_logprobs", "top_logprob_ids", "top_logprobs")
 PROMPT_SCORE_INPUTS = ("prompt_token_logprobs", "prompt_top_logprob_ids", "prompt_top_logprobs")
 
 
@@ -89,38 +90,34 @@ class TritonPythonModel:
         index = inputs.get("index")
         self._watch_cancellation(request, inputs.get("request_key"), final and index is None)
         new_ids = _token_ids(inputs["output_ids"], "output_ids")
-        prefix_ids = _token_ids(inputs["prefix_ids"], "prefix_ids")
-        text = self.detokenizer.delta(prefix_ids, new_ids, final)
         trim = inputs.get("trim_chars")
-        if trim is not None:
-            text = apply_trim(text, int(trim.reshape(-1)[0]))
         echo = inputs.get("echo_text")
-        if echo is not None:
-            text = _first_text(echo) + text
-        shape = passed["finish_reason"].shape
-        passed["index"] = np.zeros(shape, np.int32) if index is None else index
-        logprobs_json = ""
         for name in OPTIONAL_PASS_THROUGH:
             if name in inputs:
                 passed[name] = inputs[name]
-        if "output_logprobs" in passed and passed["output_logprobs"].size:
-            entries = logprob_entries(
-                self.detokenizer.logprob_token_bytes,
-                new_ids,
-                passed["output_logprobs"].reshape(-1).tolist(),
-                passed["top_logprob_ids"].reshape(-1).tolist(),
-                passed["top_logprobs"].reshape(-1).tolist(),
-            )
-            logprobs_json = json.dumps(entries, ensure_ascii=False)
-        strings = {"text_output": text, "logprobs_json": logprobs_json}
+        logprobs = None
+        if "output_logprobs" in passed:
+            logprobs = tuple(passed[name].reshape(-1).tolist() for name in LOGPROB_INPUTS)
+        prompt_scores = None
         if "prompt_ids" in inputs:
+            prompt_ids = _token_ids(inputs["prompt_ids"], "prompt_ids")
             values = [inputs[name].reshape(-1).tolist() for name in PROMPT_SCORE_INPUTS]
-            entries = prompt_logprob_entries(
-                self.detokenizer.logprob_token_bytes,
-                _token_ids(inputs["prompt_ids"], "prompt_ids"),
-                *values,
-            )
-            strings["prompt_logprobs_json"] = json.dumps(entries, ensure_ascii=False)
+            prompt_scores = (prompt_ids, *values)
+        out = text_outputs(
+            self.detokenizer,
+            new_ids,
+            _token_ids(inputs["prefix_ids"], "prefix_ids"),
+            final,
+            0 if trim is None else int(trim.reshape(-1)[0]),
+            None if echo is None else _first_text(echo),
+            logprobs,
+            prompt_scores,
+        )
+        shape = passed["finish_reason"].shape
+        passed["index"] = np.zeros(shape, np.int32) if index is None else index
+        strings = {"text_output": out.text, "logprobs_json": out.logprobs_json}
+        if out.prompt_logprobs_json is not None:
+            strings["prompt_logprobs_json"] = out.prompt_logprobs_json
         outputs = [
             pb_utils.Tensor(name, np.array([value.encode("utf-8")], np.object_).reshape(shape))
             for name, value in strings.items()

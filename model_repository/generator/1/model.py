@@ -7,6 +7,11 @@ gauges as ``tritonllm_*`` custom metrics. The engine runs in an ``EngineProcess`
 process and GIL; the default on CUDA) or an ``EngineThread`` of this stub (the default on
 CPU), chosen by ``TRITONLLM_ENGINE_PROCESS``. Inputs and outputs:
 ``tritonllm.contract.tensors.GENERATOR`` (ARCHITECTURE.md, "Triton models").
+
+A request that asks for ``text_output`` and not ``output_ids`` (the ``llm_fused`` ensemble's
+generator step) is answered with ``llm``'s outputs instead of ids: the sender thread makes the
+text with ``tritonllm.serving.text_outputs.text_outputs``, the detokenizer's own function, so
+that no detokenizer step follows (one Python step fewer per streamed response).
 """
 
 import os
@@ -37,6 +42,9 @@ from tritonllm.serving.metrics import (
     gauge_values,
 )
 from tritonllm.serving.orphan_watch import exit_when_orphaned
+from tritonllm.serving.text_outputs import text_outputs
+from tritonllm.tokenization.detokenizer import Detokenizer
+from tritonllm.tokenization.loading import load_tokenizer
 from tritonllm.triton_config import (
     engine_config,
     model_parameters,
@@ -94,20 +102,74 @@ def _tensors(chunk):
     return tensors
 
 
+def _text(name, text):
+    return pb_utils.Tensor(name, np.array([text.encode("utf-8")], dtype=object))
+
+
+def _text_tensors(chunk, detokenizer):
+    """``llm``'s outputs of one ``ResponseChunk`` (what the detokenizer would answer for
+    ``_tensors(chunk)``), leaving out what reads as its default: ``index`` 0 (n = 1) and
+    ``logprobs_json`` ``""`` (no logprobs)."""
+    # Logprobs as the detokenizer reads them: float32 tensors (the JSON's digits then agree).
+    arrays = scores = None
+    if chunk.num_top is not None:
+        top_ids, top_values = flatten_top_logprobs(chunk.top_logprobs, chunk.num_top)
+        arrays = (np.asarray(chunk.logprobs or [], dtype=np.float32), top_ids, top_values)
+    if chunk.prompt_logprobs is not None:
+        top_ids, top_values = flatten_top_logprobs(chunk.prompt_top_logprobs, chunk.prompt_num_top)
+        values = np.asarray(chunk.prompt_logprobs, dtype=np.float32)
+        scores = (chunk.prompt_ids, values.tolist(), top_ids.tolist(), top_values.tolist())
+    out = text_outputs(
+        detokenizer,
+        chunk.output_ids,
+        chunk.prefix_ids,
+        chunk.finish_reason != "",
+        chunk.trim_chars,
+        chunk.echo_text,
+        None if arrays is None else tuple(a.tolist() for a in arrays),
+        scores,
+    )
+    tensors = [
+        _text("text_output", out.text),
+        pb_utils.Tensor("finish_reason", np.array([chunk.finish_reason.encode()], dtype=object)),
+        _int32("num_output_tokens", chunk.num_output_tokens),
+    ]
+    if chunk.with_counts:
+        tensors += [
+            _int32("num_input_tokens", chunk.num_input_tokens),
+            _int32("cached_tokens", chunk.cached_tokens),
+        ]
+    if chunk.with_index:
+        tensors.append(_int32("index", chunk.index))
+    if arrays is not None:
+        names = ("output_logprobs", "top_logprob_ids", "top_logprobs")
+        tensors += [pb_utils.Tensor(n, a) for n, a in zip(names, arrays, strict=True)]
+        tensors.append(_text("logprobs_json", out.logprobs_json))
+    if out.prompt_logprobs_json is not None:
+        tensors.append(_text("prompt_logprobs_json", out.prompt_logprobs_json))
+    return tensors
+
+
 class _Sink:
-    """``serving.generator_core.ResponseSink`` over a Triton response sender."""
+    """``serving.generator_core.ResponseSink`` over a Triton response sender; with a
+    ``detokenizer``, responses carry ``llm``'s text outputs instead of ids."""
 
-    __slots__ = ("sender",)
+    __slots__ = ("sender", "detokenizer")
 
-    def __init__(self, sender):
+    def __init__(self, sender, detokenizer=None):
         self.sender = sender
+        self.detokenizer = detokenizer
 
     def send(self, chunk, final):
         flags = FINAL if final else 0
         if chunk is None:
             self.sender.send(flags=flags)
+            return
+        if self.detokenizer is None:
+            tensors = _tensors(chunk)
         else:
-            self.sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(chunk)), flags)
+            tensors = _text_tensors(chunk, self.detokenizer)
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags)
 
     def send_error(self, message):
         error = pb_utils.TritonError(message)
@@ -183,7 +245,10 @@ class TritonPythonModel:
         # (Triton 2.51's Python backend): the core stops calling pb_utils once it changed.
         parent_pid = os.getppid()
         exit_when_orphaned(parent_pid)  # ...and a call already in flight then cannot hang it
-        served_model_dir(params)  # a missing model directory fails the load with how to build it
+        model_dir = served_model_dir(params)  # a missing one fails the load with how to build it
+        # For requests that ask for text (llm_fused); an unsupported tokenizer fails the load
+        # with its decoder's name, as the detokenizer's does.
+        self.detokenizer = Detokenizer(load_tokenizer(model_dir))
         config, serving = engine_config(params), serving_config(params)
         engine: EngineClient
         own_process = serving.use_engine_process(config.device, config.tensor_parallel_size)
@@ -217,7 +282,9 @@ class TritonPythonModel:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
                 if tensor is not None:
                     inputs[name] = tensor.as_numpy()
-            sink = _Sink(request.get_response_sender())
+            wanted = request.requested_output_names()
+            text = "text_output" in wanted and "output_ids" not in wanted
+            sink = _Sink(request.get_response_sender(), self.detokenizer if text else None)
             self.core.execute(request.request_id(), inputs, request.parameters(), sink)
         return None
 

@@ -5,7 +5,10 @@ live request in turn (round robin) with the tensors the generator sends per resp
 logprobs): ``output_ids`` [1], ``prefix_ids`` (up to 8 ids sent before), ``finish_reason``
 (``""``; ``"length"`` with the last one, which carries the final flag), ``num_output_tokens``,
 and in the first and last responses only ``num_input_tokens`` and ``cached_tokens`` (0);
-``trim_chars`` (0) is left out as the generator leaves it out. Nothing else runs: the
+``trim_chars`` (0) is left out as the generator leaves it out. A request that asks for
+``text_output`` and not ``output_ids`` (``ceiling_fused``, shaped like ``llm_fused``) gets the
+token written out as ``text_output`` in place of ``output_ids`` and ``prefix_ids``, as the
+generator then answers text. Nothing else runs: the
 responses per second it reaches are Triton's own limit for one Python model instance whose
 responses all leave from one thread, as the generator's do.
 """
@@ -26,10 +29,11 @@ _STOP = object()
 class _Stream:
     """One live request: its sender, prompt length, tokens to send, tokens sent, last ids."""
 
-    __slots__ = ("sender", "num_input", "max_tokens", "sent", "recent")
+    __slots__ = ("sender", "num_input", "max_tokens", "sent", "recent", "text")
 
-    def __init__(self, sender, num_input, max_tokens):
+    def __init__(self, sender, num_input, max_tokens, text):
         self.sender = sender
+        self.text = text
         self.num_input = num_input
         self.max_tokens = max_tokens
         self.sent = 0
@@ -60,7 +64,9 @@ class TritonPythonModel:
                 )
                 sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
                 continue
-            self.incoming.put(_Stream(sender, int(ids.size), max_tokens))
+            wanted = request.requested_output_names()
+            text = "text_output" in wanted and "output_ids" not in wanted
+            self.incoming.put(_Stream(sender, int(ids.size), max_tokens, text))
         return None
 
     def _run(self):
@@ -90,11 +96,15 @@ class TritonPythonModel:
             names = ("num_input_tokens", "num_output_tokens", "cached_tokens")
         else:
             counts, names = (stream.sent,), ("num_output_tokens",)
-        tensors = [
-            pb_utils.Tensor("output_ids", np.asarray([token], dtype=np.int32)),
-            pb_utils.Tensor("prefix_ids", np.asarray(stream.recent, dtype=np.int32)),
-            pb_utils.Tensor("finish_reason", np.array([b"length" if final else b""], dtype=object)),
-        ]
+        if stream.text:
+            tensors = [pb_utils.Tensor("text_output", np.array([str(token).encode()], object))]
+        else:
+            tensors = [
+                pb_utils.Tensor("output_ids", np.asarray([token], dtype=np.int32)),
+                pb_utils.Tensor("prefix_ids", np.asarray(stream.recent, dtype=np.int32)),
+            ]
+        reason = np.array([b"length" if final else b""], dtype=object)
+        tensors.append(pb_utils.Tensor("finish_reason", reason))
         tensors += [
             pb_utils.Tensor(n, np.array([c], dtype=np.int32))
             for n, c in zip(names, counts, strict=True)
