@@ -56,6 +56,8 @@ class RecordingEngine:
 class Sink:
     """A response sink recording (chunk, final) pairs and error messages."""
 
+    response_cost = 1.0
+
     def __init__(self) -> None:
         self.sent: list[tuple] = []
         self.errors: list[str] = []

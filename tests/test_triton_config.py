@@ -72,9 +72,11 @@ def test_serving_config_interval():
     assert serving_config({"max_responses_per_s": "10"}, {}).max_responses_per_s == 10.0
     assert serving_config({}, {"TRITONLLM_MAX_RESPONSES_PER_S": "0"}).max_responses_per_s == 0.0
     default = serving_config({}, {})
-    assert default.max_responses_per_s == 2000.0
-    assert default.sender_threads == 1
-    assert serving_config({}, {"TRITONLLM_SENDER_THREADS": "4"}).sender_threads == 4
+    assert default.max_responses_per_s == 5000.0
+    assert default.sender_threads is None
+    assert (default.senders(own_process=True), default.senders(own_process=False)) == (4, 1)
+    two = serving_config({}, {"TRITONLLM_SENDER_THREADS": "2"})
+    assert (two.senders(own_process=True), two.senders(own_process=False)) == (2, 2)
     with pytest.raises(ValueError, match="sender_threads"):
         serving_config({"sender_threads": "0"}, {})
     assert serving_config({}, {"TRITONLLM_METRICS_INTERVAL_MS": "20"}).metrics_interval_s == 0.02

@@ -286,6 +286,29 @@ def test_pacer_releases_every_token_once_in_order_over_many_passes():
     assert longest > 3  # tokens were held and coalesced
 
 
+def test_pacer_spends_the_budget_in_each_request_s_cost():
+    """A detokenized stream (cost 2.5) and a text stream (cost 1) share a budget of 35 units/s:
+    each gets a response every (2.5 + 1) / 35 = 0.1 s; once the costly one finished, the other
+    every 1 / 35 s."""
+    from tritonllm.serving.pacer import DETOKENIZED_RESPONSE_COST, ResponsePacer
+
+    costs = {"ids": DETOKENIZED_RESPONSE_COST, "text": 1.0}
+    asked = []
+    pacer = ResponsePacer(
+        max_responses_per_s=35.0, cost=lambda rid: asked.append(rid) or costs[rid]
+    )
+    assert len(pacer.admit([out("ids", [1], 1), out("text", [5], 1)], 0.0)) == 2
+    assert pacer.admit([out("ids", [2], 2), out("text", [6], 2)], 0.05) == []
+    assert pacer.next_due() == pytest.approx(0.1)
+    assert len(pacer.admit([], 0.1)) == 2
+    (final,) = pacer.admit([out("ids", [3], 3, "stop")], 0.12)  # finals are never held
+    assert final.finished
+    assert len(pacer.admit([out("text", [7], 3)], 0.2)) == 1  # due at 0.2
+    pacer.admit([out("text", [8], 4)], 0.201)
+    assert pacer.next_due() == pytest.approx(0.2 + 1 / 35)  # alone: its own cost only
+    assert sorted(asked) == ["ids", "text"]  # each asked once
+
+
 def test_pacer_disabled_sends_everything():
     from tritonllm.serving.pacer import ResponsePacer
 

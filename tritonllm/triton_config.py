@@ -32,10 +32,13 @@ is a field of ``EngineConfig``; each can be set by the environment variable
 ``TRITONLLM_METRICS_INTERVAL_MS``      generator: most ms between custom-metric updates (50)
 ``TRITONLLM_MAX_RESPONSES_PER_S``      generator: response budget shared by all streaming
                                        requests; under load several tokens go per response
-                                       (``serving/pacer.py``); 0 disables pacing
-                                       (default 2000: BENCHMARKS.md, "Response budget")
+                                       (``serving/pacer.py``: a response through ``llm``
+                                       costs 2.5, one through ``llm_fused`` 1); 0 disables
+                                       pacing (default 5000: BENCHMARKS.md, "The fused
+                                       ensemble")
 ``TRITONLLM_SENDER_THREADS``           generator: threads sending responses at once, each
-                                       request from one of them (1)
+                                       request from one of them (4 with the engine in its own
+                                       process, 1 with the engine on the stub's thread)
 ``TRITONLLM_MAX_WAITING_REQUESTS``     generator: requests that may wait beyond the
                                        ``max_running_requests`` running ones; more get
                                        ``server_overloaded`` (the sidecar's 429) (256)
@@ -103,12 +106,16 @@ class ServingConfig:
         metrics_interval_s: most seconds between two updates of the ``tritonllm_*`` metrics
             while requests run (they are also updated at once after a request finishes).
         max_responses_per_s: response budget of ``tritonllm.serving.pacer.ResponsePacer``
-            (responses/s over all streaming requests; 0 disables pacing). The default, 2000,
-            holds wherever the engine runs: a higher budget sends more responses per token
-            than the ensemble's later steps and the sidecar carry, and costs throughput and
-            TTFT (BENCHMARKS.md, "Response budget").
+            (responses/s over all streaming requests, in its cost units: a response that a
+            detokenizer step follows, through ``llm``, costs ``DETOKENIZED_RESPONSE_COST`` = 2.5,
+            one the generator answers as text, through ``llm_fused``, 1; 0 disables pacing).
+            The default, 5000, is 5,000 responses/s through ``llm_fused`` and 2,000 through
+            ``llm``: a higher budget sends more responses than the path after the generator
+            carries, and the queue that then forms after the generator costs throughput and
+            TTFT (BENCHMARKS.md, "Response budget" and "The fused ensemble").
         sender_threads: threads of the generator that send responses at once (each request
-            always from the same one; ``serving.response_streamer``).
+            always from the same one; ``serving.response_streamer``); None: ``senders``'
+            default.
         engine_process: run the engine in a child process (``EngineProcess``) rather than on a
             thread of the generator's Python stub (``EngineThread``); None: a process when the
             engine's device is CUDA (the stub's GIL bounds a fast GPU engine, ARCHITECTURE.md
@@ -121,11 +128,20 @@ class ServingConfig:
     """
 
     metrics_interval_s: float = 0.05
-    max_responses_per_s: float = 2000.0
+    max_responses_per_s: float = 5000.0
     engine_process: bool | None = None
-    sender_threads: int = 1
+    sender_threads: int | None = None
     max_waiting_requests: int = 256
     control_secret: str | None = dataclass_field(default=None, repr=False)
+
+    def senders(self, own_process: bool) -> int:
+        """The generator's sender threads: ``sender_threads``, else 4 when the engine runs in
+        its own process (a send waits for tritonserver without the GIL, so sends from several
+        threads overlap: BENCHMARKS.md "The fused ensemble") and 1 when it runs on a thread of
+        the stub (more threads would take the GIL from the engine's own thread)."""
+        if self.sender_threads is not None:
+            return self.sender_threads
+        return 4 if own_process else 1
 
     def use_engine_process(self, device: str, tensor_parallel_size: int = 1) -> bool:
         """Whether the generator runs an engine on ``device`` (``cpu``, ``cuda``, ``cuda:N``)

@@ -172,6 +172,7 @@ class GeneratorCore:
             on_error=log_error,
             max_responses_per_s=max_responses_per_s,
             senders=sender_threads,
+            cost=self._response_cost,
         )
 
     def start(self) -> GeneratorCore:
@@ -338,6 +339,11 @@ class GeneratorCore:
                 _close(sink)
 
     # --- sender thread -----------------------------------------------------------------------
+    def _response_cost(self, key: str) -> float:
+        """The pacer's cost of ``key``'s responses: its sink's (1 once it is gone)."""
+        entry = self.requests.get(key)
+        return 1.0 if entry is None else entry.sink.response_cost
+
     def _deliver(self, outputs: list[RequestOutput]) -> int:
         """Send the responses of a batch of coalesced outputs; returns how many were sent
         (none once tritonserver is gone). A request whose response cannot be built fails

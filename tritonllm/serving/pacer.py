@@ -8,14 +8,30 @@ request gets a response at most every ``n / B`` seconds; tokens that arrive soon
 coalesced into its next response. A request's first response and its final one are never held, so
 TTFT and end-to-end latency are unaffected; with few requests the gap is far below a decode
 step and every token goes out at once.
+
+Responses do not all cost the same downstream: one that a detokenizer step follows (the ``llm``
+ensemble) costs that step's Python round trip too, one the generator answers as text
+(``llm_fused``) does not. Each request therefore has a cost per response (``cost``; 1 for a text
+response, ``DETOKENIZED_RESPONSE_COST`` for ids that the detokenizer turns into text), and the
+budget is spent in those units: with live requests of total cost ``W``, each gets a response at
+most every ``W / B`` seconds (every stream the same rate; the responses that need the
+detokenizer then total at most ``B / DETOKENIZED_RESPONSE_COST`` per second). The measured rates behind the numbers (one H100 host, 16 cores,
+BENCHMARKS.md "The fused ensemble"): through ``llm`` the path after the generator carries about
+2,000 responses/s (more queue after the generator: 40-59% of the offline engine at 4 senders
+and 5,000/s), through ``llm_fused`` 5,000/s was the best budget tried.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from typing import Any
 
 from tritonllm.serving.coalesce import coalesce, merged
+
+# Budget units a response costs when a detokenizer step follows it (``llm``), against 1 for a
+# response the generator answers as text (``llm_fused``): 5,000 / 2,000 responses/s.
+DETOKENIZED_RESPONSE_COST = 2.5
 
 
 class ResponsePacer:
@@ -26,14 +42,22 @@ class ResponsePacer:
     (a heap of due times), not every live request.
 
     Args:
-        max_responses_per_s: the budget; ``0`` (or less) disables pacing.
+        max_responses_per_s: the budget (responses of cost 1 per second); ``0`` (or less)
+            disables pacing.
+        cost: a request id's cost per response in budget units (module doc), asked once when
+            the request's choice is first paced; None: 1 for every request.
     """
 
-    def __init__(self, max_responses_per_s: float) -> None:
+    def __init__(
+        self, max_responses_per_s: float, cost: Callable[[str], float] | None = None
+    ) -> None:
         self.max_responses_per_s = max_responses_per_s
-        # (request id, choice index) → its outputs not yet sent / its next send time
+        self._cost = cost
+        # (request id, choice index) → its outputs not yet sent / its next send time / its cost
         self._held: dict[tuple[str, int], list[Any]] = {}
         self._next_send: dict[tuple[str, int], float] = {}
+        self._costs: dict[tuple[str, int], float] = {}
+        self._live_cost = 0.0  # the costs of the keys in _next_send
         self._due: list[tuple[float, tuple[str, int]]] = []  # heap: (due time, held key)
 
     def admit(self, outputs: list[Any], now: float) -> list[Any]:
@@ -58,7 +82,7 @@ class ResponsePacer:
                 group.append(output)
             arrived.pop(key, None)
             arrived[key] = None
-        live = len(next_send) + sum(1 for key in arrived if key not in next_send)
+        live = self._live_cost + sum(self._cost_of(key) for key in arrived if key not in next_send)
         gap = live / self.max_responses_per_s
         ready = []
         while self._due and self._due[0][0] <= now:
@@ -70,8 +94,12 @@ class ResponsePacer:
         for key in arrived:
             group = held[key]
             if group[-1].finished:
-                next_send.pop(key, None)
+                if next_send.pop(key, None) is not None:
+                    self._live_cost -= self._costs[key]
+                self._costs.pop(key, None)
             elif now >= next_send.get(key, 0.0):
+                if key not in next_send:
+                    self._live_cost += self._cost_of(key)
                 next_send[key] = now + gap
             else:
                 if key in new:
@@ -79,6 +107,13 @@ class ResponsePacer:
                 continue
             ready.append(merged(held.pop(key)))
         return ready
+
+    def _cost_of(self, key: tuple[str, int]) -> float:
+        """The cost of ``key``'s responses (asked of ``cost`` once, kept until it finishes)."""
+        value = self._costs.get(key)
+        if value is None:
+            value = self._costs[key] = 1.0 if self._cost is None else self._cost(key[0])
+        return value
 
     def next_due(self) -> float | None:
         """The monotonic time when the earliest held output is due (None if nothing is held)."""

@@ -12,7 +12,15 @@ from tritonllm.serving.stream_state import ResponseChunk
 
 
 class ResponseSink(Protocol):
-    """The response path of one Triton request (the adapter's ``pb_utils`` response sender)."""
+    """The response path of one Triton request (the adapter's ``pb_utils`` response sender).
+
+    Attributes:
+        response_cost: what one of its responses costs the response path, in the pacer's
+            budget units (``serving.pacer``: 1 for text, ``DETOKENIZED_RESPONSE_COST`` for ids
+            that a detokenizer step turns into text).
+    """
+
+    response_cost: float
 
     def send(self, chunk: ResponseChunk | None, final: bool) -> None:
         """Send the outputs of ``chunk`` (None: an empty response, flags only).

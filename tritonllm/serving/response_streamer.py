@@ -57,6 +57,7 @@ class ResponseStreamer:
         on_error: called with a traceback string when ``deliver`` or ``tick`` raises (the
             thread keeps running).
         max_responses_per_s: the ``ResponsePacer`` budget; 0 sends every output at once.
+        cost: a request id's cost per response for the pacer (``ResponsePacer``'s ``cost``).
         senders: threads that call ``deliver`` (see the module docstring); ``deliver`` must
             then be safe to call from several threads at once for different requests.
     Raises:
@@ -71,6 +72,7 @@ class ResponseStreamer:
         on_error: Callable[[str], None] | None = None,
         max_responses_per_s: float = 0.0,
         senders: int = 1,
+        cost: Callable[[str], float] | None = None,
     ) -> None:
         if senders < 1:
             raise ValueError(f"senders must be >= 1, got {senders}")
@@ -78,7 +80,7 @@ class ResponseStreamer:
         self._tick = tick
         self._interval_s = interval_s
         self._on_error = on_error or (lambda text: print(text, flush=True))
-        self._pacer = ResponsePacer(max_responses_per_s)
+        self._pacer = ResponsePacer(max_responses_per_s, cost)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._times = SenderTimes()
         self._thread = threading.Thread(target=self._run, name="tritonllm-sender", daemon=True)

@@ -42,6 +42,7 @@ from tritonllm.serving.metrics import (
     gauge_values,
 )
 from tritonllm.serving.orphan_watch import exit_when_orphaned
+from tritonllm.serving.pacer import DETOKENIZED_RESPONSE_COST
 from tritonllm.serving.text_outputs import text_outputs
 from tritonllm.tokenization.detokenizer import Detokenizer
 from tritonllm.tokenization.loading import load_tokenizer
@@ -154,11 +155,13 @@ class _Sink:
     """``serving.generator_core.ResponseSink`` over a Triton response sender; with a
     ``detokenizer``, responses carry ``llm``'s text outputs instead of ids."""
 
-    __slots__ = ("sender", "detokenizer")
+    __slots__ = ("sender", "detokenizer", "response_cost")
 
     def __init__(self, sender, detokenizer=None):
         self.sender = sender
         self.detokenizer = detokenizer
+        # ids go through a detokenizer step after this one (serving.pacer)
+        self.response_cost = 1.0 if detokenizer is not None else DETOKENIZED_RESPONSE_COST
 
     def send(self, chunk, final):
         flags = FINAL if final else 0
@@ -264,7 +267,7 @@ class TritonPythonModel:
             log_error=logger.log_error,
             metrics_interval_s=serving.metrics_interval_s,
             max_responses_per_s=serving.max_responses_per_s,
-            sender_threads=serving.sender_threads,
+            sender_threads=serving.senders(own_process),
             control_secret=serving.control_secret,
             max_live_requests=config.max_running_requests + serving.max_waiting_requests,
             max_model_len=config.effective_max_model_len,
