@@ -1,7 +1,8 @@
 """End-to-end health of the service and the watch that fails requests whose backend died.
 
 ``GET /health`` answers 200 only when a generation goes through the whole ``llm`` ensemble
-(tokenizer → generator → detokenizer): Triton 2.51 keeps reporting a model READY after its
+(tokenizer → generator → detokenizer; every stub, also when the sidecar streams from
+``llm_fused``, which skips the detokenizer, so that Triton clients of ``llm`` are covered too): Triton 2.51 keeps reporting a model READY after its
 Python stub died, and a wedged tokenizer or detokenizer hangs every request while the generator
 alone still answers (ARCHITECTURE.md, "Platform facts"). The check is cheap and cannot load the
 engine however often it is asked:
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 # is in Triton's logs and statistics.
 PROBE_INPUTS: dict[str, InputValue] = {"text_input": "health", "max_tokens": 1, "temperature": 0.0}
 PROBE_ID_PREFIX = "health-"
+# The probe's ensemble: the one that goes through every stub.
+PROBE_MODEL = "llm"
 # Probes in a row that must go through to clear a held failure before its hold ends.
 RECOVERY_PROBES = 3
 
@@ -162,7 +165,7 @@ class HealthMonitor:
         not ``backend_failed`` (slow is not dead)."""
         request_id = f"{PROBE_ID_PREFIX}{uuid.uuid4().hex}"
         try:
-            stream = await self.client.stream(request_id, PROBE_INPUTS)
+            stream = await self.client.stream(request_id, PROBE_INPUTS, PROBE_MODEL)
         except TritonError as exc:
             return (
                 None

@@ -376,8 +376,10 @@ class TritonClient:
             call.cancel()
         return outputs
 
-    async def stream(self, request_id: str, inputs: Mapping[str, InputValue]) -> ResponseStream:
-        """Send one request to the ensemble on its own gRPC stream.
+    async def stream(
+        self, request_id: str, inputs: Mapping[str, InputValue], model: str | None = None
+    ) -> ResponseStream:
+        """Send one request to the ensemble (or ``model``) on its own gRPC stream.
 
         Args:
             request_id: the request's id (the OpenAI completion id; aborts name it), sent to
@@ -386,7 +388,7 @@ class TritonClient:
         Raises:
             TritonError: unknown input, Triton unreachable.
         """
-        request = await self._request(self.model, self.triton_id(request_id), inputs)
+        request = await self._request(model or self.model, self.triton_id(request_id), inputs)
         # One request, then half-close: Triton keeps the stream open until the final response.
         return ResponseStream(self._stub.ModelStreamInfer(iter([request])))
 

@@ -28,7 +28,9 @@ class _Client:
     async def is_ready(self) -> bool:
         return True
 
-    async def stream(self, request_id, inputs):
+    async def stream(self, request_id, inputs, model=None):
+        # through llm, every stub, whatever ensemble the sidecar streams from
+        assert model == "llm"
         return _Stream(fail=not self.outcomes.pop(0))
 
     def close_soon(self, stream, request_id) -> None:

@@ -461,9 +461,7 @@ def test_health_probes_cannot_load_the_engine(sidecar):
 
     def llm_requests() -> float:
         text = httpx.get(sidecar.metrics_url, timeout=10).text
-        found = re.search(
-            r'^nv_inference_request_success\{model="llm_fused",[^}]*\} (\S+)$', text, re.M
-        )
+        found = re.search(r'^nv_inference_request_success\{model="llm",[^}]*\} (\S+)$', text, re.M)
         return float(found.group(1))
 
     # Past the health interval (1 s) of the fixture's own /health wait: the burst's first

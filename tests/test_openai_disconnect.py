@@ -168,7 +168,7 @@ def test_server_shuts_down_with_nothing_in_flight_after_disconnects(tiny_model_d
         sidecar, base_url = start_sidecar(
             server.grpc_url, model, tmp_path / "sidecar.log", control_secret=server.control_secret
         )
-        # The sidecar's /health sent its ensemble one probe generation before it answered 200.
+        # The sidecar's /health sent llm (not this ensemble) one probe generation before it answered 200.
         before = _inference_counts(server, SIDECAR_MODEL)
         completed: list[int] = []
         background = threading.Thread(
