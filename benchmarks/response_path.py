@@ -215,7 +215,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=128, help="tokens per request")
     p.add_argument("--seconds", type=float, default=5.0, help="measured window (s)")
     p.add_argument("--warm-s", type=float, default=1.0)
-    p.add_argument("--budget", type=float, default=2000.0, help="max_responses_per_s (0: none)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=5000.0,
+        help="max_responses_per_s in the pacer's cost units (0: none); the harness sends ids, "
+        "which cost DETOKENIZED_RESPONSE_COST (2.5) each: the default is 2,000 responses/s",
+    )
     p.add_argument("--profile", type=int, default=0, help="print the N costliest functions")
     p.add_argument("--against", help="another checkout to A/B against (3 rounds each)")
     p.add_argument(
