@@ -24,6 +24,8 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from tritonllm.contract.errors import ErrorCode, decode_error
+
 from .tensor_codec import InputSpec, InputValue, TritonError, decode_outputs, encode_tensor
 
 log = logging.getLogger(__name__)
@@ -202,8 +204,14 @@ class ResponseStream:
 
 # gRPC statuses of a Triton that cannot answer (rather than of a request it refused).
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-# Seconds between two attempts to (re)open the generator lease (``TritonClient.hold_lease``).
+# Seconds between two renewals of the generator lease on its stream (the generator answers a
+# lease request left unrenewed for 1 s), and before a lease stream that failed is opened again
+# (``TritonClient.hold_lease``).
+LEASE_RENEW_S = 0.5
 LEASE_RETRY_S = 1.0
+# The ensemble a client falls back to when the generator refuses its lease: through it a
+# cancelled stream still stops its generation (its detokenizer step sees the cancellation).
+FALLBACK_MODEL = "llm"
 
 
 class TritonClient:
@@ -253,30 +261,57 @@ class TritonClient:
             self._lease_task = asyncio.get_running_loop().create_task(self.hold_lease())
 
     async def hold_lease(self) -> None:
-        """Keep this client's ``client_lease`` open in the generator: the generator answers
-        each lease request after about a second and this opens the next one at once (after
-        ``LEASE_RETRY_S`` when it failed: tritonserver restarting or unreachable); runs until
-        cancelled. A lease left unrenewed for a few seconds, or whose open request is
-        cancelled (by ``close`` or by this process' death), aborts this client's requests."""
+        """Keep this client's ``client_lease`` open in the generator: one gRPC stream that sends
+        a lease request every ``LEASE_RENEW_S`` seconds (each answers the one before), so that
+        one is always open while this process runs; a stream that failed (tritonserver
+        restarting or unreachable) is opened again after ``LEASE_RETRY_S``. Runs until
+        cancelled. Its end, by cancellation or by this process' death, aborts this client's
+        requests in the generator.
+
+        A generator that refuses the lease for want of the control secret (a sidecar started
+        without ``TRITONLLM_CONTROL_SECRET``) can take no aborts from this client either: then
+        a client of ``llm_fused`` streams from ``FALLBACK_MODEL`` instead, where a cancelled
+        stream still stops its generation, and the lease is given up (logged once).
+        """
         inputs = {"client_lease": self.lease, **self._secret()}
+        failures = 0
+
+        async def renewals(request: Any) -> Any:
+            while True:
+                yield request
+                await asyncio.sleep(LEASE_RENEW_S)
+
         while True:
-            call, renew = None, False
+            call = None
             try:
                 request = await self._request(self.generator_model, f"lease-{self.lease}", inputs)
-                call = self._stub.ModelStreamInfer(iter([request]))
-                async for message in call:  # one empty final response, then the stream ends
-                    if message.error_message:
-                        log.warning("generator lease refused: %s", message.error_message)
-                        break
-                else:
-                    renew = True
+                call = self._stub.ModelStreamInfer(renewals(request))
+                async for message in call:  # an empty final response per renewal
+                    if not message.error_message:
+                        failures = 0
+                        continue
+                    wire = decode_error(message.error_message)
+                    if wire is not None and wire.code is ErrorCode.PERMISSION_DENIED:
+                        self._lease_refused(wire.message)
+                        return
+                    raise TritonError(message.error_message)
             except (TritonError, grpc.aio.AioRpcError) as exc:
-                log.debug("generator lease failed: %r", exc)
+                failures += 1
+                (log.warning if failures == 1 else log.debug)("generator lease: %r", exc)
             finally:
-                if call is not None and not renew:
+                if call is not None:
                     call.cancel()
-            if not renew:
-                await asyncio.sleep(LEASE_RETRY_S)
+            await asyncio.sleep(LEASE_RETRY_S)
+
+    def _lease_refused(self, reason: str) -> None:
+        if self.model == "llm_fused":
+            self.model = FALLBACK_MODEL
+        log.warning(
+            "the generator refused this sidecar's lease (%s): streaming from %r, whose "
+            "detokenizer step stops the generations of cancelled streams",
+            reason,
+            self.model,
+        )
 
     async def close(self) -> None:
         """End the lease, wait for scheduled aborts, then close the gRPC channel."""

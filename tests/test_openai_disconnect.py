@@ -196,3 +196,21 @@ def test_server_shuts_down_with_nothing_in_flight_after_disconnects(tiny_model_d
     assert server.process.returncode != -signal.SIGKILL, f"killed after {stopped_s:.1f} s"
     assert completed == [800]
     assert counts == want, f"llm (success, fail): {counts}"
+
+
+def test_a_sidecar_without_the_control_secret_falls_back_to_llm(triton_server, tmp_path):
+    """A sidecar started without the server's control secret can neither abort nor hold a
+    lease; it then streams from llm, whose detokenizer step stops the generation of a
+    disconnected stream (through llm_fused that generation would run to max_tokens)."""
+    log_path = tmp_path / "sidecar.log"
+    no_secret = {"TRITONLLM_CONTROL_SECRET": ""}
+    process, base_url = start_sidecar(triton_server.grpc_url, "tiny", log_path, env=no_secret)
+    try:
+        fused = _inference_counts(triton_server, SIDECAR_MODEL)
+        _disconnect(base_url, "tiny", "chat")
+        gauges = wait_for_gauges(triton_server.metrics_url, engine_idle, timeout_s=5.0)
+        assert engine_idle(gauges), gauges
+        assert _inference_counts(triton_server, SIDECAR_MODEL) == fused  # not through llm_fused
+    finally:
+        stop_process(process)
+    assert "refused this sidecar's lease" in log_path.read_text()

@@ -16,15 +16,17 @@ a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept 
   (``permission_denied``) before it touches any state: only the service's own parts (the
   sidecar, the detokenizer, the ``ensemble`` model) abort, never another Triton client;
 - leases: a ``client_lease`` control request (with the control secret) is held open,
-  unanswered, for ``lease_s`` seconds, then answered with an empty final response, and its
-  client opens it again at once (a request held open for good would keep tritonserver from
-  unloading the generator on shutdown: it waits for every response sender). The lease ends
-  when its client cancelled the open request (asked every ``lease_check_s`` on the sender
-  thread's tick; a client that dies closes its gRPC stream, which Triton turns into a
-  cancellation) or left it closed for ``lease_grace_s``; then every live request whose id
-  starts with ``"<lease>/"`` is aborted. The sidecar holds one and prefixes its request ids
-  with it: through the ``llm_fused`` ensemble no step after the generator sees a cancelled
-  stream, so without the lease a sidecar that dies would leave its generations running;
+  unanswered, until its client renews it (a new request of the same lease, which answers the
+  older one with an empty final response) or for ``lease_s`` seconds without renewal (then it is
+  answered: a request held open for good would keep tritonserver from unloading the generator on
+  shutdown, which waits for every response sender). The lease ends when its client cancelled
+  the open request (asked every ``lease_check_s`` on the sender thread's tick; a client that dies
+  closes its gRPC stream, which Triton turns into a cancellation) or left it unrenewed for
+  ``lease_grace_s`` (a client stalled that long); then every live request whose id starts with
+  ``"<lease>/"`` is aborted in the engine, and ends with finish_reason ``"abort"``. The sidecar
+  holds one, renewing it twice a second on one gRPC stream, and prefixes its request ids with
+  it: through the ``llm_fused`` ensemble no step after the generator sees a cancelled stream, so
+  without the lease a sidecar that dies would leave its generations running;
 - admission: with ``max_live_requests``, a request that finds that many live (running or
   waiting in the engine) is refused at once with ``server_overloaded`` (the sidecar's 429);
 - choices: a request's responses carry each output's ``index``; the final flag comes with the
@@ -70,11 +72,12 @@ from tritonllm.serving.stream_state import ResponseChunk, StreamState
 CANCEL_CHECK_S = 0.2
 CANCEL_CHECKS_PER_S = 200.0
 # How often each lease's client is asked whether it cancelled (seconds; one IPC each), how
-# long one lease request is held open before its client renews it, and how long a lease may
-# stay unrenewed before its requests are aborted.
+# long a lease request is held open without renewal (its client renews it every 0.5 s), and
+# how long a lease may stay unrenewed before its requests are aborted (a stalled client: a
+# paused process, a blocked event loop).
 LEASE_CHECK_S = 0.25
 LEASE_S = 1.0
-LEASE_GRACE_S = 5.0
+LEASE_GRACE_S = 30.0
 # Between a lease id and the rest of the request ids it covers: "<lease>/<id>".
 LEASE_SEPARATOR = "/"
 
@@ -215,7 +218,8 @@ class GeneratorCore:
             raise RequestError(
                 ErrorCode.PERMISSION_DENIED,
                 "control_secret",
-                "aborts are taken only from the service itself (control_secret)",
+                "control requests (aborts, leases) are taken only from the service itself"
+                " (control_secret)",
             )
 
     def _server_fault(self) -> ErrorCode:
@@ -306,9 +310,9 @@ class GeneratorCore:
             _close(older)
 
     def _check_leases(self, now: float) -> None:
-        """Renew, or end, the leases (sender thread): an open request held ``lease_s`` is
-        answered; a lease whose client cancelled, or that stayed closed ``lease_grace_s``, ends
-        and its requests are aborted."""
+        """End the leases whose client went away (sender thread): an open request held
+        ``lease_s`` without renewal is answered; a lease whose client cancelled, or that stayed
+        unrenewed ``lease_grace_s``, ends and its requests are aborted in the engine."""
         if now - self._last_lease_scan < self._lease_check_s:
             return
         self._last_lease_scan = now
@@ -331,10 +335,11 @@ class GeneratorCore:
                 if state.sink is not sink:  # renewed meanwhile
                     continue
                 del self._leases[lease]
+            # Aborted in the engine, so that a client still there gets finish_reason "abort".
             prefix = lease + LEASE_SEPARATOR
             for key, entry in self.requests.items():
                 if key.startswith(prefix) and not entry.cancelled:
-                    self._cancel(key, entry)
+                    self.engine.abort(key)
             if sink is not None:
                 _close(sink)
 
