@@ -148,10 +148,11 @@ TOKENIZER = ModelSpec(
 # Control requests carry one of these instead of input_ids.
 ABORT_REQUEST_ID = _opt("abort_request_id", "BYTES")  # abort that request id
 HEALTH_PROBE = _opt("health_probe", "BOOL")  # only reports whether the engine runs
-# A lease: the request stays open, unanswered, while its client lives; once its client cancels
-# it (or dies: its gRPC stream closes), every live request whose id starts with "<lease>/" is
-# aborted. The sidecar holds one, because through llm_fused no step after the generator sees a
-# cancelled stream (GeneratorCore, "leases"). Needs control_secret as an abort does.
+# A lease: the request stays open, unanswered, until its client renews it (or 1 s without
+# renewal); once its client cancels it (or dies: its gRPC stream closes), or leaves it unrenewed
+# for 30 s, every live request whose id starts with "<lease>/" is aborted. The sidecar holds one,
+# because through llm_fused no step after the generator sees a cancelled stream (GeneratorCore,
+# "leases"). Needs control_secret as an abort does.
 CLIENT_LEASE = _opt("client_lease", "BYTES")
 # An abort must carry the service's control secret (TRITONLLM_CONTROL_SECRET) when one is set.
 CONTROL_SECRET = _opt("control_secret", "BYTES")
