@@ -60,14 +60,15 @@ def _int32(name, value):
     return pb_utils.Tensor(name, np.array([value], np.int32))
 
 
-def _tensors(chunk):
-    """The ``generator`` outputs of one ``ResponseChunk``; the optional ones only when the
-    chunk carries them (each tensor costs time on the response path, ARCHITECTURE.md): the
-    prompt's counts in a choice's first and final responses, ``trim_chars`` when not 0."""
+LOGPROB_OUTPUTS = ("output_logprobs", "top_logprob_ids", "top_logprobs")
+
+
+def _progress(chunk):
+    """What every response of a choice carries, as ids or as text: ``finish_reason``,
+    ``num_output_tokens``; the prompt's counts only in a choice's first and final responses,
+    ``index`` only when n > 1 (each tensor costs time on the response path, ARCHITECTURE.md)."""
     tensors = [
-        pb_utils.Tensor("output_ids", np.asarray(chunk.output_ids, dtype=np.int32)),
-        pb_utils.Tensor("prefix_ids", np.asarray(chunk.prefix_ids, dtype=np.int32)),
-        pb_utils.Tensor("finish_reason", np.array([chunk.finish_reason.encode()], dtype=object)),
+        _text("finish_reason", chunk.finish_reason),
         _int32("num_output_tokens", chunk.num_output_tokens),
     ]
     if chunk.with_counts:
@@ -75,21 +76,37 @@ def _tensors(chunk):
             _int32("num_input_tokens", chunk.num_input_tokens),
             _int32("cached_tokens", chunk.cached_tokens),
         ]
+    if chunk.with_index:
+        tensors.append(_int32("index", chunk.index))
+    return tensors
+
+
+def _logprob_arrays(chunk):
+    """``(logprobs float32 [num_ids], top ids int32 [num_ids * k], top logprobs float32
+    [num_ids * k])`` of a chunk with logprobs requested, else None."""
+    if chunk.num_top is None:
+        return None
+    top_ids, top_values = flatten_top_logprobs(chunk.top_logprobs, chunk.num_top)
+    return np.asarray(chunk.logprobs or [], dtype=np.float32), top_ids, top_values
+
+
+def _tensors(chunk):
+    """The ``generator`` outputs of one ``ResponseChunk``; the optional ones only when the
+    chunk carries them: ``_progress``'s, ``trim_chars`` when not 0, the logprobs when
+    requested, ``echo_text`` / ``request_key`` / the prompt's scores when given."""
+    tensors = [
+        pb_utils.Tensor("output_ids", np.asarray(chunk.output_ids, dtype=np.int32)),
+        pb_utils.Tensor("prefix_ids", np.asarray(chunk.prefix_ids, dtype=np.int32)),
+        *_progress(chunk),
+    ]
     if chunk.trim_chars:
         tensors.append(_int32("trim_chars", chunk.trim_chars))
-    if chunk.with_index:
-        tensors.append(pb_utils.Tensor("index", np.array([chunk.index], dtype=np.int32)))
-    if chunk.num_top is not None:
-        top_ids, top_values = flatten_top_logprobs(chunk.top_logprobs, chunk.num_top)
-        logprobs = np.asarray(chunk.logprobs or [], dtype=np.float32)
-        tensors += [
-            pb_utils.Tensor("output_logprobs", logprobs),
-            pb_utils.Tensor("top_logprob_ids", top_ids),
-            pb_utils.Tensor("top_logprobs", top_values),
-        ]
+    arrays = _logprob_arrays(chunk)
+    if arrays is not None:
+        tensors += [pb_utils.Tensor(n, a) for n, a in zip(LOGPROB_OUTPUTS, arrays, strict=True)]
     for name, text in (("echo_text", chunk.echo_text), ("request_key", chunk.request_key)):
         if text is not None:
-            tensors.append(pb_utils.Tensor(name, np.array([text.encode("utf-8")], dtype=object)))
+            tensors.append(_text(name, text))
     if chunk.prompt_logprobs is not None:
         top_ids, top_values = flatten_top_logprobs(chunk.prompt_top_logprobs, chunk.prompt_num_top)
         tensors += [
@@ -112,10 +129,7 @@ def _text_tensors(chunk, detokenizer):
     ``_tensors(chunk)``), leaving out what reads as its default: ``index`` 0 (n = 1) and
     ``logprobs_json`` ``""`` (no logprobs)."""
     # Logprobs as the detokenizer reads them: float32 tensors (the JSON's digits then agree).
-    arrays = scores = None
-    if chunk.num_top is not None:
-        top_ids, top_values = flatten_top_logprobs(chunk.top_logprobs, chunk.num_top)
-        arrays = (np.asarray(chunk.logprobs or [], dtype=np.float32), top_ids, top_values)
+    arrays, scores = _logprob_arrays(chunk), None
     if chunk.prompt_logprobs is not None:
         top_ids, top_values = flatten_top_logprobs(chunk.prompt_top_logprobs, chunk.prompt_num_top)
         values = np.asarray(chunk.prompt_logprobs, dtype=np.float32)
@@ -130,21 +144,9 @@ def _text_tensors(chunk, detokenizer):
         None if arrays is None else tuple(a.tolist() for a in arrays),
         scores,
     )
-    tensors = [
-        _text("text_output", out.text),
-        pb_utils.Tensor("finish_reason", np.array([chunk.finish_reason.encode()], dtype=object)),
-        _int32("num_output_tokens", chunk.num_output_tokens),
-    ]
-    if chunk.with_counts:
-        tensors += [
-            _int32("num_input_tokens", chunk.num_input_tokens),
-            _int32("cached_tokens", chunk.cached_tokens),
-        ]
-    if chunk.with_index:
-        tensors.append(_int32("index", chunk.index))
+    tensors = [_text("text_output", out.text), *_progress(chunk)]
     if arrays is not None:
-        names = ("output_logprobs", "top_logprob_ids", "top_logprobs")
-        tensors += [pb_utils.Tensor(n, a) for n, a in zip(names, arrays, strict=True)]
+        tensors += [pb_utils.Tensor(n, a) for n, a in zip(LOGPROB_OUTPUTS, arrays, strict=True)]
         tensors.append(_text("logprobs_json", out.logprobs_json))
     if out.prompt_logprobs_json is not None:
         tensors.append(_text("prompt_logprobs_json", out.prompt_logprobs_json))
