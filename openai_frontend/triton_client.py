@@ -437,9 +437,12 @@ class TritonClient:
             return False
         stream = ResponseStream(self._stub.ModelStreamInfer(iter([request])))
         answered = await stream.drain(timeout)
-        if not stream.done:
+        ended = stream.done  # drain failed on an error response rather than on the timeout
+        if not ended:
             stream.cancel()
-        if not answered:
+        if not answered and ended:
+            log.warning("control request %s refused (an error response)", request_id)
+        elif not answered:
             log.warning("control request %s not answered within %.1f s", request_id, timeout)
         return answered
 
