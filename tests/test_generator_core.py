@@ -271,6 +271,40 @@ def test_a_lease_is_renewed_and_ends_when_its_client_stops_renewing_it():
         core.finalize()
 
 
+def test_a_sink_is_never_asked_whether_it_was_cancelled_after_its_final_response():
+    """Lease renewals (Triton's execute thread) close the older lease request while the sender
+    thread's tick asks the open one whether it was cancelled; Triton 2.51 crashes when a sender
+    is asked that after its final response (seen in CI as a SIGSEGV). Each question here takes
+    a millisecond, as an IPC round trip does: a final response sent meanwhile would overlap it."""
+    violations = []
+
+    class SlowFinalSink(Sink):
+        def is_cancelled(self) -> bool:
+            done = self.done
+            time.sleep(0.001)  # the question is on its way to tritonserver
+            if done or self.done:
+                violations.append("is_cancelled during or after the final response")
+            return False
+
+    engine = RecordingEngine()
+    core = GeneratorCore(
+        engine,
+        lambda *a: None,
+        lambda: True,
+        print,
+        print,
+        metrics_interval_s=0.0005,
+        lease_check_s=0.0,
+    ).start()
+    try:
+        for i in range(200):
+            core.execute(f"l{i}", _lease("busy"), "", SlowFinalSink())
+            time.sleep(0.0005)
+    finally:
+        core.finalize()
+    assert violations == []
+
+
 @pytest.mark.parametrize("name", ["", "a/b"])
 def test_a_lease_id_must_be_non_empty_without_the_separator(core, name):
     sink = Sink()

@@ -95,6 +95,46 @@ class _Entry:
     last_sent: list[float | None] = field(default_factory=list)
 
 
+class _GuardedSink:
+    """A request's ``ResponseSink`` whose calls never overlap and which makes none after the
+    request's final response (later calls do nothing; ``is_cancelled`` answers False).
+
+    Several threads reach one request's sink: its sender thread, the tick's cancellation scan,
+    a lease renewal on Triton's execute thread. Triton 2.51's Python backend crashes
+    tritonserver (SIGSEGV in ``TRITONBACKEND_ResponseFactoryIsCancelled``, seen 2026-12-06 on
+    CPU) when a sender is asked ``is_cancelled()`` after its final response went out on another
+    thread.
+    """
+
+    __slots__ = ("_sink", "_lock", "closed", "response_cost")
+
+    def __init__(self, sink: ResponseSink) -> None:
+        self._sink, self._lock, self.closed = sink, threading.Lock(), False
+        self.response_cost = sink.response_cost
+
+    def send(self, chunk: ResponseChunk | None, final: bool) -> None:
+        with self._lock:
+            if not self.closed:
+                self.closed = final  # a final send that raised may still have released it
+                self._sink.send(chunk, final)
+
+    def send_error(self, message: str) -> None:
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._sink.send_error(message)
+
+    def send_info(self, max_model_len: int) -> None:
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._sink.send_info(max_model_len)
+
+    def is_cancelled(self) -> bool:
+        with self._lock:
+            return not self.closed and self._sink.is_cancelled()
+
+
 @dataclass
 class _Lease:
     """A client lease: its open request's sink (None between two of them) and since when that
@@ -199,6 +239,7 @@ class GeneratorCore:
             parameters: the request's Triton parameters (``request.parameters()``).
             sink: where its responses go.
         """
+        sink = _GuardedSink(sink)
         try:
             self._accept(request_id, inputs, parameters, sink)
         except RequestError as exc:
