@@ -213,6 +213,13 @@ def _lease(name: str) -> dict:
     return {"client_lease": np.array([name.encode()], dtype=object)}
 
 
+def _core(**settings) -> GeneratorCore:
+    """A started core over a ``RecordingEngine`` with ``settings``; the caller finalizes it."""
+    return GeneratorCore(
+        RecordingEngine(), lambda *a: None, lambda: True, print, print, **settings
+    ).start()
+
+
 def test_a_cancelled_lease_aborts_the_requests_it_covers_and_no_other(core):
     lease, replaced = Sink(), Sink()
     core.execute("lease-a", _lease("side"), "", replaced)
@@ -243,18 +250,8 @@ def test_a_lease_is_renewed_and_ends_when_its_client_stops_renewing_it():
     """A lease request left unrenewed is answered after lease_s (tritonserver's shutdown waits
     for open requests); a client that renews keeps its requests, one that stops loses them after
     the grace period."""
-    engine = RecordingEngine()
-    core = GeneratorCore(
-        engine,
-        lambda *a: None,
-        lambda: True,
-        print,
-        print,
-        metrics_interval_s=0.01,
-        lease_check_s=0.01,
-        lease_s=0.1,
-        lease_grace_s=0.3,
-    ).start()
+    core = _core(metrics_interval_s=0.01, lease_check_s=0.01, lease_s=0.1, lease_grace_s=0.3)
+    engine = core.engine
     try:
         work = Sink()
         core.execute("kept/1", {"input_ids": ids(1)}, "", work)
@@ -286,16 +283,7 @@ def test_a_sink_is_never_asked_whether_it_was_cancelled_after_its_final_response
                 violations.append("is_cancelled during or after the final response")
             return False
 
-    engine = RecordingEngine()
-    core = GeneratorCore(
-        engine,
-        lambda *a: None,
-        lambda: True,
-        print,
-        print,
-        metrics_interval_s=0.0005,
-        lease_check_s=0.0,
-    ).start()
+    core = _core(metrics_interval_s=0.0005, lease_check_s=0.0)
     try:
         for i in range(200):
             core.execute(f"l{i}", _lease("busy"), "", SlowFinalSink())
@@ -313,10 +301,7 @@ def test_a_lease_id_must_be_non_empty_without_the_separator(core, name):
 
 
 def test_a_lease_needs_the_control_secret():
-    engine = RecordingEngine()
-    core = GeneratorCore(
-        engine, lambda *a: None, lambda: True, print, print, control_secret="s3"
-    ).start()
+    core = _core(control_secret="s3")
     try:
         refused, taken = Sink(), Sink()
         core.execute("l1", _lease("x"), "", refused)
