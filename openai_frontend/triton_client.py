@@ -209,8 +209,10 @@ _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # (``TritonClient.hold_lease``).
 LEASE_RENEW_S = 0.5
 LEASE_RETRY_S = 1.0
-# The ensemble a client falls back to when the generator refuses its lease: through it a
-# cancelled stream still stops its generation (its detokenizer step sees the cancellation).
+# The ensemble a client streams from by default, and the one it falls back to when the
+# generator refuses its lease: through the latter a cancelled stream still stops its generation
+# (its detokenizer step sees the cancellation).
+FUSED_MODEL = "llm_fused"
 FALLBACK_MODEL = "llm"
 
 
@@ -234,7 +236,7 @@ class TritonClient:
     def __init__(
         self,
         url: str,
-        model: str = "llm_fused",
+        model: str = FUSED_MODEL,
         generator: str = "generator",
         secret: str | None = None,
     ) -> None:
@@ -304,7 +306,7 @@ class TritonClient:
             await asyncio.sleep(LEASE_RETRY_S)
 
     def _lease_refused(self, reason: str) -> None:
-        if self.model == "llm_fused":
+        if self.model == FUSED_MODEL:
             self.model = FALLBACK_MODEL
         log.warning(
             "the generator refused this sidecar's lease (%s): streaming from %r, whose "

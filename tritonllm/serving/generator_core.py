@@ -45,6 +45,7 @@ a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept 
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import threading
 import time
@@ -545,7 +546,5 @@ class GeneratorCore:
 
 def _close(sink: ResponseSink) -> None:
     """Send ``sink`` its final (empty) response; a stream already gone is left as it is."""
-    try:
+    with contextlib.suppress(Exception):
         sink.send(None, final=True)
-    except Exception:
-        pass

@@ -15,10 +15,11 @@ ensemble) costs that step's Python round trip too, one the generator answers as 
 response, ``DETOKENIZED_RESPONSE_COST`` for ids that the detokenizer turns into text), and the
 budget is spent in those units: with live requests of total cost ``W``, each gets a response at
 most every ``W / B`` seconds (every stream the same rate; the responses that need the
-detokenizer then total at most ``B / DETOKENIZED_RESPONSE_COST`` per second). The measured rates behind the numbers (one H100 host, 16 cores,
-BENCHMARKS.md "The fused ensemble"): through ``llm`` the path after the generator carries about
-2,000 responses/s (more queue after the generator: 40-59% of the offline engine at 4 senders
-and 5,000/s), through ``llm_fused`` 5,000/s was the best budget tried.
+detokenizer then total at most ``B / DETOKENIZED_RESPONSE_COST`` per second). The measured
+rates behind the numbers (one H100 host, 16 cores, BENCHMARKS.md "The fused ensemble"): through
+``llm`` the path after the generator carries about 2,000 responses/s (more queue after the
+generator: 40-59% of the offline engine at 4 senders and 5,000/s), through ``llm_fused``
+5,000/s was the best budget tried.
 """
 
 from __future__ import annotations
