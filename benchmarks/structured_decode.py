@@ -1,7 +1,8 @@
 """Decode step time with structured outputs: part of a batch under a JSON schema vs none.
 
 `python -m benchmarks.structured_decode [--model DIR] [--batch-size 64]
-[--constrained-fractions 0,0.5,1] [--prompt-len 256] [--steps 48] [--schema maxlength|plain]`
+[--constrained-fractions 0,0.5,1] [--prompt-len 256] [--steps 48] [--schema maxlength|plain]
+[--repeats R]`
 
 For each fraction, `--batch-size` requests with `--prompt-len` random prompts decode together,
 that fraction of them (rounded down) under a JSON schema, the rest unconstrained. `--schema
@@ -13,7 +14,9 @@ it is a grammar state). `--schema plain`: `PLAIN_SCHEMA`, the same array without
 bitmask fill on the host (llguidance), the upload and the in-place mask kernel, and, with overlap
 scheduling, the wait for the step in flight before its mask is filled
 (`tritonllm.structured.admission`). The table gives each fraction's step time and its ratio to
-the unconstrained one (fraction 0). Defaults: CUDA graphs and overlap scheduling on (the
+the unconstrained one (fraction 0) of the same repeat; with `--repeats R` the fractions run R
+times in turn (a fresh engine each) and the table ends with each fraction's median ratio, since
+one ratio moves by up to ±20% from run to run on one machine (BENCHMARKS.md). Defaults: CUDA graphs and overlap scheduling on (the
 engine's defaults on CUDA), sampling at `--temperature`, each request with a seed of its own
 (the same walk in every configuration) unless `--unseeded` (as most API requests come: the
 sampler's fused path instead of a generator per row).
@@ -37,6 +40,7 @@ import contextlib
 import gc
 import json
 import random
+import statistics
 import time
 from collections.abc import Iterator
 
@@ -221,6 +225,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--schema", choices=sorted(SCHEMAS), default="maxlength")
     p.add_argument("--host-profile", action="store_true", help="host ms per step by part")
     p.add_argument(
+        "--repeats",
+        type=common.positive_int,
+        default=1,
+        help="run the fractions this many times in turn; each ratio is against the same "
+        "repeat's unconstrained step, and the median ratio of each fraction closes the table",
+    )
+    p.add_argument(
         "--unseeded",
         action="store_true",
         help="no per-request seeds (as most API requests: the fused sampling path)",
@@ -236,30 +247,40 @@ def main(argv: list[str] | None = None) -> None:
     time_structured_step(
         model, args.device, args.attention_backend, 2, 1, 16, 4, 0.0, extra, schema
     )
-    rows, base = [], None
-    for fraction in [float(f) for f in args.constrained_fractions.split(",")]:
-        n = int(bs * fraction)
-        host: dict[str, float] | None = {} if args.host_profile else None
-        seconds = time_structured_step(
-            model,
-            args.device,
-            args.attention_backend,
-            bs,
-            n,
-            args.prompt_len,
-            args.steps,
-            args.temperature,
-            extra,
-            schema,
-            host,
-            not args.unseeded,
-        )
-        base = seconds if base is None and n == 0 else base
-        ratio = "" if base is None else f"{seconds / base:.3f}"
-        row = [str(bs), str(n), f"{seconds * 1e3:.3f}", f"{bs / seconds:,.0f}", ratio]
-        rows.append(row + [f"{(host or {}).get(part, 0.0) * 1e3:.3f}" for part in parts])
-        common.log(f"bs={bs} constrained={n}: {seconds * 1e3:.3f} ms/step {ratio}")
-    headers = ["batch", "JSON-schema rows", "step (ms)", "tok/s", "vs unconstrained"]
+    rows: list[list[str]] = []
+    ratios: dict[int, list[float]] = {}  # constrained rows → ratio of each repeat
+    fractions = [float(f) for f in args.constrained_fractions.split(",")]
+    for repeat in range(1, args.repeats + 1):
+        base = None
+        for fraction in fractions:
+            n = int(bs * fraction)
+            host: dict[str, float] | None = {} if args.host_profile else None
+            seconds = time_structured_step(
+                model,
+                args.device,
+                args.attention_backend,
+                bs,
+                n,
+                args.prompt_len,
+                args.steps,
+                args.temperature,
+                extra,
+                schema,
+                host,
+                not args.unseeded,
+            )
+            base = seconds if base is None and n == 0 else base
+            ratio = "" if base is None else f"{seconds / base:.3f}"
+            if base is not None:
+                ratios.setdefault(n, []).append(seconds / base)
+            row = [str(repeat), str(bs), str(n), f"{seconds * 1e3:.3f}", f"{bs / seconds:,.0f}"]
+            rows.append(row + [ratio] + [f"{(host or {}).get(p, 0.0) * 1e3:.3f}" for p in parts])
+            common.log(f"#{repeat} bs={bs} constrained={n}: {seconds * 1e3:.3f} ms/step {ratio}")
+    if args.repeats > 1:
+        for n, values in ratios.items():
+            rows.append(["median", str(bs), str(n), "", "", f"{statistics.median(values):.3f}"])
+            rows[-1] += [""] * len(parts)
+    headers = ["repeat", "batch", "JSON-schema rows", "step (ms)", "tok/s", "vs unconstrained"]
     headers += [f"host {part} (ms/step)" for part in parts]
     notes = [
         f"{args.attention_backend} attention, prompt {args.prompt_len} tokens, temperature "

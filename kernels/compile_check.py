@@ -228,23 +228,32 @@ def _sampling_configs(quick: bool):
     the model's bf16 logits (and float32 ones, after penalties); one shared inverse temperature
     (a scalar) or one per row (a pointer); `offset` is always >= 2^32 (int64); `seed` is int32
     for the default seed 0, int64 for seeds outside int32; the iteration count is a runtime
-    argument (one variant for all)."""
+    argument (one variant for all); with seeded rows, each row's key and counter base come
+    from int64 pointers (`PER_ROW_SEED`)."""
     for logits in ("bf16",) if quick else ("bf16", "fp32"):
         for per_row in (False,) if quick else (False, True):
             for seed in ("i32",) if quick else ("i32", "i64"):
-                yield (
-                    _gumbel_chunk_kernel,
-                    {
-                        "logits_ptr": logits,
-                        "inv_temp_ptr": "fp32",
-                        "chunk_val_ptr": "fp32",
-                        "chunk_idx_ptr": "i32",
-                    },
-                    dict(BLOCK=SAMPLING_BLOCK, PER_ROW_TEMP=per_row, FAST_LOG=True),
-                    max(1, min(4, SAMPLING_BLOCK // 256)),
-                    3,
-                    {"seed": seed, "offset": "i64", "iters": "i32", "num_chunks": "i32"},
-                )
+                for per_row_seed in (False,) if quick else (False, True):
+                    yield (
+                        _gumbel_chunk_kernel,
+                        {
+                            "logits_ptr": logits,
+                            "inv_temp_ptr": "fp32",
+                            "row_seed_ptr": "i64",
+                            "row_offset_ptr": "i64",
+                            "chunk_val_ptr": "fp32",
+                            "chunk_idx_ptr": "i32",
+                        },
+                        dict(
+                            BLOCK=SAMPLING_BLOCK,
+                            PER_ROW_TEMP=per_row,
+                            PER_ROW_SEED=per_row_seed,
+                            FAST_LOG=True,
+                        ),
+                        max(1, min(4, SAMPLING_BLOCK // 256)),
+                        3,
+                        {"seed": seed, "offset": "i64", "iters": "i32", "num_chunks": "i32"},
+                    )
     yield (
         _chunk_argmax_kernel,
         {"chunk_val_ptr": "fp32", "chunk_idx_ptr": "i32", "out_ptr": "i64"},

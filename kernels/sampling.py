@@ -26,7 +26,10 @@ so each iteration splits its `BLOCK` columns into four contiguous quarters, and 
 `q * BLOCK/4 + j` of iteration `i` of chunk `c` of row `b` takes output `q` of counter
 `offset + ((b * num_chunks + c) * iters + i) * BLOCK/4 + j` (64-bit): a call uses
 `B * counters_per_row(V, BLOCK, iters)` counters, a quarter of the elements. The caller passes a
-fresh `(seed, offset)` each call (the sampler uses `offset = step << 32`). The uniform `u` (a
+fresh `(seed, offset)` each call (the sampler uses `offset = step << 32`). A call may instead
+key each row by its own seed and counter base (`row_seeds`, `row_offsets`): a seeded request's
+draws then depend on its seed and position only, not on its batch (`tritonllm.engine.sampler`).
+The uniform `u` (a
 multiple of 2^-31 in [0, 1)) is shifted by 2^-32 into (0, 1), and `E = -log(1 - u)` is computed
 with a series for small `u`, so that small `E` (large `G = -log E`, the tail that decides which
 unlikely token wins) keeps full relative precision instead of the 2^-24 grid of `1 - u` near 1.
@@ -139,6 +142,8 @@ def _race_quarter(
 def _gumbel_chunk_kernel(
     logits_ptr,
     inv_temp_ptr,
+    row_seed_ptr,
+    row_offset_ptr,
     chunk_val_ptr,
     chunk_idx_ptr,
     stride_row,
@@ -150,6 +155,7 @@ def _gumbel_chunk_kernel(
     iters,
     BLOCK: tl.constexpr,
     PER_ROW_TEMP: tl.constexpr,
+    PER_ROW_SEED: tl.constexpr,
     FAST_LOG: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -157,6 +163,11 @@ def _gumbel_chunk_kernel(
     QUARTER: tl.constexpr = BLOCK // 4
     if PER_ROW_TEMP:
         inv_temp = tl.load(inv_temp_ptr + row)
+    if PER_ROW_SEED:  # the row's own key and counter base: its draws ignore the rest of the call
+        seed = tl.load(row_seed_ptr + row)
+        row_base = tl.load(row_offset_ptr + row)
+    else:
+        row_base = offset + row * num_chunks * iters * QUARTER
     scale = inv_temp * 1.4426950408889634  # log2(e) / T: scores in base 2
     j = tl.arange(0, QUARTER)
     logits_row = logits_ptr + row * stride_row
@@ -168,9 +179,10 @@ def _gumbel_chunk_kernel(
     for i in range(iters):
         base = start + i * BLOCK
         if inv_temp > 0:
-            # One Philox counter per 4 columns of this call (64-bit: offset may use the high
-            # word); greedy rows (inv_temp == 0) draw nothing.
-            counter = offset + ((row * num_chunks + chunk) * iters + i) * QUARTER + j
+            # One Philox counter per 4 columns of the row, by the column's block (chunk * iters
+            # + i): the same whatever `iters` is (64-bit: the base may use the high word);
+            # greedy rows (inv_temp == 0) draw nothing.
+            counter = row_base + (chunk * iters + i) * QUARTER + j
             r0, r1, r2, r3 = tl.randint4x(seed, counter)
             best, best_col = _race_quarter(
                 logits_row, base + j, vocab, r0, scale, best, best_col, True, FAST_LOG
@@ -224,6 +236,8 @@ def gumbel_argmax(
     offset: int,
     block: int = BLOCK,
     iters: int | None = None,
+    row_seeds: torch.Tensor | None = None,
+    row_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row: a sample of `softmax(logits * inv_temperature)`, or the argmax.
 
@@ -243,6 +257,13 @@ def gumbel_argmax(
     Inside a CUDA graph the seed and offset are frozen at capture (every replay draws the same
     noise), so today's caller runs it eagerly.
 
+    With `row_seeds` and `row_offsets`, row `b` is keyed by `row_seeds[b]` and its counters
+    start at `row_offsets[b]` instead (`seed` and `offset` are unused): column `v` takes output
+    `(v % block) // (block / 4)` of counter `row_offsets[b] + (v // block) * block / 4 + v %
+    (block / 4)`, so a row's draws depend on its key, base and `block` alone, not on its place
+    in the call, the batch size or `iters`. `row_offsets[b] = offset + b * counters_per_row(V,
+    block, iters)` and `row_seeds[b] = seed` give exactly the draws of the shared form.
+
     Args:
         logits: `[B, V]` float32, bfloat16 or float16, last dim contiguous (row stride free);
             not modified.
@@ -254,6 +275,10 @@ def gumbel_argmax(
         block: columns per loop iteration (a power of two, at least 4); tests use small blocks
             to get several chunks out of a small vocab.
         iters: iterations per program (1 to MAX_ITERS); default `iters_for(B, V, block)`.
+        row_seeds: `[B]` int64 Philox keys, one per row, on the logits' device (None: `seed`
+            for every row); given together with `row_offsets`.
+        row_offsets: `[B]` int64 counter bases >= 0, one per row (`row_offsets[b] +
+            counters_per_row(V, block, 1) < 2^63`).
 
     Returns:
         `[B]` int64 token ids on the logits' device.
@@ -261,7 +286,8 @@ def gumbel_argmax(
     Raises:
         ValueError: logits not a 2-D float32/bfloat16/float16 tensor with a contiguous last
             dim, or inv_temperature not a `[B]` float32 tensor on the same device, V == 0,
-            block not a power of two >= 4, or iters outside 1..MAX_ITERS.
+            block not a power of two >= 4, iters outside 1..MAX_ITERS, or only one of
+            row_seeds / row_offsets given, or either not `[B]` int64 on the logits' device.
     """
     if logits.dim() != 2 or logits.dtype not in LOGIT_DTYPES or logits.stride(1) != 1:
         raise ValueError(
@@ -284,6 +310,16 @@ def gumbel_argmax(
         raise ValueError(
             f"gumbel_argmax: need a power-of-two block >= 4 and V > 0, got {block}, {vocab}"
         )
+    per_row_seed = row_seeds is not None or row_offsets is not None
+    for name, t in (("row_seeds", row_seeds), ("row_offsets", row_offsets)):
+        if per_row_seed and (
+            t is None or t.shape != (batch,) or t.dtype != torch.int64 or t.device != logits.device
+        ):
+            got = None if t is None else f"{tuple(t.shape)} {t.dtype} on {t.device}"
+            raise ValueError(
+                f"gumbel_argmax: {name} must be [{batch}] int64 on {logits.device} with both of "
+                f"row_seeds and row_offsets given, got {got}"
+            )
     if iters is None:
         iters = iters_for(batch, vocab, block)
     if not 1 <= iters <= MAX_ITERS:
@@ -297,6 +333,8 @@ def gumbel_argmax(
     _gumbel_chunk_kernel[(batch, num_chunks)](
         logits,
         inv_temperature if per_row else logits,  # unused pointer when one float for all rows
+        row_seeds if per_row_seed else logits,  # unused pointers without per-row seeds
+        row_offsets if per_row_seed else logits,
         chunk_val,
         chunk_idx,
         logits.stride(0),
@@ -308,6 +346,7 @@ def gumbel_argmax(
         iters,
         BLOCK=block,
         PER_ROW_TEMP=per_row,
+        PER_ROW_SEED=per_row_seed,
         FAST_LOG=not kernels.interpreting(),
         num_warps=max(1, min(4, block // 256)),
     )

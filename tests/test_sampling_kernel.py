@@ -187,6 +187,53 @@ def test_seed_and_offset_select_the_draws(device, vocab, block):
     assert draw(5, per_row)[:-1] == first[1:]
 
 
+ROW_KEY_CASES = [
+    pytest.param("cpu", 300, 64, marks=CPU_MARKS, id="cpu"),
+    pytest.param("cuda", QWEN3_VOCAB, BLOCK, marks=CUDA_MARKS, id="cuda"),
+]
+
+
+@pytest.mark.parametrize(("device", "vocab", "block"), ROW_KEY_CASES)
+def test_per_row_keys_make_a_rows_draws_independent_of_its_call(device, vocab, block):
+    rows = 6
+    logits = torch.zeros(rows, vocab, device=device)  # uniform: equal draws mean equal noise
+
+    def keys(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    # The shared form, written out per row, gives the same draws.
+    iters = iters_for(rows, vocab, block)
+    per_row = counters_per_row(vocab, block, iters)
+    shared = gumbel_argmax(logits, 1.0, seed=9, offset=3 << 32, block=block)
+    written = gumbel_argmax(
+        logits,
+        1.0,
+        seed=0,
+        offset=0,
+        block=block,
+        row_seeds=keys([9] * rows),
+        row_offsets=keys([(3 << 32) + b * per_row for b in range(rows)]),
+    )
+    assert written.tolist() == shared.tolist()
+    # A keyed row draws the same alone, at another place in a larger call, and with other
+    # iterations per program.
+    seeds, bases = [11, 12, 13, 14, 15, 16], [(b + 1) << 32 for b in range(rows)]
+    together = gumbel_argmax(
+        logits, 1.0, 0, 0, block=block, row_seeds=keys(seeds), row_offsets=keys(bases)
+    ).tolist()
+    for b in range(rows):
+        alone = gumbel_argmax(
+            logits[:1], 1.0, 0, 0, block=block, iters=1,
+            row_seeds=keys([seeds[b]]), row_offsets=keys([bases[b]]),
+        )  # fmt: skip
+        assert alone.tolist() == [together[b]]
+    flipped = gumbel_argmax(
+        logits, 1.0, 0, 0, block=block, row_seeds=keys(seeds[::-1]), row_offsets=keys(bases[::-1])
+    ).tolist()
+    assert flipped == together[::-1]
+    assert len(set(together)) > 1  # distinct keys, distinct draws (p = V^-5 of a false alarm)
+
+
 def test_iterations_per_program_grow_with_the_batch():
     assert [iters_for(b, QWEN3_VOCAB) for b in (1, 2, 4, 8, 16, 256)] == [1, 1, 2, 4, 8, 8]
     assert iters_for(1000, 64, block=64) == 1  # one chunk per row already: nothing to merge
@@ -208,6 +255,11 @@ def test_invalid_arguments_raise_value_error():
         gumbel_argmax(logits, 1.0, 0, 0, block=2)
     with pytest.raises(ValueError, match="iters"):
         gumbel_argmax(logits, 1.0, 0, 0, iters=16)
+    keys = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="row_offsets"):
+        gumbel_argmax(logits, 1.0, 0, 0, row_seeds=keys)
+    with pytest.raises(ValueError, match="row_seeds"):
+        gumbel_argmax(logits, 1.0, 0, 0, row_seeds=keys.int(), row_offsets=keys)
     assert gumbel_argmax(torch.zeros(0, 16), 1.0, 0, 0).shape == (0,)
 
 
@@ -253,7 +305,7 @@ SLOW_PATH_ROWS = {
     "top_k": (SamplingParams(temperature=0.9, top_k=5), False),
     "min_p": (SamplingParams(temperature=0.9, min_p=0.1), False),
     "logprobs": (SamplingParams(temperature=0.0, logprobs=2), False),
-    "seeded": (SamplingParams(temperature=0.9, seed=3), True),
+    "seeded top_p": (SamplingParams(temperature=0.9, top_p=0.9, seed=3), True),
 }
 
 
@@ -282,11 +334,65 @@ def test_sampler_takes_the_kernel_only_for_plain_batches(device, vocab, kernel_c
     for name, (params, seeded) in SLOW_PATH_ROWS.items():
         reqs = plain[:3] + [_req(9, params)]
         if seeded:
+            reqs[-1].seed = params.seed
             reqs[-1].generator = sampler.make_generator(params.seed)
         samples = sampler.sample_device(logits.clone(), reqs)
         assert kernel_calls == [4], f"{name} must take the PyTorch path"
         assert samples.token_ids[:3:2].tolist() == [tokens[0], 9]
         assert (samples.logprobs is not None) == (name == "logprobs")
+    # A seeded row of plain sampling takes the kernel.
+    seeded = _req(9, SamplingParams(temperature=0.9, seed=3))
+    seeded.seed = 3
+    sampler.sample_device(logits.clone(), plain[:3] + [seeded])
+    assert kernel_calls == [4, 4]
+
+
+def _seeded(i: int, seed: int, params: SamplingParams, outputs: tuple[int, ...] = ()) -> Request:
+    req = _req(i, params, outputs)
+    req.seed = seed
+    req.generator = torch.Generator().manual_seed(seed)  # the PyTorch path's (unused here)
+    return req
+
+
+@pytest.mark.parametrize(("device", "vocab"), SAMPLER_DEVICES)
+def test_a_seeded_rows_token_depends_on_its_seed_and_position_not_on_its_batch(
+    device, vocab, kernel_calls, monkeypatch
+):
+    """On the fast path a seeded row is keyed by its seed and the position of its token: the
+    same token alone, among other rows in any order, in a batch that takes the PyTorch path
+    (a neighbour with top-p or logprobs), and after other calls; another seed or position draws
+    afresh."""
+    if device == "cpu":
+        monkeypatch.setattr(sampler_module, "use_fused", lambda enabled, logits: enabled)
+    sampler = Sampler(torch.device(device), seed=0)
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(1, vocab, generator=gen) * 0.1  # near uniform: draws spread widely
+    logits = base.repeat(4, 1).to(device, torch.bfloat16)
+    params = SamplingParams(temperature=0.8, seed=21)
+
+    def token(reqs: list[Request], row: int) -> int:
+        return sampler.sample_device(logits[: len(reqs)].clone(), reqs).token_ids[row].item()
+
+    alone = token([_seeded(0, 21, params)], 0)
+    others = [_req(i, SamplingParams(temperature=0.8)) for i in (1, 2)]
+    assert token([*others, _seeded(0, 21, params)], 2) == alone
+    assert token([others[0], _seeded(0, 21, params), others[1]], 1) == alone
+    slow = [
+        _req(5, SamplingParams(temperature=0.8, top_p=0.5)),
+        _req(6, SamplingParams(temperature=0.0, logprobs=1)),
+    ]
+    calls = len(kernel_calls)
+    for neighbour in slow:  # the PyTorch path: the seeded row alone goes to the kernel
+        assert token([neighbour, _seeded(0, 21, params)], 1) == alone
+    assert kernel_calls[calls:] == [1, 1]
+    # With a presence penalty (a float32 copy on both paths) the two paths agree too.
+    penalised = SamplingParams(temperature=0.8, seed=21, presence_penalty=0.5)
+    fast = token([_seeded(0, 21, penalised, outputs=(3,))], 0)
+    assert token([slow[0], _seeded(0, 21, penalised, outputs=(3,))], 1) == fast
+    # Other seeds and other positions draw afresh (each a false alarm with p = 1/vocab).
+    draws = {token([_seeded(0, s, SamplingParams(temperature=0.8, seed=s))], 0) for s in range(8)}
+    later = {token([_seeded(0, 21, params, outputs=(7,) * k)], 0) for k in range(1, 8)}
+    assert len(draws) > 2 and len(later) > 2
 
 
 @pytest.mark.gpu

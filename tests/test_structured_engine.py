@@ -169,11 +169,11 @@ def test_deferred_sampling_changes_no_output(tiny_model_dir, tok, monkeypatch):
     deferred, filled_here = [], []
     defer, sample = runner._deferred_sampling, runner.sampler.sample_device
 
-    def spy(logits, reqs, ids_to_device=None, masks=None):
+    def spy(logits, reqs, ids_to_device=None, masks=None, positions=None):
         grammar = [r for r in reqs if r.constraint and r.constraint.matcher and not r.finish_reason]
         if masks is None and grammar:
             filled_here.append(any(r.uses_penalties for r in reqs))
-        return sample(logits, reqs, ids_to_device, masks)
+        return sample(logits, reqs, ids_to_device, masks, positions)
 
     # A deferred fill starts as soon as the step in flight's tokens are accepted, before that
     # step's stop checks (`_append_token`): "early" counts those starts.

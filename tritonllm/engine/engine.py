@@ -108,7 +108,8 @@ class LLMEngine:
             req = Request(request_id, list(prompt_ids), params, next(self._arrival), index)
             req.max_tokens, req.stop_ids = max_tokens, frozenset(stop)
             if params.seed is not None:
-                req.generator = self.runner.sampler.make_generator(params.seed + index)
+                req.seed = params.seed + index
+                req.generator = self.runner.sampler.make_generator(req.seed)
             if params.stop:
                 req.stop_checker = StopStringChecker(self._detokenizer(), params.stop)
             self._requests[req.key] = req

@@ -414,6 +414,9 @@ class ModelRunner:
         slots = self.future.reserve(len(reqs))
         step = LaunchedStep(batch, reqs, slots=slots, scores=scores)
         started: list[MaskFill | None] = []
+        # Where each row's token goes, taken before the engine commits the step (which appends
+        # the placeholders): it keys a seeded row's draws (`Sampler.sample_device`).
+        positions = [len(r.token_ids) for r in reqs]
 
         def start_masks() -> None:
             if not started:
@@ -421,7 +424,9 @@ class ModelRunner:
 
         def finish() -> None:
             start_masks()
-            samples = self.sampler.sample_device(logits, reqs, self.ids_to_device, started[0])
+            samples = self.sampler.sample_device(
+                logits, reqs, self.ids_to_device, started[0], positions
+            )
             self.future.write(slots, samples.token_ids)
             step.copy_samples(samples)
 

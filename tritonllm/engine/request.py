@@ -59,6 +59,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    # With `params.seed`: this choice's seed (seed + index), which keys its draws on the
+    # sampler's fast path (`engine.sampler`); `generator` is seeded with it for the PyTorch path.
+    seed: int | None = None
     stop_ids: frozenset[int] = frozenset()
     stop_checker: StopStringChecker | None = None  # only for requests with stop strings
     # Structured outputs / allowed ids / bad words: the mask state (set when admitted).

@@ -9,25 +9,37 @@ the most likely token) → sample.
 
 Sampling draws `argmax(p / E)` with `E ~ Exp(1)` i.i.d. (the exponential-race form of
 sampling from a categorical, as used by vLLM/SGLang). Seeded requests draw `E` from their own
-`torch.Generator`, so their tokens do not depend on the rest of the batch.
+`torch.Generator`, so their tokens do not depend on the rest of the batch (on CUDA, a seeded
+request of plain sampling takes the fast path's kernel instead, below).
 
 `sample_device` never reads a device value on the host: parameters go to the device in pinned,
 non-blocking copies and the result stays on the device (`DeviceSamples`), so the model runner can
 copy it back asynchronously. Greedy, temperature, top-k/top-p/min-p are one vectorised pass over
-the batch; only penalties and seeded generators loop over their (few) rows.
+the batch; only penalties and seeded generators of the PyTorch path loop over their rows.
 
 Logits arrive in the model's dtype (bfloat16 on GPU). Everything above works on a float32 copy
 (`Tensor.float()`: no copy when they are float32 already, as on CPU), made only when needed.
 
 Fast path (CUDA with the fused kernels on, `Sampler(fused=True)`): a batch where every row is
-greedy or plain temperature sampling (no top-k/top-p/min-p, no logprobs, no per-request seed)
-skips all of the above after the penalties and runs `kernels.sampling.gumbel_argmax`: one pass
-over the logits as they are (bfloat16 read directly when no penalty applies),
-`argmax(logits / T + Gumbel noise)` (greedy rows: plain argmax), a sample of the same
-distribution. Its noise comes from Philox keyed by the sampler's seed, with counters
-`step << 32 | row * counters_per_row + ...` (`kernels.sampling`), `step` counting the sampler's
-fast-path calls from 1: every call draws fresh numbers, and the same seed and sequence of batches
-draw the same ones. The CPU path never takes it.
+greedy or plain temperature sampling (no top-k/top-p/min-p, no logprobs) skips all of the above
+after the penalties and runs `kernels.sampling.gumbel_argmax`: one pass over the logits as they
+are (bfloat16 read directly when no penalty applies), `argmax(logits / T + Gumbel noise)`
+(greedy rows: plain argmax), a sample of the same distribution. Its noise comes from Philox:
+
+- unseeded rows: keyed by the sampler's seed, with counters `step << 32 | row *
+  counters_per_row + ...` (`kernels.sampling`), `step` counting the sampler's fast-path calls
+  from 1: every call draws fresh numbers, and the same seed and sequence of batches draw the
+  same ones;
+- seeded rows (`Request.seed`): keyed by the request's seed, with counters `position << 32 |
+  ...`, `position` the index in the request's ids of the token being sampled: the draws depend
+  on the seed and the position alone, neither on the batch nor on the steps before (a request
+  recomputed after preemption samples the same tokens). A batch that takes the PyTorch path
+  (a neighbour asks for logprobs or top-p, say) samples its seeded plain rows with the same
+  kernel call on the same logits, so their tokens never depend on their neighbours. This spares
+  the host a generator launch per seeded row per step (BENCHMARKS.md, "Seeded rows on the fast
+  path").
+
+The CPU path never takes it (seeded rows there draw from their generators).
 
 Token masks (structured outputs, allowed token ids, bad words; `tritonllm.structured`) come
 first, before penalties: the rows of constrained requests get their next-token bitmask filled
@@ -47,7 +59,6 @@ import torch
 
 from tritonllm.engine.request import Request
 from tritonllm.layers.fused import use_fused
-from tritonllm.sampling_params import SamplingParams
 from tritonllm.structured.masks import MaskFill, TokenMaskBuffers
 
 
@@ -171,6 +182,7 @@ class Sampler:
         reqs: list[Request],
         ids_to_device: IdsToDevice | None = None,
         masks: MaskFill | None = None,
+        positions: list[int] | None = None,
     ) -> DeviceSamples:
         """Sample the next token of each request without a host sync.
 
@@ -183,6 +195,9 @@ class Sampler:
                 default: a plain copy.
             masks: the step's token masks from `start_masks` (they are applied, not filled
                 here), or None: the constrained rows' masks are filled and applied here.
+            positions: per row, the index in the request's ``token_ids`` of the token being
+                sampled, which keys a seeded row's draws on the fast path (module docstring);
+                default ``len(token_ids)`` (right for a step not yet committed).
 
         Returns:
             the samples, on the device.
@@ -198,14 +213,20 @@ class Sampler:
             if masked:
                 self.masks.apply(logits, masked, [reqs[i] for i in masked])
         penalised = [i for i, r in enumerate(reqs) if r.uses_penalties]
-        fast = use_fused(self.fused, logits) and _is_plain(logits, reqs)
+        kernel = use_fused(self.fused, logits) and _kernel_fits(logits)
+        fast = kernel and all(r.plain_sampling for r in reqs)
         if fast and not penalised:
-            return self._gumbel_sample(logits, params)  # reads the model's logits as they are
+            return self._gumbel_sample(logits, reqs, positions)  # the model's logits as they are
         logits = logits.float()  # the in-place steps below need float32
         if penalised:
             self._apply_penalties(logits, reqs, penalised, ids_to_device)
         if fast:
-            return self._gumbel_sample(logits, params)
+            return self._gumbel_sample(logits, reqs, positions)
+        # Seeded plain rows: the fast path's draws, before the temperature scaling below.
+        keyed = [] if not kernel else _seeded_plain_rows(reqs)
+        keyed_tokens = None
+        if keyed:
+            keyed_tokens = self._seeded_sample(logits, reqs, positions, keyed)
         if any(p.temperature > 0 and p.temperature != 1.0 for p in params):
             temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
             logits.div_(to_device(temps, torch.float32, device)[:, None])
@@ -215,7 +236,8 @@ class Sampler:
             logprobs = torch.log_softmax(logits, dim=-1)
 
         tokens = logits.argmax(dim=-1)
-        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        skip = set(keyed)
+        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy and i not in skip]
         if sampled_rows:
             all_rows = len(sampled_rows) == len(reqs)
             rows = None if all_rows else to_device(sampled_rows, torch.int64, device)
@@ -227,6 +249,8 @@ class Sampler:
                 tokens = picked
             else:
                 tokens[rows] = picked
+        if keyed_tokens is not None:
+            tokens[to_device(keyed, torch.int64, device)] = keyed_tokens
 
         lp = top_ids = top_vals = None
         if logprobs is not None:
@@ -235,12 +259,15 @@ class Sampler:
             top_vals, top_ids = logprobs.topk(k, dim=-1)
         return DeviceSamples(tokens, lp, top_ids, top_vals, num_top)
 
-    def _gumbel_sample(self, logits: torch.Tensor, params: list[SamplingParams]) -> DeviceSamples:
+    def _gumbel_sample(
+        self, logits: torch.Tensor, reqs: list[Request], positions: list[int] | None
+    ) -> DeviceSamples:
         """The fast path: one `gumbel_argmax` over `[B, vocab]` logits (float32, bfloat16 or
         float16; see the module docstring); greedy rows get inverse temperature 0 (exact
-        argmax)."""
-        from kernels.sampling import gumbel_argmax
+        argmax); seeded rows are keyed by their seed and ``positions`` (`sample_device`)."""
+        from kernels.sampling import BLOCK, counters_per_row, gumbel_argmax, iters_for
 
+        params = [r.params for r in reqs]
         inv_temps = [0.0 if p.temperature == 0.0 else 1.0 / p.temperature for p in params]
         inv: float | torch.Tensor
         if len(set(inv_temps)) == 1:
@@ -249,8 +276,36 @@ class Sampler:
             inv = to_device(inv_temps, torch.float32, logits.device)
         self.fast_steps += 1
         # offset >= 2^32 always: Triton then types it int64 on every call (one compiled variant)
-        tokens = gumbel_argmax(logits, inv, self.seed, self.fast_steps << 32)
+        offset = self.fast_steps << 32
+        seeds = offsets = None
+        if any(r.seed is not None for r in reqs):
+            batch, vocab = logits.shape
+            per_row = counters_per_row(vocab, BLOCK, iters_for(batch, vocab))
+            if positions is None:
+                positions = [len(r.token_ids) for r in reqs]
+            keys = [self.seed if r.seed is None else _int64(r.seed) for r in reqs]
+            bases = [
+                offset + b * per_row if r.seed is None else positions[b] << 32
+                for b, r in enumerate(reqs)
+            ]
+            both = to_device(keys + bases, torch.int64, logits.device)  # one upload
+            seeds, offsets = both[:batch], both[batch:]
+        tokens = gumbel_argmax(logits, inv, self.seed, offset, row_seeds=seeds, row_offsets=offsets)
         return DeviceSamples(tokens, None, None, None, [None] * len(params))
+
+    def _seeded_sample(
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        positions: list[int] | None,
+        rows: list[int],
+    ) -> torch.Tensor:
+        """`[len(rows)]` int64 device tokens of the seeded plain ``rows`` of a batch that takes
+        the PyTorch path: the fast path's draws for them (same kernel, same float32 values,
+        same keys), from ``logits`` (``[B, vocab]`` float32, before temperature scaling)."""
+        index = to_device(rows, torch.int64, logits.device)
+        pos = None if positions is None else [positions[i] for i in rows]
+        return self._gumbel_sample(logits[index], [reqs[i] for i in rows], pos).token_ids
 
     def _noise(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """`Exp(1)` noise `[N, vocab]`: rows of seeded requests from their own generator (one
@@ -306,18 +361,30 @@ def _masked_rows(reqs: list[Request]) -> list[int]:
     ]
 
 
-def _is_plain(logits: torch.Tensor, reqs: list[Request]) -> bool:
-    """Whether every row is greedy or plain temperature sampling, what `_gumbel_sample` covers
-    (float32/bfloat16/float16 logits with a contiguous last dim; a call's Philox counters must
-    fit in the low 32 bits)."""
+def _kernel_fits(logits: torch.Tensor) -> bool:
+    """Whether `_gumbel_sample` can take these logits: float32/bfloat16/float16 with a
+    contiguous last dim, and a call's Philox counters within the low 32 bits."""
     from kernels.sampling import LOGIT_DTYPES, counters_per_row, iters_for
 
     batch, vocab = logits.shape
     if logits.dtype not in LOGIT_DTYPES or logits.stride(1) != 1:
         return False
-    if batch * counters_per_row(vocab, iters=iters_for(batch, vocab)) > 1 << 32:
-        return False
-    return all(r.plain_sampling and r.generator is None for r in reqs)
+    return batch * counters_per_row(vocab, iters=iters_for(batch, vocab)) <= 1 << 32
+
+
+def _int64(value: int) -> int:
+    """``value`` wrapped into [-2^63, 2^63) (a seed + index past INT64_MAX stays a valid key)."""
+    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def _seeded_plain_rows(reqs: list[Request]) -> list[int]:
+    """The rows of seeded requests that sample with a plain temperature: on CUDA they take the
+    fast path's kernel whichever path their batch takes (module docstring)."""
+    return [
+        i
+        for i, r in enumerate(reqs)
+        if r.seed is not None and r.plain_sampling and not r.params.is_greedy
+    ]
 
 
 def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
