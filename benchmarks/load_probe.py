@@ -89,8 +89,15 @@ def process_cpu_seconds(pgids: list[int]) -> dict[str, float]:
     return out
 
 
+# Triton's own counter of the detokenizer model's requests (one per generator response that
+# streams through `llm`), kept by `scrape` under this name.
+DETOKENIZER_REQUESTS = "detokenizer_requests_total"
+_DETOKENIZER_LINE = 'nv_inference_request_success{model="detokenizer",'
+
+
 def scrape(metrics_url: str | None) -> dict[str, float]:
-    """The `tritonllm_*` values on a Triton metrics endpoint ({} without one or on error)."""
+    """The `tritonllm_*` values on a Triton metrics endpoint, and Triton's count of the
+    detokenizer's requests as `DETOKENIZER_REQUESTS` ({} without an endpoint or on error)."""
     if not metrics_url:
         return {}
     try:
@@ -103,6 +110,8 @@ def scrape(metrics_url: str | None) -> dict[str, float]:
         if line.startswith("tritonllm_"):
             name = line.split("{", 1)[0].split(" ", 1)[0]
             values[name] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(_DETOKENIZER_LINE):
+            values[DETOKENIZER_REQUESTS] = float(line.rsplit(" ", 1)[1])
     return values
 
 

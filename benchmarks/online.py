@@ -11,7 +11,9 @@ a subprocess (so its GPU memory is freed before the server starts), in the same 
 `--ceiling`, the platform ceiling (`benchmarks.ceiling`) too, and the generator's responses/s
 against it; `--plots-dir` draws the plots (`benchmarks.plots`). `--tensor-parallel-size N`
 splits both engines, the served one and the offline one, across N ranks (GPUs). What is
-reported: `benchmarks.online_report`.
+reported: `benchmarks.online_report`. With `--triton-url`, the sidecar gets the server's
+control secret from `$TRITONLLM_CONTROL_SECRET` (without it the generator refuses its lease and
+it streams from `llm`; a run meant for `llm_fused` then stops with an error).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
 import subprocess
 import sys
 import tempfile
@@ -27,11 +30,13 @@ from typing import Any
 
 from benchmarks import ceiling, common, online_report
 from benchmarks.common import Workload, log
-from benchmarks.load_probe import LoadProbe
+from benchmarks.load_probe import DETOKENIZER_REQUESTS, LoadProbe
 from benchmarks.online_report import OnlineRun
 from benchmarks.streaming_client import run_level, served_model_name
-from tritonllm.launch import sidecar_command
+from openai_frontend.triton_client import FUSED_MODEL
+from tritonllm.launch import sidecar_command, sidecar_env
 from tritonllm.triton_server import (
+    CONTROL_SECRET_ENV,
     TritonServer,
     free_port,
     start_process_group,
@@ -128,9 +133,16 @@ class Sidecar:
     process group."""
 
     def __init__(
-        self, triton_url: str, log_path: Path | None = None, triton_model: str | None = None
+        self,
+        triton_url: str,
+        log_path: Path | None = None,
+        triton_model: str | None = None,
+        control_secret: str | None = None,
     ) -> None:
         self.triton_url, self.triton_model = triton_url, triton_model
+        # The server's control secret: without it the generator refuses the sidecar's lease
+        # and the sidecar streams from `llm` whatever `triton_model` says.
+        self.control_secret = control_secret
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path or Path(tempfile.mkstemp(prefix="sidecar-", suffix=".log")[1])
@@ -138,7 +150,8 @@ class Sidecar:
 
     def __enter__(self) -> Sidecar:
         command = sidecar_command(self.triton_url, self.port, triton_model=self.triton_model)
-        self.proc = start_process_group(command, self.log_path, cwd=common.REPO_ROOT)
+        env = None if self.control_secret is None else sidecar_env((), self.control_secret)
+        self.proc = start_process_group(command, self.log_path, env=env, cwd=common.REPO_ROOT)
         try:
             wait_http_ok(f"{self.base_url}/health", 120, self.proc, "sidecar")
         except RuntimeError as exc:
@@ -155,14 +168,32 @@ class Sidecar:
         self.stop()
 
 
+def check_fused(rates: dict[str, float], concurrency: int) -> None:
+    """Raise RuntimeError when a level meant for `llm_fused` went through the detokenizer:
+    its requests (one per generator response through `llm`) above a tenth of the generator's
+    responses (the sidecar's health probes through `llm` are a few per second). That is the
+    sidecar falling back to `llm`, e.g. when it lacks the server's control secret."""
+    detokenized = rates.get(DETOKENIZER_REQUESTS, 0.0)
+    responses = rates.get("tritonllm_responses_total", 0.0)
+    if responses and detokenized > 0.1 * responses:
+        raise RuntimeError(
+            f"concurrency {concurrency}: the sidecar streamed through llm's detokenizer "
+            f"({detokenized:,.0f} requests/s for {responses:,.0f} generator responses/s), not "
+            "llm_fused: its lease was refused (does it have the server's control secret, "
+            f"${CONTROL_SECRET_ENV}?)"
+        )
+
+
 async def run_levels_online(
     base_url: str,
     level_inputs: dict[int, tuple[list[str], Workload]],
     temperature: float,
     endpoint: str,
     probe: LoadProbe | None = None,
+    fused: bool = False,
 ) -> OnlineRun:
-    """Warm up with one short request, then run each level in order.
+    """Warm up with one short request, then run each level in order. ``fused``: the sidecar
+    was asked to stream from `llm_fused` (`check_fused` holds each level to it).
 
     Returns:
         the results per level and, with a `probe`, its report over each level and the
@@ -185,6 +216,8 @@ async def run_levels_online(
             rates = probe.rates(before, after)
             if "tritonllm_responses_total" in rates:
                 run.responses_per_s[c] = rates["tritonllm_responses_total"]
+            if fused:
+                check_fused(rates, c)
         failed = len(res.records) - len(res.ok)
         log(f"online, concurrency {c}: {res.output_tokens_per_s:,.0f} tok/s, {failed} failed")
         for key, value in loads.get(c, {}).items():
@@ -201,15 +234,18 @@ def serve_and_run(
     generator's time counters when it started tritonserver or `--metrics-url` is given).
     """
 
+    fused = args.triton_model == FUSED_MODEL
+
     def go(base_url: str, probe: LoadProbe | None = None):
         return asyncio.run(
-            run_levels_online(base_url, level_inputs, args.temperature, args.endpoint, probe)
+            run_levels_online(base_url, level_inputs, args.temperature, args.endpoint, probe, fused)
         )
 
     if args.openai_url:
         return go(args.openai_url)
     if args.triton_url:
-        with Sidecar(args.triton_url, triton_model=args.triton_model) as sidecar:
+        secret = os.environ.get(CONTROL_SECRET_ENV) or None
+        with Sidecar(args.triton_url, None, args.triton_model, secret) as sidecar:
             return go(sidecar.base_url, LoadProbe([sidecar.proc.pid], args.metrics_url))
     env = {
         "TRITONLLM_DEVICE": args.device,
@@ -224,7 +260,7 @@ def serve_and_run(
     try:
         server.start(timeout=600)
         log(f"tritonserver ready on {server.grpc_url}; starting the sidecar")
-        with Sidecar(server.grpc_url, triton_model=args.triton_model) as sidecar:
+        with Sidecar(server.grpc_url, None, args.triton_model, server.control_secret) as sidecar:
             probe = LoadProbe([server.process.pid, sidecar.proc.pid], server.metrics_url)
             return go(sidecar.base_url, probe)
     except RuntimeError:

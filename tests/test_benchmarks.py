@@ -185,13 +185,16 @@ def test_offline_benchmark_generates_exactly_the_workload(tiny_model_dir):
 
 
 def test_online_benchmark_streams_exact_token_counts(
-    tiny_model_dir, triton_server, tokenizer, tmp_path
+    tiny_model_dir, triton_server, tokenizer, tmp_path, monkeypatch
 ):
     """Exact token counts per request; per level the load probe's columns, the generator's
     responses/s against the platform ceiling measured in the same run (`--ceiling`), and the
     concurrency-1 ITL against the batch-1 decode step; the JSON summary and plots are written
-    and linked from the appended section."""
+    and linked from the appended section. The sidecar streams from `llm_fused` (it has the
+    server's control secret): `check_fused` stops a level that went through the detokenizer."""
     import json
+
+    monkeypatch.setenv("TRITONLLM_CONTROL_SECRET", triton_server.control_secret)
 
     from tritonllm.tokenization.chat import render_prompt
 
@@ -483,6 +486,17 @@ def test_host_step_times_decode_steps_of_the_whole_batch(tiny_model_dir, sampler
     fast = engine.runner.sampler.fast_steps
     assert (fast > 0) == (sampler == "fused")
     assert sampler_module.use_fused is use_fused
+
+
+def test_a_fused_level_that_went_through_the_detokenizer_stops_the_run():
+    from benchmarks.load_probe import DETOKENIZER_REQUESTS
+
+    fused = {"tritonllm_responses_total": 4000.0, DETOKENIZER_REQUESTS: 3.0}  # health probes
+    online.check_fused(fused, 256)
+    online.check_fused({}, 1)  # no metrics: nothing to check
+    fell_back = {"tritonllm_responses_total": 2300.0, DETOKENIZER_REQUESTS: 2290.0}
+    with pytest.raises(RuntimeError, match="control secret"):
+        online.check_fused(fell_back, 256)
 
 
 def test_online_levels_send_prompts_per_client_requests_each(tokenizer):
