@@ -1,6 +1,7 @@
 """The FastAPI app factory and the sidecar's command line.
 
-``python -m openai_frontend --triton-url 127.0.0.1:8001 --model-name NAME --port 9000``
+``python -m openai_frontend --triton-url 127.0.0.1:8001 --model-name NAME --port 9000
+[--workers N]``
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -17,7 +20,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import chat_page, health, metrics
+from . import chat_page, health, metrics, workers
 from .drain import DrainGate, DrainState, server_class
 from .errors import OpenAIError, install_error_handlers
 from .openapi import install_openapi
@@ -212,8 +215,15 @@ def default_model_name(model: str | None) -> str:
     return path.resolve().name if path.exists() else model
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The sidecar's flags; exits with usage on bad flags."""
+    """The sidecar's flags; exits with usage on bad flags (``--workers`` below 1 included)."""
     p = argparse.ArgumentParser(prog="python -m openai_frontend", description=__doc__)
     p.add_argument("--triton-url", default="127.0.0.1:8001", help="tritonserver gRPC host:port")
     p.add_argument(
@@ -228,6 +238,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: all interfaces)")
     p.add_argument("--port", type=int, default=9000)
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        help="sidecar processes serving the one port (default 1: this process alone; more: "
+        "this process binds the port and supervises them, openai_frontend/workers.py)",
+    )
+    p.add_argument(
+        "--fd",
+        type=int,
+        default=None,
+        help="serve the listening socket of this inherited file descriptor instead of binding "
+        "--host/--port (what --workers gives each worker)",
+    )
     p.add_argument("--log-level", default="warning")
     p.add_argument(
         "--max-request-bytes",
@@ -287,16 +311,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _sockets(args: argparse.Namespace) -> list[socket.socket]:
+    """The listening sockets to serve, one per worker: ``--fd``'s (shared by the workers), or
+    with several ``--workers`` new ones on ``--host``/``--port``; none: uvicorn binds.
+
+    Raises:
+        SystemExit: the descriptor is no socket, or the address cannot be bound.
+    """
+    try:
+        if args.fd is not None:
+            return [socket.socket(fileno=args.fd)] * args.workers
+        if args.workers > 1:
+            return workers.listening_sockets(args.host, args.port, args.workers)
+    except OSError as exc:
+        where = f"--fd {args.fd}" if args.fd is not None else f"{args.host}:{args.port}"
+        raise SystemExit(f"error: cannot listen on {where}: {exc}") from None
+    return []
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run the sidecar with uvicorn until SIGINT (at once) or SIGTERM (after draining)."""
+    """Run the sidecar with uvicorn until SIGINT (at once) or SIGTERM (after draining); with
+    ``--workers`` N > 1, run N of them on one port (``workers.py``) and exit with their
+    status."""
     import uvicorn
 
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
     name = args.model_name or default_model_name(args.model)
     keys = parse_api_keys(",".join(args.api_key or [os.environ.get(API_KEY_ENV, "")]))
     if args.cache_salt_from_api_key and not keys:
         raise SystemExit("error: --cache-salt-from-api-key needs --api-key")
+    sockets = _sockets(args)
+    if args.workers > 1:
+        sys.exit(workers.serve(argv, sockets))
     app = create_app(
         args.triton_url,
         name,
@@ -314,4 +362,4 @@ def main(argv: list[str] | None = None) -> None:
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, http=protocol
     )
-    server_class()(config, app).run()
+    server_class()(config, app).run(sockets=sockets or None)

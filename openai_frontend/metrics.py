@@ -16,23 +16,48 @@ Names follow vLLM's (``vllm:e2e_request_latency_seconds`` ...) under the ``opena
   generations once closed (usage's ``prompt_tokens`` / ``completion_tokens``).
 
 The histogram buckets are the generator's (``tritonllm.serving.metrics``).
+
+With several worker processes (``--workers``, ``workers.py``) each worker writes its values to
+files of its own in ``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's multiprocess mode, which
+that variable turns on), and ``/metrics`` sums all of them, whichever worker answers the scrape:
+the same metric names, counted over every worker (the requests in flight as the sum over the
+live workers), without the ``*_created`` samples, which that mode does not keep, and without
+the collectors of one process (``process_*``, ``python_*``). One worker (the default) serves
+its own registry, as before.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 from fastapi import APIRouter
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tritonllm.serving.metrics import ITL_BUCKETS_S, REQUEST_BUCKETS_S, TTFT_BUCKETS_S
 
+# prometheus-client reads this variable when it is imported: set, every value lives in a file
+# of this process' own in that directory (``workers.py`` sets it for its workers).
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
 REQUESTS = Counter(
     "openai_requests", "HTTP requests answered, by route and status", ["route", "status"]
 )
-IN_FLIGHT = Gauge("openai_requests_in_flight", "HTTP requests being answered")
+# livesum: with several workers, the sum over the live ones (a dead worker's count goes).
+IN_FLIGHT = Gauge(
+    "openai_requests_in_flight", "HTTP requests being answered", multiprocess_mode="livesum"
+)
 E2E_LATENCY = Histogram(
     "openai_e2e_request_latency_seconds",
     "Seconds from a request's arrival to its response's last byte",
@@ -58,8 +83,19 @@ router = APIRouter()
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics() -> Response:
-    """The Prometheus text exposition of this process's metrics."""
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    """The Prometheus text exposition of the sidecar's metrics (every worker's: ``registry``)."""
+    return Response(generate_latest(registry()), media_type=CONTENT_TYPE_LATEST)
+
+
+def registry() -> CollectorRegistry:
+    """What ``/metrics`` serves: this process' registry, or in multiprocess mode
+    (``PROMETHEUS_MULTIPROC_DIR`` set) a fresh one that sums the files of every process that
+    wrote into that directory."""
+    if MULTIPROC_DIR_ENV not in os.environ:
+        return REGISTRY
+    merged = CollectorRegistry()
+    MultiProcessCollector(merged)
+    return merged
 
 
 def _route(scope: Scope) -> str:

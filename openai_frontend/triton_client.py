@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import struct
 import sys
@@ -258,8 +259,10 @@ class TritonClient:
         return {} if self._control_secret is None else {"control_secret": self._control_secret}
 
     def start_lease(self) -> None:
-        """Hold the generator lease from now on (``hold_lease`` in a task; ``close`` ends it)."""
+        """Hold the generator lease from now on (``hold_lease`` in a task; ``close`` ends it).
+        Logs the lease id with this process' pid (the prefix of its requests' ids in Triton)."""
         if self._lease_task is None:
+            log.info("process %d holds generator lease %s", os.getpid(), self.lease)
             self._lease_task = asyncio.get_running_loop().create_task(self.hold_lease())
 
     async def hold_lease(self) -> None:

@@ -94,6 +94,21 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live (non-zombie) child processes of ``pid`` (Linux ``/proc``; [] elsewhere), e.g.
+    the workers of a sidecar started with ``--workers``, each in a process group of its own."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # Fields after the command name: state (3), ppid (4).
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children.append(int(stat.parent.name))
+    return sorted(children)
+
+
 def _signal_group(pgid: int, signum: int) -> None:
     try:
         os.killpg(pgid, signum)
