@@ -1,7 +1,8 @@
 """Serving benchmark: streaming OpenAI chat clients against tritonserver + the sidecar.
 
     python -m benchmarks.online [--model DIR] [--concurrency 1,16,64,256]
-        [--num-prompts-per-level N] [--device cuda] [--tensor-parallel-size 2] [--no-append]
+        [--num-prompts-per-level N] [--device cuda] [--tensor-parallel-size 2]
+        [--sidecar-workers 4] [--no-append]
 
 For each concurrency level, `c` closed-loop clients stream chat completions (a client sends its
 next request when the last one finished) with random prompts and fixed output lengths
@@ -10,7 +11,8 @@ engine's tokens/s on the very same prompt ids with the same concurrency cap, mea
 a subprocess (so its GPU memory is freed before the server starts), in the same run. With
 `--ceiling`, the platform ceiling (`benchmarks.ceiling`) too, and the generator's responses/s
 against it; `--plots-dir` draws the plots (`benchmarks.plots`). `--tensor-parallel-size N`
-splits both engines, the served one and the offline one, across N ranks (GPUs). What is
+splits both engines, the served one and the offline one, across N ranks (GPUs);
+`--sidecar-workers N` runs the sidecar this benchmark starts as N processes on its port. What is
 reported: `benchmarks.online_report`. With `--triton-url`, the sidecar gets the server's
 control secret from `$TRITONLLM_CONTROL_SECRET` (without it the generator refuses its lease and
 it streams from `llm`; a run meant for `llm_fused` then stops with an error).
@@ -35,6 +37,7 @@ from benchmarks.online_report import OnlineRun
 from benchmarks.streaming_client import run_level, served_model_name
 from openai_frontend.triton_client import FUSED_MODEL
 from tritonllm.launch import sidecar_command, sidecar_env
+from tritonllm.processes import child_pids
 from tritonllm.triton_server import (
     CONTROL_SECRET_ENV,
     TritonServer,
@@ -128,9 +131,10 @@ def offline_tokens_per_s(
 
 class Sidecar:
     """The OpenAI sidecar (`python -m openai_frontend`) on a free local port, in front of the
-    tritonserver gRPC endpoint `triton_url`. A context manager: entering starts it and waits
-    until `/health` answers (RuntimeError with its log tail after 120 s); leaving stops its
-    process group."""
+    tritonserver gRPC endpoint `triton_url`, streaming from `triton_model`, as `workers`
+    processes (its `--workers`). A context manager: entering starts it and waits until
+    `/health` answers (RuntimeError with its log tail after 120 s); leaving stops its process
+    group (its workers stop with it)."""
 
     def __init__(
         self,
@@ -138,8 +142,9 @@ class Sidecar:
         log_path: Path | None = None,
         triton_model: str | None = None,
         control_secret: str | None = None,
+        workers: int = 1,
     ) -> None:
-        self.triton_url, self.triton_model = triton_url, triton_model
+        self.triton_url, self.triton_model, self.workers = triton_url, triton_model, workers
         # The server's control secret: without it the generator refuses the sidecar's lease
         # and the sidecar streams from `llm` whatever `triton_model` says.
         self.control_secret = control_secret
@@ -149,7 +154,9 @@ class Sidecar:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Sidecar:
-        command = sidecar_command(self.triton_url, self.port, triton_model=self.triton_model)
+        command = sidecar_command(
+            self.triton_url, self.port, triton_model=self.triton_model, workers=self.workers
+        )
         env = None if self.control_secret is None else sidecar_env((), self.control_secret)
         self.proc = start_process_group(command, self.log_path, env=env, cwd=common.REPO_ROOT)
         try:
@@ -159,6 +166,12 @@ class Sidecar:
             log = self.log_path.read_text(errors="replace")[-4000:]
             raise RuntimeError(f"{exc}\n{log}") from exc
         return self
+
+    def pgids(self) -> list[int]:
+        """The process groups of the sidecar's processes, for `LoadProbe`: its own, and with
+        several workers each worker's (a session of its own: `openai_frontend/workers.py`)."""
+        assert self.proc is not None, "not started"
+        return [self.proc.pid, *child_pids(self.proc.pid)]
 
     def stop(self) -> None:
         """SIGTERM its process group, SIGKILL after 20 s."""
@@ -245,8 +258,9 @@ def serve_and_run(
         return go(args.openai_url)
     if args.triton_url:
         secret = os.environ.get(CONTROL_SECRET_ENV) or None
-        with Sidecar(args.triton_url, None, args.triton_model, secret) as sidecar:
-            return go(sidecar.base_url, LoadProbe([sidecar.proc.pid], args.metrics_url))
+        sidecar = Sidecar(args.triton_url, None, args.triton_model, secret, args.sidecar_workers)
+        with sidecar:
+            return go(sidecar.base_url, LoadProbe(sidecar.pgids(), args.metrics_url))
     env = {
         "TRITONLLM_DEVICE": args.device,
         "TRITONLLM_ATTENTION_BACKEND": args.attention_backend,
@@ -260,8 +274,11 @@ def serve_and_run(
     try:
         server.start(timeout=600)
         log(f"tritonserver ready on {server.grpc_url}; starting the sidecar")
-        with Sidecar(server.grpc_url, None, args.triton_model, server.control_secret) as sidecar:
-            probe = LoadProbe([server.process.pid, sidecar.proc.pid], server.metrics_url)
+        secret = server.control_secret
+        with Sidecar(
+            server.grpc_url, None, args.triton_model, secret, args.sidecar_workers
+        ) as sidecar:
+            probe = LoadProbe([server.process.pid, *sidecar.pgids()], server.metrics_url)
             return go(sidecar.base_url, probe)
     except RuntimeError:
         print(server.log_tail(), file=sys.stderr)
@@ -336,6 +353,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the ensemble the sidecar streams from (its --triton-model); the ceiling of the "
         "same shape is the one the generator's responses/s are compared with",
     )
+    p.add_argument(
+        "--sidecar-workers",
+        type=common.positive_int,
+        default=1,
+        help="processes of the sidecar this benchmark starts (its --workers; not with "
+        "--openai-url)",
+    )
     p.add_argument("--server-log", help="tritonserver log file (default: a temp file)")
     p.add_argument(
         "--tensor-parallel-size",
@@ -374,6 +398,11 @@ def main(argv: list[str] | None = None) -> OnlineRun:
         f"ceiling: against the ceiling of the {args.triton_model} shape (the sidecar's "
         "--triton-model) at the same concurrency, same run",
     ]
+    if not args.openai_url:
+        notes.append(
+            f"sidecar: {args.sidecar_workers} worker process(es) on one port (--sidecar-workers), "
+            f"streaming from {args.triton_model} (--triton-model)"
+        )
     itl = online_report.itl_note(result)
     if itl:
         notes.append(itl)

@@ -219,6 +219,8 @@ def test_online_benchmark_streams_exact_token_counts(
         "torch",
         "--triton-url",
         triton_server.grpc_url,
+        "--sidecar-workers",
+        "2",
         "--metrics-url",
         triton_server.metrics_url,
         "--ceiling",
@@ -265,6 +267,7 @@ def test_online_benchmark_streams_exact_token_counts(
         assert (tmp_path / "plots" / f"{stem}-{kind}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"](plots/{stem}-{kind}.png)" in section
     assert "Platform ceiling" in section and "ITL p50 at concurrency 1" in section
+    assert "sidecar: 2 worker process(es) on one port (--sidecar-workers)" in section
     # Per level: CPU of the sidecar and this client, and the generator's time counters.
     for load in loads.values():
         assert "sidecar" in load["cpu"] and "client" in load["cpu"], load

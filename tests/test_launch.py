@@ -467,6 +467,20 @@ def test_tensor_parallel_flag_reaches_the_servers_environment(tmp_path):
     assert without.new_triton().env == {"TRITONLLM_MODEL": model}
 
 
+def test_sidecar_workers_flag_reaches_the_sidecar_command_line(tmp_path):
+    """``--sidecar-workers 3`` runs the sidecar with ``--workers=3``; without it the sidecar's
+    command line is what it was (one process); below 1 is a usage error."""
+    from tritonllm.launch import build_supervisor
+
+    model = str(tmp_path)
+    three = build_supervisor(parse_args(["--sidecar-workers", "3"]), model, "m").sidecar_command
+    assert three[1:3] == ["-m", "openai_frontend"] and "--workers=3" in three
+    default = build_supervisor(parse_args([]), model, "m").sidecar_command
+    assert not any(arg.startswith("--workers") for arg in default)
+    with pytest.raises(SystemExit):
+        parse_args(["--sidecar-workers", "0"])
+
+
 def test_a_second_stop_signal_does_not_interrupt_the_first():
     """`kill` of `make serve`'s process group reaches the launcher twice (directly, and
     forwarded by make): the first raises the stop, the second is ignored, so the drain that

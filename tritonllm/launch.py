@@ -2,7 +2,7 @@
 
 ``python -m tritonllm.launch [--model PATH|HUB_ID] [--host 127.0.0.1] [--port 9000]
 [--triton-host 127.0.0.1] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
-[--on-failure restart|exit] [--drain-timeout 30]``
+[--on-failure restart|exit] [--drain-timeout 30] [--sidecar-workers 1]``
 
 Without ``--model`` (or ``TRITONLLM_MODEL``) the built-in default, SmolLM2-135M-Instruct, is
 served from ``models/smollm2-135m-instruct`` (converted once, on first use, by
@@ -18,7 +18,9 @@ exponential backoff (a dead sidecar likewise); ``--on-failure exit`` instead sto
 and exits 1, for a container whose orchestrator restarts it. SIGTERM drains: new requests get
 503 while the ones in flight finish (up to ``--drain-timeout`` seconds), then both stop; Ctrl-C
 (SIGINT) stops at once, aborting what is in flight. This process imports neither torch nor
-transformers.
+transformers. ``--sidecar-workers N`` runs the sidecar as N processes on its one port
+(``openai_frontend/workers.py``): still one child here, which exits non-zero, and is restarted,
+when one of its workers dies.
 
 Ports and addresses: the OpenAI API on ``--host``:``--port`` (default 127.0.0.1:9000);
 tritonserver's HTTP, gRPC and metrics endpoints on ``--triton-host`` (default 127.0.0.1) at
@@ -80,6 +82,7 @@ class LaunchConfig:
         cors_origins: browser origins allowed to call the OpenAI API (none: CORS off).
         tensor_parallel_size: ranks the engine splits the model across
             (``TRITONLLM_TENSOR_PARALLEL_SIZE``; None: the repository's setting, 1).
+        sidecar_workers: the sidecar's worker processes (its ``--workers``).
     """
 
     model: str | None = None
@@ -97,6 +100,7 @@ class LaunchConfig:
     cache_salt_from_api_key: bool = False
     cors_origins: tuple[str, ...] = ()
     tensor_parallel_size: int | None = None
+    sidecar_workers: int = 1
 
     @property
     def base_url(self) -> str:
@@ -143,12 +147,13 @@ def sidecar_command(
     cache_salt_from_api_key: bool = False,
     cors_origins: tuple[str, ...] = (),
     triton_model: str | None = None,
+    workers: int = 1,
 ) -> list[str]:
     """The command line of the OpenAI sidecar (``python -m openai_frontend``): it calls the
     tritonserver gRPC endpoint ``grpc_url`` (``HOST:PORT``) and listens on ``host`` / ``port``;
     ``model_name`` / ``drain_timeout_s`` / ``triton_model`` (the ensemble it streams from)
-    None leave the sidecar's defaults. Secrets (API keys, the control secret) are never on it:
-    ``sidecar_env``."""
+    None leave the sidecar's defaults; ``workers`` > 1 adds ``--workers`` (processes serving
+    the port). Secrets (API keys, the control secret) are never on it: ``sidecar_env``."""
     command = [sys.executable, "-m", "openai_frontend", f"--triton-url={grpc_url}"]
     if triton_model is not None:
         command.append(f"--triton-model={triton_model}")
@@ -159,6 +164,8 @@ def sidecar_command(
     if cache_salt_from_api_key:
         command.append("--cache-salt-from-api-key")
     command += [f"--cors-allow-origin={origin}" for origin in cors_origins]
+    if workers != 1:
+        command.append(f"--workers={workers}")
     return command + [f"--host={host}", f"--port={port}"]
 
 
@@ -231,6 +238,7 @@ def build_supervisor(cfg: LaunchConfig, model: str, model_name: str) -> Supervis
         cfg.policy.drain_timeout_s,
         cfg.cache_salt_from_api_key,
         cfg.cors_origins,
+        workers=cfg.sidecar_workers,
     )
     health = cfg.base_url.removesuffix("/v1") + "/health"
     control_secret = os.environ.get(CONTROL_SECRET_ENV, "").strip() or secrets.token_hex(32)
@@ -368,7 +376,16 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         default=[],
         help="a browser origin allowed to call the OpenAI API (repeat; none: CORS off)",
     )
+    p.add_argument(
+        "--sidecar-workers",
+        type=int,
+        default=1,
+        help="processes of the OpenAI sidecar, serving its one port (default 1; more relay "
+        "more streamed chunks per second, one CPU core each)",
+    )
     a = p.parse_args(argv)
+    if a.sidecar_workers < 1:
+        p.error(f"--sidecar-workers must be at least 1, got {a.sidecar_workers}")
     keys = ",".join(a.api_key or [os.environ.get(API_KEY_ENV, "")])
     api_keys = tuple(k.strip() for k in keys.split(",") if k.strip())
     if a.cache_salt_from_api_key and not api_keys:
@@ -395,6 +412,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         cache_salt_from_api_key=a.cache_salt_from_api_key,
         cors_origins=tuple(a.cors_allow_origin),
         tensor_parallel_size=a.tensor_parallel_size,
+        sidecar_workers=a.sidecar_workers,
     )
 
 
