@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 # Paths that stay open while draining: probes must see the drain, and nothing else is work.
 _OPEN_PATHS = ("/health", "/health/live")
+# Most seconds an expired drain waits, after aborting the generations left, for their streams
+# to send their last chunks before the server exits.
+ABORTED_STREAMS_GRACE_S = 5.0
 
 
 @dataclass
@@ -93,6 +96,7 @@ def server_class() -> Any:
         def __init__(self, config: uvicorn.Config, app: Any) -> None:
             super().__init__(config)
             self.app = app  # the FastAPI app of ``create_app`` (config.app is typed loosely)
+            self._aborted_at: float | None = None  # when an expired drain aborted the rest
 
         def _states(self) -> tuple[Any, DrainState]:
             # ``state.server`` is None until the lifespan started.
@@ -109,9 +113,25 @@ def server_class() -> Any:
         async def on_tick(self, counter: int) -> bool:
             server, drain = self._states()
             if drain.draining and not self.should_exit:
-                if not (server is not None and server.live) or drain.expired():
+                if not (server is not None and server.live):
                     self.should_exit = True
+                elif drain.expired():
+                    await self._abort_expired(server)
             return await super().on_tick(counter)
+
+        async def _abort_expired(self, server: Any) -> None:
+            """The drain's time is up with generations in flight: abort them while the server
+            still runs, and exit once their streams have ended (each with finish_reason
+            "abort" and ``[DONE]``), or ``ABORTED_STREAMS_GRACE_S`` after the abort. Setting
+            ``should_exit`` first would let sse-starlette, which watches uvicorn's exit flag,
+            close a stream before its abort reached it: a stream without a finish_reason."""
+            now = time.monotonic()
+            if self._aborted_at is None:
+                self._aborted_at = now
+                log.warning("drain timed out: aborting %d generation(s)", len(server.live))
+                await server.abort_all(timeout=5.0)
+            elif now - self._aborted_at >= ABORTED_STREAMS_GRACE_S:
+                self.should_exit = True
 
         async def shutdown(self, sockets: Any = None) -> None:
             server, _ = self._states()
