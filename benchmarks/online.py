@@ -339,7 +339,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
     p.add_argument("--offline-tokens-per-s", help="skip the offline run: tok/s (one or per level)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
-    p.add_argument("--triton-url", help="use a running tritonserver (gRPC HOST:PORT)")
+    p.add_argument(
+        "--triton-url",
+        help="use a running tritonserver (gRPC HOST:PORT); the sidecar this benchmark starts "
+        f"takes the server's control secret from ${CONTROL_SECRET_ENV} (without it, it streams "
+        "from llm and a run meant for llm_fused stops with an error)",
+    )
     p.add_argument(
         "--metrics-url",
         help="with --triton-url: its metrics endpoint (http://HOST:PORT/metrics), for the "
@@ -379,7 +384,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="draw the PNG plots and write the run's JSON summary into this folder; the "
         "appended section links them relative to --benchmarks-md",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.openai_url and args.sidecar_workers != 1:
+        p.error("--sidecar-workers: this benchmark starts no sidecar with --openai-url")
+    return args
 
 
 def main(argv: list[str] | None = None) -> OnlineRun:

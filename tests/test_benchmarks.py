@@ -571,3 +571,10 @@ def test_mask_fill_times_every_way_of_making_matchers(tiny_model_dir, capsys):
         [" own ", " 2 "],
     ]
     assert all(float(line.split("|")[3]) > 0 for line in lines[2:])
+
+
+def test_online_refuses_sidecar_workers_for_a_sidecar_it_does_not_start(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        online.parse_args(["--openai-url", "http://127.0.0.1:1", "--sidecar-workers", "2"])
+    assert exit_.value.code == 2 and "--sidecar-workers" in capsys.readouterr().err
+    assert online.parse_args(["--openai-url", "http://127.0.0.1:1"]).sidecar_workers == 1

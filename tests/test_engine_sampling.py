@@ -194,3 +194,21 @@ def test_sampling_frequencies_match_softmax_over_many_tokens():
     counts = torch.bincount(tokens, minlength=4).double()
     expected = probs.double() * n
     assert ((counts - expected) ** 2 / expected).sum().item() < 16.27
+
+
+def test_cpu_seeds_that_differ_only_above_32_bits_draw_differently():
+    """PyTorch's CPU generator keeps a seed's low 32 bits: seeds outside [0, 2**32) are mixed
+    into them first, so s and s + 2**32 (or -1 and 2**63 - 1) do not draw alike; seeds inside
+    keep their draws."""
+    from tritonllm.engine.sampler import Sampler
+
+    sampler = Sampler(torch.device("cpu"), seed=0)
+
+    def draws(seed: int) -> list[float]:
+        return torch.rand(8, generator=sampler.make_generator(seed)).tolist()
+
+    assert draws(7) == torch.rand(8, generator=torch.Generator().manual_seed(7)).tolist()
+    pairs = [(0, 1 << 32), (7, (1 << 32) + 7), (-1, (1 << 63) - 1), (0, -(1 << 63)), (-5, -6)]
+    for a, b in pairs:
+        assert draws(a) != draws(b), (a, b)
+    assert draws(-(1 << 63)) == draws(-(1 << 63))  # still a function of the seed

@@ -170,9 +170,14 @@ class Sampler:
         return self.masks.start(vocab, masked, [reqs[i] for i in masked])
 
     def make_generator(self, seed: int) -> torch.Generator:
-        """A per-request generator on the sampling device."""
+        """A per-request generator on the sampling device, seeded with ``seed`` (an int64).
+
+        PyTorch's CPU generator (a Mersenne Twister) keeps only a seed's low 32 bits, so seeds
+        that differ above them (``s`` and ``s + 2**32``, ``-1`` and ``2**63 - 1``) would draw
+        alike: on CPU a seed outside ``[0, 2**32)`` is first mixed into 32 bits
+        (`_cpu_seed`). CUDA's generator (Philox) keeps all 64 bits."""
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
+        gen.manual_seed(seed if self.device.type == "cuda" else _cpu_seed(seed))
         return gen
 
     @torch.inference_mode()
@@ -370,6 +375,20 @@ def _kernel_fits(logits: torch.Tensor) -> bool:
     if logits.dtype not in LOGIT_DTYPES or logits.stride(1) != 1:
         return False
     return batch * counters_per_row(vocab, iters=iters_for(batch, vocab)) <= 1 << 32
+
+
+def _cpu_seed(seed: int) -> int:
+    """A seed for PyTorch's CPU generator, which keeps 32 bits: ``seed`` itself in ``[0,
+    2**32)``, else the low 32 bits of SplitMix64's output for it (Steele et al., "Fast
+    splittable pseudorandom number generators", 2014), so that seeds differing only in their
+    high bits do not draw alike."""
+    if 0 <= seed < 1 << 32:
+        return seed
+    mask = (1 << 64) - 1
+    z = (seed + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
 def _int64(value: int) -> int:
