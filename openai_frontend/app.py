@@ -1,12 +1,14 @@
 """The FastAPI app factory and the sidecar's command line.
 
 ``python -m openai_frontend --triton-url 127.0.0.1:8001 --model-name NAME --port 9000
-[--workers N]``
+[--workers N [--worker-timeout S]]``
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import logging
 import os
 import socket
@@ -132,6 +134,8 @@ def create_app(
     cache_salt_from_api_key: bool = False,
     control_secret: str | None = None,
     tool_call_parser: str = "hermes",
+    heartbeat_fd: int | None = None,
+    generator_lease: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app in front of the Triton ensemble at ``triton_url`` (gRPC).
 
@@ -152,6 +156,10 @@ def create_app(
         control_secret: the generator's control secret, sent with every abort (the server's
             ``TRITONLLM_CONTROL_SECRET``).
         tool_call_parser: the model family's tool-call syntax (``tool_parsers.TOOL_PARSERS``).
+        heartbeat_fd: a worker of ``--workers``: the write end of its heartbeat pipe, beaten
+            while the app runs (``workers.send_heartbeats``); None: no heartbeat.
+        generator_lease: the generator lease id to hold (None: a random one;
+            ``TritonClient``).
     Raises:
         ValueError: ``cache_salt_from_api_key`` without ``api_keys``, or an unknown
             ``tool_call_parser``.
@@ -163,8 +171,15 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Started first and cancelled last: the parent watches the worker's whole startup and
+        # shutdown (the aborts of its generations included).
+        heartbeat = None
+        if heartbeat_fd is not None:
+            heartbeat = asyncio.create_task(workers.send_heartbeats(heartbeat_fd))
         # The gRPC channel binds to the running event loop, so it is made here, not at import.
-        client = TritonClient(triton_url, triton_model, generator_model, control_secret)
+        client = TritonClient(
+            triton_url, triton_model, generator_model, control_secret, generator_lease
+        )
         client.start_lease()  # this process' death then aborts its generations
         app.state.server = state = ServerState(
             client=client,
@@ -181,6 +196,8 @@ def create_app(
         finally:
             await watch.stop()
             await client.close()
+            if heartbeat is not None:
+                heartbeat.cancel()
 
     app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
     app.state.server = None  # the lifespan sets it (the gRPC channel needs the running loop)
@@ -222,8 +239,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _worker_timeout(text: str) -> float:
+    value = float(text)
+    if not value > workers.HEARTBEAT_INTERVAL_S:
+        raise argparse.ArgumentTypeError(
+            f"must be more than {workers.HEARTBEAT_INTERVAL_S:g} s (a worker's heartbeat "
+            f"interval), got {text}"
+        )
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The sidecar's flags; exits with usage on bad flags (``--workers`` below 1 included)."""
+    """The sidecar's flags; exits with usage on bad flags (``--workers`` below 1, and
+    ``--worker-timeout`` not above the heartbeat interval, included)."""
     p = argparse.ArgumentParser(prog="python -m openai_frontend", description=__doc__)
     p.add_argument("--triton-url", default="127.0.0.1:8001", help="tritonserver gRPC host:port")
     p.add_argument(
@@ -246,11 +274,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "this process binds the port and supervises them, openai_frontend/workers.py)",
     )
     p.add_argument(
+        "--worker-timeout",
+        type=_worker_timeout,
+        default=workers.DEFAULT_WORKER_TIMEOUT_S,
+        help="with several --workers: seconds a worker's event loop may go without its "
+        "heartbeat (one a second) before the worker is killed and the sidecar exits 1, for its "
+        f"supervisor to restart it (default {workers.DEFAULT_WORKER_TIMEOUT_S:g}; the first "
+        f"heartbeat, after the worker's startup, may take {workers.WORKER_STARTUP_TIMEOUT_S:g})",
+    )
+    p.add_argument(
         "--fd",
         type=int,
         default=None,
         help="serve the listening socket of this inherited file descriptor instead of binding "
         "--host/--port (what --workers gives each worker)",
+    )
+    p.add_argument(
+        "--heartbeat-fd",
+        type=int,
+        default=None,
+        help="write a byte every second to this inherited pipe while the event loop runs "
+        "(what --workers gives each worker, to see that it is not hung)",
+    )
+    p.add_argument(
+        "--generator-lease",
+        default=None,
+        help="the generator lease id to hold (what --workers gives each worker, so as to end "
+        "the lease of one it killed; default: a random one)",
     )
     p.add_argument("--log-level", default="warning")
     p.add_argument(
@@ -342,9 +392,11 @@ def main(argv: list[str] | None = None) -> None:
     keys = parse_api_keys(",".join(args.api_key or [os.environ.get(API_KEY_ENV, "")]))
     if args.cache_salt_from_api_key and not keys:
         raise SystemExit("error: --cache-salt-from-api-key needs --api-key")
+    control_secret = os.environ.get(CONTROL_SECRET_ENV, "").strip() or None
     sockets = _sockets(args)
     if args.workers > 1:
-        sys.exit(workers.serve(argv, sockets))
+        end_lease = functools.partial(workers.end_lease, args.triton_url, control_secret)
+        sys.exit(workers.serve(argv, sockets, args.worker_timeout, end_lease))
     app = create_app(
         args.triton_url,
         name,
@@ -355,8 +407,10 @@ def main(argv: list[str] | None = None) -> None:
         api_keys=keys,
         cors_origins=tuple(args.cors_allow_origin),
         cache_salt_from_api_key=args.cache_salt_from_api_key,
-        control_secret=os.environ.get(CONTROL_SECRET_ENV, "").strip() or None,
+        control_secret=control_secret,
         tool_call_parser=args.tool_call_parser,
+        heartbeat_fd=args.heartbeat_fd,
+        generator_lease=args.generator_lease,
     )
     protocol = header_timeout_protocol(args.header_timeout)
     config = uvicorn.Config(

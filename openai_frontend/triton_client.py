@@ -217,6 +217,11 @@ FUSED_MODEL = "llm_fused"
 FALLBACK_MODEL = "llm"
 
 
+def new_lease() -> str:
+    """A random generator lease id (``TritonClient``): ``sidecar-`` and 16 hex digits."""
+    return f"sidecar-{secrets.token_hex(8)}"
+
+
 class TritonClient:
     """An async gRPC client of one tritonserver, shared by all requests of the sidecar.
 
@@ -230,8 +235,9 @@ class TritonClient:
         model: the ensemble to generate with (``llm_fused``).
         generator: the decoupled model that takes ``abort_request_id`` (``generator``).
         secret: the server's ``TRITONLLM_CONTROL_SECRET``, sent with every abort and the lease.
+        lease: this client's lease id (None: ``new_lease()``).
     Attributes:
-        lease: this client's lease id (random).
+        lease: this client's lease id.
     """
 
     def __init__(
@@ -240,10 +246,11 @@ class TritonClient:
         model: str = FUSED_MODEL,
         generator: str = "generator",
         secret: str | None = None,
+        lease: str | None = None,
     ) -> None:
         self.url, self.model, self.generator_model = url, model, generator
         self._control_secret = secret
-        self.lease = f"sidecar-{secrets.token_hex(8)}"
+        self.lease = lease or new_lease()
         self._lease_task: asyncio.Task | None = None
         options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
         self._channel = grpc.aio.insecure_channel(url, options=options)
@@ -307,6 +314,47 @@ class TritonClient:
                 if call is not None:
                     call.cancel()
             await asyncio.sleep(LEASE_RETRY_S)
+
+    async def end_lease(self, timeout: float = 5.0) -> bool:
+        """End this client's lease in the generator now, for a holder that is gone (the
+        ``--workers`` parent, for a worker it killed): take the lease over with a lease request
+        of its own and cancel that once the generator holds it open; the generator then aborts
+        every request of the lease at its next lease check. A holder that stalled before it
+        died had no lease request open (the generator answers one left unrenewed for a second),
+        so its death alone would end the lease only after the generator's grace
+        (``GeneratorCore``, "leases").
+
+        Returns:
+            True once the generator held the takeover open; False when it refused it (no
+            control secret), Triton was unreachable, or ``timeout`` seconds passed.
+        """
+        inputs = {"client_lease": self.lease, **self._secret()}
+        call = None
+
+        async def twice(request: Any) -> Any:
+            # The second answers the first: once that answer is back, the second is the
+            # lease's open request. The stream stays open until cancelled (a cancellation, not
+            # a half-close, is what ends the lease).
+            yield request
+            yield request
+            await asyncio.Event().wait()
+
+        async def take_over() -> bool:
+            nonlocal call
+            request = await self._request(self.generator_model, f"lease-{self.lease}", inputs)
+            call = self._stub.ModelStreamInfer(twice(request))
+            async for message in call:
+                return not message.error_message
+            return False
+
+        try:
+            return await asyncio.wait_for(take_over(), timeout)
+        except (asyncio.TimeoutError, TritonError, grpc.aio.AioRpcError) as exc:
+            log.warning("generator lease %s not ended: %r", self.lease, exc)
+            return False
+        finally:
+            if call is not None:
+                call.cancel()
 
     def _lease_refused(self, reason: str) -> None:
         if self.model == FUSED_MODEL:

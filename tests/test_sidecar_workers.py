@@ -8,7 +8,11 @@ processes on one port, in front of the real tritonserver.
 - SIGTERM to the parent drains both workers (their streams finish) and it exits 0; a
   SIGKILLed worker makes the parent stop the other and exit non-zero at once, and no
   generation is left running in the generator;
-- ``--workers`` below 1 is a usage error; one worker (the default) is one process.
+- a hung worker (SIGSTOPped: alive, silent) is SIGKILLed once its heartbeat is
+  ``--worker-timeout`` seconds old, and then the same happens as for a killed one; the
+  heartbeat never fires while the workers serve streams, drain or stop;
+- ``--workers`` below 1, or a ``--worker-timeout`` within the heartbeat interval, is a usage
+  error; one worker (the default) is one process.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from openai_frontend.app import parse_args
-from openai_frontend.workers import listening_sockets
+from openai_frontend.workers import HEARTBEAT_INTERVAL_S, listening_sockets
 from tritonllm.processes import child_pids
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
@@ -152,6 +156,7 @@ def test_two_workers_stream_what_one_streams_on_both_workers(two_workers, sideca
         re.findall(r"process (\d+) holds generator lease (\S+)", two_workers.log_tail(10**6))
     )
     assert sorted(map(int, leases)) == workers and len(set(leases.values())) == 2, leases
+    assert "did not answer" not in two_workers.log_tail(10**6)  # no heartbeat missed
 
 
 def _scrape(base_url: str) -> dict[tuple[str, tuple], float]:
@@ -282,6 +287,42 @@ def test_a_sigkilled_worker_stops_the_sidecar_and_its_generations(
         wait_for_gauges(metrics, engine_idle, 120)
 
 
+def test_a_hung_worker_is_killed_and_stops_the_sidecar_and_its_generations(
+    triton_server, tiny_model_dir, tmp_path
+):
+    """A SIGSTOPped worker neither exits nor answers, and the kernel still gives it new
+    connections: once its heartbeat is ``--worker-timeout`` seconds old the parent SIGKILLs it,
+    SIGINTs the other worker, ends the killed one's generator lease (it had no lease request
+    open: its generations would run on for the generator's grace) and exits 1."""
+    metrics = triton_server.metrics_url
+    timeout_s = 2
+    log_path = tmp_path / "sc.log"
+    sidecar = _start(triton_server, tiny_model_dir, log_path, f"--worker-timeout={timeout_s}")
+    try:
+        max_tokens = 600  # not done within the seconds the test gives the stop
+        results, started, workers = _stream_until_both_workers_serve(sidecar, 4, max_tokens)
+        running = wait_for_gauges(metrics, lambda g: g["tritonllm_requests_running"] >= started, 30)
+        assert running["tritonllm_requests_running"] == started, running
+        hung = time.monotonic()
+        os.kill(workers[0], signal.SIGSTOP)
+        assert sidecar.process.wait(timeout_s + 10) == 1, sidecar.log_tail()
+        assert time.monotonic() - hung < timeout_s + HEARTBEAT_INTERVAL_S + 4.0
+        assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in workers)
+        silent = re.search(rf"worker {workers[0]} did not answer for (\d+) s", sidecar.log_tail())
+        assert silent and int(silent[1]) >= timeout_s, sidecar.log_tail()
+        assert f"worker {workers[0]} exited with signal 9" in sidecar.log_tail()  # SIGKILLed
+        gauges = wait_for_gauges(metrics, lambda g: g["tritonllm_requests_running"] == 0, 5)
+        assert gauges["tritonllm_requests_running"] == 0, gauges
+        # None ran to its end. The hung worker's streams fail; the other's end with "abort" or,
+        # when sse-starlette closes one on the SIGINT first, with no finish_reason (drain.py).
+        ends = [results.get(timeout=10) for _ in range(started)]
+        assert any(end[0] == "error" for end in ends), ends
+        assert all(end[0] == "error" or end[1] in ("abort", None) for end in ends), ends
+    finally:
+        stop_process(sidecar.process)
+        wait_for_gauges(metrics, engine_idle, 120)
+
+
 def _zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
@@ -296,6 +337,15 @@ def test_fewer_than_one_worker_is_a_usage_error(workers, capsys):
     assert exit_.value.code == 2
     assert "--workers: must be at least 1" in capsys.readouterr().err
     assert parse_args([]).workers == 1
+
+
+@pytest.mark.parametrize("timeout", ["1", "0.5", "0", "-2"])
+def test_a_worker_timeout_within_the_heartbeat_interval_is_a_usage_error(timeout, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--worker-timeout", timeout])
+    assert exit_.value.code == 2
+    assert "--worker-timeout: must be more than 1 s" in capsys.readouterr().err
+    assert parse_args(["--worker-timeout", "2.5"]).worker_timeout == 2.5
 
 
 def test_each_worker_gets_a_socket_on_the_one_port_and_a_used_port_fails():
