@@ -6,7 +6,9 @@ close`` and ``Retry-After`` (nothing of it reached Triton, so a balancer may ret
 another replica), and the generations in flight go on. The server exits once none is left, or
 after ``timeout_s`` seconds, when the rest are aborted (their streams end with finish_reason
 ``"abort"``). SIGINT (Ctrl-C), or a second SIGTERM, stops at once: the generations in flight
-are aborted, as before.
+are aborted, as before. Either way the abort comes first, while the server still runs, and the
+server exits once their streams ended (each with its ``"abort"`` chunk and ``[DONE]``), at most
+``ABORTED_STREAMS_GRACE_S`` later; one more signal exits without waiting.
 
 The sidecar keeps no state that ties a client to a replica: a completion's id names a request
 only while its own stream lasts, and every request carries all its context, so a balancer may
@@ -43,10 +45,13 @@ class DrainState:
         timeout_s: most seconds the generations in flight get to finish after SIGTERM (0: do
             not drain; SIGTERM then aborts them at once).
         started_at: ``time.monotonic()`` when the drain began (None: not draining).
+        stopping: SIGINT (or SIGTERM without a drain) asked to stop now: the drain counts as
+            expired at once (the generations in flight are aborted, then the server exits).
     """
 
     timeout_s: float = 30.0
     started_at: float | None = None
+    stopping: bool = False
 
     @property
     def draining(self) -> bool:
@@ -58,9 +63,18 @@ class DrainState:
             self.started_at = time.monotonic()
             log.warning("draining: new requests get 503 for up to %.0f s", self.timeout_s)
 
+    def stop_now(self) -> None:
+        """Stop without draining: new requests get 503 and the generations in flight are
+        aborted at the next tick (`server_class`)."""
+        self.stopping = True
+        if self.started_at is None:
+            self.started_at = time.monotonic()
+
     def expired(self) -> bool:
-        """Whether the drain's time is up."""
-        return self.started_at is not None and time.monotonic() - self.started_at >= self.timeout_s
+        """Whether the drain's time is up (at once after `stop_now`)."""
+        if self.started_at is None:
+            return False
+        return self.stopping or time.monotonic() - self.started_at >= self.timeout_s
 
 
 class DrainGate:
@@ -103,10 +117,16 @@ def server_class() -> Any:
             return self.app.state.server, self.app.state.drain
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            _, drain = self._states()
+            server, drain = self._states()
             draining = drain.draining or self.should_exit
             if sig == signal.SIGTERM and drain.timeout_s > 0 and not draining:
                 drain.begin()  # on_tick ends the server once drained
+                return
+            if not self.should_exit and not drain.stopping and server is not None and server.live:
+                # Stop now, but abort the generations first, while the server still runs
+                # (on_tick, `_abort_expired`): uvicorn's exit flag would let sse-starlette
+                # close their streams before the abort's last chunks. A second signal exits.
+                drain.stop_now()
                 return
             super().handle_exit(sig, frame)
 

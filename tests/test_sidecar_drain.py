@@ -96,3 +96,51 @@ def test_an_expired_drain_aborts_before_it_lets_the_server_exit(monkeypatch):
         assert calls == ["abort 1, exit flag False"] and server.should_exit
 
     asyncio.run(stuck())
+
+
+def test_sigint_with_streams_in_flight_aborts_them_before_the_server_exits():
+    """Ctrl-C stops at once, yet in the same order as an expired drain: abort first, exit once
+    the streams ended; a second signal exits without waiting."""
+    import asyncio
+    import signal
+    import types
+
+    import uvicorn
+
+    from openai_frontend.drain import DrainState, server_class
+
+    aborted: list[bool] = []
+
+    class Live:
+        def __init__(self) -> None:
+            self.live = {"gen-1"}
+
+        async def abort_all(self, timeout: float = 5.0) -> None:
+            aborted.append(server.should_exit)
+
+    async def app(scope, receive, send):  # noqa: ANN001, ANN202 (a bare ASGI app)
+        raise AssertionError("not served")
+
+    state = Live()
+    app.state = types.SimpleNamespace(server=state, drain=DrainState(timeout_s=30.0))  # type: ignore[attr-defined]
+    config = uvicorn.Config(app, log_level="warning")
+    config.load()
+    server = server_class()(config, app)
+    server.handle_exit(signal.SIGINT, None)
+    assert not server.should_exit and app.state.drain.draining  # new requests get 503
+
+    async def ticks() -> None:
+        await server.on_tick(1)
+        assert aborted == [False] and not server.should_exit
+        state.live.clear()
+        await server.on_tick(2)
+        assert server.should_exit
+
+    asyncio.run(ticks())
+    # A second signal while the abort waits: exit at once.
+    server = server_class()(config, app)
+    state.live = {"gen-2"}
+    app.state.drain = DrainState(timeout_s=30.0)
+    server.handle_exit(signal.SIGINT, None)
+    server.handle_exit(signal.SIGINT, None)
+    assert server.should_exit
