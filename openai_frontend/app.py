@@ -233,14 +233,20 @@ def default_model_name(model: str | None) -> str:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
 def _worker_timeout(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if not value > workers.HEARTBEAT_INTERVAL_S:
         raise argparse.ArgumentTypeError(
             f"must be more than {workers.HEARTBEAT_INTERVAL_S:g} s (a worker's heartbeat "

@@ -339,6 +339,15 @@ def test_fewer_than_one_worker_is_a_usage_error(workers, capsys):
     assert parse_args([]).workers == 1
 
 
+def test_a_worker_count_or_timeout_that_is_no_number_is_a_usage_error(capsys):
+    for flag, text in (("--workers", "not an integer: 'abc'"), ("--worker-timeout", "seconds")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args([flag, "abc"])
+        assert exit_.value.code == 2
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"argument {flag}: " in error and text in error and "invalid" not in error, error
+
+
 @pytest.mark.parametrize("timeout", ["1", "0.5", "0", "-2"])
 def test_a_worker_timeout_within_the_heartbeat_interval_is_a_usage_error(timeout, capsys):
     with pytest.raises(SystemExit) as exit_:
