@@ -27,6 +27,7 @@ from tritonllm.engine.client import EngineClient, LoopTimes
 from tritonllm.engine.process_messages import decode_step, encode_step
 from tritonllm.engine.request import RequestOutput
 from tritonllm.engine.request_limits import RequestLimits
+from tritonllm.processes import child_pids
 from tritonllm.sampling_params import SamplingParams
 from tritonllm.triton_server import REPO_ROOT
 
@@ -62,19 +63,6 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
-
-
-def _children(pid: int) -> list[int]:
-    """Live child processes of `pid`."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
 
 
 def _wait_gone(pid: int, timeout: float = 15.0) -> bool:
@@ -364,7 +352,7 @@ def test_child_exits_when_its_parent_is_sigkilled():
         line = parent.stdout.readline()
         assert line.strip().isdigit(), f"parent printed {line!r}"
         engine = int(line)
-        children = _children(parent.pid)  # the engine and multiprocessing's resource tracker
+        children = child_pids(parent.pid)  # the engine and multiprocessing's resource tracker
         assert engine in children
         assert Path(f"/proc/{engine}/comm").read_text().strip() == "tritonllm-engin"
         parent.kill()

@@ -7,14 +7,20 @@ some streams before their abort reached them.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import types
 from pathlib import Path
 
 import openai
+import uvicorn
 from frontend_fixtures import start_sidecar, stop_process
 from openai_helpers import engine_idle, wait_for_gauges
 from test_supervision import _start_streams
+
+from openai_frontend import drain as drain_module
+from openai_frontend.drain import DrainState, server_class
 
 
 def test_streams_left_when_the_drain_expires_end_with_abort(
@@ -41,59 +47,54 @@ def test_streams_left_when_the_drain_expires_end_with_abort(
         wait_for_gauges(triton_server.metrics_url, engine_idle, 120)
 
 
+class FakeSidecar:
+    """`server_class`'s uvicorn server over a bare ASGI app whose state holds a stand-in for
+    the sidecar's ``ServerState`` (its generations in flight, ``live``, and their abort) and a
+    `DrainState`; ``calls`` records each abort with what uvicorn's exit flag was then."""
+
+    def __init__(self, live: set[str], drain: DrainState) -> None:
+        self.live = live
+        self.calls: list[str] = []
+
+        async def app(scope, receive, send):  # noqa: ANN001, ANN202 (a bare ASGI app)
+            raise AssertionError("not served")
+
+        app.state = types.SimpleNamespace(server=self, drain=drain)  # type: ignore[attr-defined]
+        config = uvicorn.Config(app, log_level="warning")
+        config.load()
+        self.drain = drain
+        self.server = server_class()(config, app)
+
+    async def abort_all(self, timeout: float = 5.0) -> None:
+        self.calls.append(f"abort {len(self.live)}, exit flag {self.server.should_exit}")
+
+
 def test_an_expired_drain_aborts_before_it_lets_the_server_exit(monkeypatch):
     """The order that keeps a stream's last chunks: the expired drain aborts the generations
     left while the server runs (uvicorn's exit flag still unset, which sse-starlette would see
     and close the streams at), and lets it exit once they are gone, or after the grace."""
-    import asyncio
-    import types
-
-    import uvicorn
-
-    from openai_frontend import drain as drain_module
-    from openai_frontend.drain import DrainState, server_class
-
-    calls: list[str] = []
-
-    class Live:
-        """The sidecar's ``ServerState``: its generations in flight, and their abort."""
-
-        def __init__(self) -> None:
-            self.live = {"gen-1", "gen-2"}
-
-        async def abort_all(self, timeout: float = 5.0) -> None:
-            calls.append(f"abort {len(self.live)}, exit flag {server.should_exit}")
-
-    async def app(scope, receive, send):  # noqa: ANN001, ANN202 (a bare ASGI app)
-        raise AssertionError("not served")
-
-    state = Live()
-    app.state = types.SimpleNamespace(server=state, drain=DrainState(timeout_s=0.0))  # type: ignore[attr-defined]
-    config = uvicorn.Config(app, log_level="warning")
-    config.load()
-    server = server_class()(config, app)
-    app.state.drain.begin()  # expired at once (timeout 0)
+    fake = FakeSidecar({"gen-1", "gen-2"}, DrainState(timeout_s=0.0))
+    server, calls = fake.server, fake.calls
+    fake.drain.begin()  # expired at once (timeout 0)
 
     async def ticks() -> None:
         await server.on_tick(1)
         assert calls == ["abort 2, exit flag False"] and not server.should_exit
         await server.on_tick(2)  # streams still ending: no second abort, no exit yet
         assert calls == ["abort 2, exit flag False"] and not server.should_exit
-        state.live.clear()
+        fake.live.clear()
         await server.on_tick(3)
         assert server.should_exit
 
     asyncio.run(ticks())
     # Streams that never end: the exit comes after the grace.
-    calls.clear()
-    server = server_class()(config, app)
-    state.live = {"gen-3"}
+    stuck_fake = FakeSidecar({"gen-3"}, fake.drain)
     monkeypatch.setattr(drain_module, "ABORTED_STREAMS_GRACE_S", 0.0)
 
     async def stuck() -> None:
-        await server.on_tick(1)
-        await server.on_tick(2)
-        assert calls == ["abort 1, exit flag False"] and server.should_exit
+        await stuck_fake.server.on_tick(1)
+        await stuck_fake.server.on_tick(2)
+        assert stuck_fake.calls == ["abort 1, exit flag False"] and stuck_fake.server.should_exit
 
     asyncio.run(stuck())
 
@@ -101,46 +102,21 @@ def test_an_expired_drain_aborts_before_it_lets_the_server_exit(monkeypatch):
 def test_sigint_with_streams_in_flight_aborts_them_before_the_server_exits():
     """Ctrl-C stops at once, yet in the same order as an expired drain: abort first, exit once
     the streams ended; a second signal exits without waiting."""
-    import asyncio
-    import signal
-    import types
-
-    import uvicorn
-
-    from openai_frontend.drain import DrainState, server_class
-
-    aborted: list[bool] = []
-
-    class Live:
-        def __init__(self) -> None:
-            self.live = {"gen-1"}
-
-        async def abort_all(self, timeout: float = 5.0) -> None:
-            aborted.append(server.should_exit)
-
-    async def app(scope, receive, send):  # noqa: ANN001, ANN202 (a bare ASGI app)
-        raise AssertionError("not served")
-
-    state = Live()
-    app.state = types.SimpleNamespace(server=state, drain=DrainState(timeout_s=30.0))  # type: ignore[attr-defined]
-    config = uvicorn.Config(app, log_level="warning")
-    config.load()
-    server = server_class()(config, app)
+    fake = FakeSidecar({"gen-1"}, DrainState(timeout_s=30.0))
+    server = fake.server
     server.handle_exit(signal.SIGINT, None)
-    assert not server.should_exit and app.state.drain.draining  # new requests get 503
+    assert not server.should_exit and fake.drain.draining  # new requests get 503
 
     async def ticks() -> None:
         await server.on_tick(1)
-        assert aborted == [False] and not server.should_exit
-        state.live.clear()
+        assert fake.calls == ["abort 1, exit flag False"] and not server.should_exit
+        fake.live.clear()
         await server.on_tick(2)
         assert server.should_exit
 
     asyncio.run(ticks())
     # A second signal while the abort waits: exit at once.
-    server = server_class()(config, app)
-    state.live = {"gen-2"}
-    app.state.drain = DrainState(timeout_s=30.0)
-    server.handle_exit(signal.SIGINT, None)
-    server.handle_exit(signal.SIGINT, None)
-    assert server.should_exit
+    again = FakeSidecar({"gen-2"}, DrainState(timeout_s=30.0))
+    again.server.handle_exit(signal.SIGINT, None)
+    again.server.handle_exit(signal.SIGINT, None)
+    assert again.server.should_exit

@@ -231,6 +231,17 @@ def _stream_until_both_workers_serve(sidecar: Sidecar, n: int, max_tokens: int):
     raise AssertionError(f"not both workers serving: {_live_streams(metrics_dir, workers)}")
 
 
+def _long_streams_on_both_workers(sidecar: Sidecar):
+    """`_stream_until_both_workers_serve` with streams too long to end within the seconds a
+    test gives a stop, once the generator runs every one of them."""
+    results, started, workers = _stream_until_both_workers_serve(sidecar, 4, max_tokens=600)
+    running = wait_for_gauges(
+        sidecar.metrics_url, lambda g: g["tritonllm_requests_running"] >= started, 30
+    )
+    assert running["tritonllm_requests_running"] == started, running
+    return results, started, workers
+
+
 def test_sigterm_drains_every_worker_then_exits_0(triton_server, tiny_model_dir, tmp_path):
     sidecar = _start(triton_server, tiny_model_dir, tmp_path / "sc.log", "--drain-timeout=60")
     try:
@@ -267,10 +278,7 @@ def test_a_sigkilled_worker_stops_the_sidecar_and_its_generations(
     metrics = triton_server.metrics_url
     sidecar = _start(triton_server, tiny_model_dir, tmp_path / "sc.log")
     try:
-        max_tokens = 600  # not done within the seconds the test gives the stop
-        results, started, workers = _stream_until_both_workers_serve(sidecar, 4, max_tokens)
-        running = wait_for_gauges(metrics, lambda g: g["tritonllm_requests_running"] >= started, 30)
-        assert running["tritonllm_requests_running"] == started, running
+        results, started, workers = _long_streams_on_both_workers(sidecar)
         killed = time.monotonic()
         os.kill(workers[0], signal.SIGKILL)
         assert sidecar.process.wait(10) == 1, sidecar.log_tail()
@@ -299,10 +307,7 @@ def test_a_hung_worker_is_killed_and_stops_the_sidecar_and_its_generations(
     log_path = tmp_path / "sc.log"
     sidecar = _start(triton_server, tiny_model_dir, log_path, f"--worker-timeout={timeout_s}")
     try:
-        max_tokens = 600  # not done within the seconds the test gives the stop
-        results, started, workers = _stream_until_both_workers_serve(sidecar, 4, max_tokens)
-        running = wait_for_gauges(metrics, lambda g: g["tritonllm_requests_running"] >= started, 30)
-        assert running["tritonllm_requests_running"] == started, running
+        results, started, workers = _long_streams_on_both_workers(sidecar)
         hung = time.monotonic()
         os.kill(workers[0], signal.SIGSTOP)
         assert sidecar.process.wait(timeout_s + 10) == 1, sidecar.log_tail()

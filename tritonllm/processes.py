@@ -16,7 +16,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 # Where servers listen unless told otherwise: loopback only, so a development machine does not
@@ -79,34 +79,30 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:  # a member we may not signal is still a member
         return True
-    proc = Path("/proc")
-    if not proc.is_dir():
+    if not Path("/proc").is_dir():
         return True
     # kill(2) also reaches zombies; orphaned ones wait for init to reap them, which can take
-    # seconds, and they hold nothing. Linux: field 3 of /proc/PID/stat is the state, 5 the pgid.
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    # seconds, and they hold nothing.
+    return any(pg == pgid for _, _, pg in _live_processes())
 
 
 def child_pids(pid: int) -> list[int]:
     """The live (non-zombie) child processes of ``pid`` (Linux ``/proc``; [] elsewhere), e.g.
     the workers of a sidecar started with ``--workers``, each in a process group of its own."""
-    children = []
+    return sorted(child for child, ppid, _ in _live_processes() if ppid == pid)
+
+
+def _live_processes() -> Iterator[tuple[int, int, int]]:
+    """(pid, ppid, pgid) of every live (non-zombie) process in Linux ``/proc`` (none
+    elsewhere). Fields of /proc/PID/stat after the command name: state (3), ppid (4), pgid (5).
+    """
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        # Fields after the command name: state (3), ppid (4).
-        if int(fields[1]) == pid and fields[0] != "Z":
-            children.append(int(stat.parent.name))
-    return sorted(children)
+        if fields[0] != "Z":
+            yield int(stat.parent.name), int(fields[1]), int(fields[2])
 
 
 def _signal_group(pgid: int, signum: int) -> None:
