@@ -25,8 +25,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import multiprocessing
-import re
-import shutil
 import sys
 import tempfile
 import time
@@ -92,25 +90,6 @@ class CeilingLevel:
     def responses_per_s(self) -> float:
         """Responses received in the window over its length."""
         return self.responses / self.window_s
-
-
-def repository_copy(instances: int, into: Path) -> Path:
-    """A copy of the ceiling repository under `into` with `instances` instances of
-    `ceiling_stream` (each a stub process with its own sender thread).
-
-    Raises:
-        ValueError: `instances` < 1.
-    """
-    if instances < 1:
-        raise ValueError(f"instances must be >= 1, got {instances}")
-    target = into / "ceiling_repository"
-    shutil.copytree(REPOSITORY, target, ignore=shutil.ignore_patterns("__pycache__"))
-    config = target / STREAM_MODEL / "config.pbtxt"
-    text, count = re.subn(r"count: \d+", f"count: {instances}", config.read_text())
-    if count != 1:
-        raise RuntimeError(f"{config}: expected one instance_group count, found {count}")
-    config.write_text(text)
-    return target
 
 
 def _check(chunks: int, last, length: int, num_input: int, ensemble: bool) -> str | None:
@@ -206,10 +185,11 @@ class CeilingServer:
         self.instances, self.client_processes, self.log_path = instances, client_processes, log_path
 
     def __enter__(self) -> CeilingServer:
-        from tritonllm.triton_server import TritonServer
+        from tritonllm.triton_server import TritonServer, repository_with_instances
 
         self._tmp = tempfile.TemporaryDirectory(prefix="ceiling-")
-        repo = repository_copy(self.instances, Path(self._tmp.name))
+        tmp = Path(self._tmp.name)
+        repo = repository_with_instances(REPOSITORY, STREAM_MODEL, self.instances, tmp)
         self.server = TritonServer(model_repository=repo, log_path=self.log_path)
         self.pool = None
         try:

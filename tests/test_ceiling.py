@@ -11,15 +11,19 @@ import pytest
 from benchmarks import ceiling
 
 
-def test_repository_copy_sets_the_stream_instances(tmp_path):
-    repo = ceiling.repository_copy(3, tmp_path)
+def test_a_repository_copy_sets_the_stream_instances(tmp_path):
+    """`CeilingServer`'s copy: ceiling_stream's config.pbtxt has the one count the shared
+    helper rewrites, and every other model is served from the original."""
+    from tritonllm.triton_server import repository_with_instances
+
+    repo = repository_with_instances(ceiling.REPOSITORY, ceiling.STREAM_MODEL, 3, tmp_path)
     config = (repo / ceiling.STREAM_MODEL / "config.pbtxt").read_text()
     assert "instance_group [ { count: 3 kind: KIND_CPU } ]" in config
     assert sorted(p.name for p in repo.iterdir()) == sorted(
         p.name for p in ceiling.REPOSITORY.iterdir() if p.name != "__pycache__"
     )
-    with pytest.raises(ValueError, match="instances"):
-        ceiling.repository_copy(0, tmp_path / "other")
+    model = repo / ceiling.STREAM_MODEL / "1" / "model.py"
+    assert model.resolve() == ceiling.REPOSITORY / ceiling.STREAM_MODEL / "1" / "model.py"
 
 
 async def _one_stream(url: str, model: str, inputs: dict) -> list:

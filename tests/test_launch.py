@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,14 +18,17 @@ from pathlib import Path
 
 import openai
 import pytest
+import requests
 
 from tritonllm.launch import parse_args, resolve_model, served_name
 from tritonllm.triton_server import (
+    MODEL_REPOSITORY,
     TritonInstall,
     TritonServer,
     find_tritonserver,
     free_port,
     remove_shm_regions,
+    repository_with_instances,
     start_process_group,
     stop_process_group,
 )
@@ -479,6 +483,133 @@ def test_sidecar_workers_flag_reaches_the_sidecar_command_line(tmp_path):
     assert not any(arg.startswith("--workers") for arg in default)
     with pytest.raises(SystemExit):
         parse_args(["--sidecar-workers", "0"])
+
+
+def test_generator_instances_flag_reaches_every_tritonserver(tmp_path, capsys):
+    """``--generator-instances 4`` makes every tritonserver the supervisor starts, restarts
+    included, serve 4 generator instances; without it, 1; below 1 or no integer is a usage
+    error."""
+    from tritonllm.launch import build_supervisor
+
+    model = str(tmp_path)
+    four = build_supervisor(parse_args(["--generator-instances", "4"]), model, "m")
+    assert four.new_triton().generator_instances == four.new_triton().generator_instances == 4
+    assert build_supervisor(parse_args([]), model, "m").new_triton().generator_instances == 1
+    for bad in ("0", "x"):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["--generator-instances", bad])
+        assert exit_.value.code == 2 and "--generator-instances" in capsys.readouterr().err
+
+
+def test_repository_copy_sets_the_generator_instances_and_links_the_rest(tmp_path):
+    """The copy differs from the repository in the generator's instance count alone: every
+    other model is a symlink to the original, the generator's version directory too, so its
+    model.py resolves into the original repository (where it finds the project root).
+    Removing the copy leaves the original whole."""
+    original = MODEL_REPOSITORY / "generator" / "config.pbtxt"
+    repo = repository_with_instances(MODEL_REPOSITORY, "generator", 3, tmp_path)
+    assert repo == tmp_path / "model_repository"
+    config = (repo / "generator" / "config.pbtxt").read_text()
+    assert "instance_group [ { count: 3 kind: KIND_CPU } ]" in config
+    assert config == original.read_text().replace(
+        "instance_group [ { count: 1 kind: KIND_CPU } ]",
+        "instance_group [ { count: 3 kind: KIND_CPU } ]",
+    )
+    models = {p.name for p in MODEL_REPOSITORY.iterdir() if p.is_dir()}
+    assert {p.name for p in repo.iterdir()} == models
+    for name in models - {"generator"}:
+        assert (repo / name).is_symlink()
+        assert (repo / name).resolve() == (MODEL_REPOSITORY / name).resolve()
+    assert not (repo / "generator").is_symlink() and (repo / "generator" / "1").is_symlink()
+    model_py = (repo / "generator" / "1" / "model.py").resolve()
+    assert model_py == (MODEL_REPOSITORY / "generator" / "1" / "model.py").resolve()
+    assert model_py.parents[3] == REPO_ROOT.resolve()
+    shutil.rmtree(repo)
+    assert (MODEL_REPOSITORY / "generator" / "1" / "model.py").is_file()
+    assert "count: 1 kind: KIND_CPU" in original.read_text()
+
+
+def test_a_server_with_two_generator_instances_answers_and_removes_its_copy(
+    tiny_model_dir, tokenizer, hf_greedy, tmp_path
+):
+    """``generator_instances=2``: tritonserver loads two generator instances from the
+    repository copy, streams what transformers generates through them, and `stop` removes
+    the copy (its symlinks only)."""
+    from conftest import SERVER_ENV
+
+    env = {**SERVER_ENV, "TRITONLLM_ENGINE_PROCESS": "1"}
+    log = tmp_path / "tritonserver.log"
+    server = TritonServer(model_path=tiny_model_dir, env=env, log_path=log, generator_instances=2)
+    try:
+        server.start(timeout=float(os.environ.get("TRITONLLM_TEST_SERVER_TIMEOUT", "300")))
+        copy = server.served_repository
+        assert copy != MODEL_REPOSITORY and (copy / "generator" / "config.pbtxt").is_file()
+        config = requests.get(
+            f"http://{server.http_url}/v2/models/generator/config",
+            headers=server.admin_headers,
+            timeout=10,
+        ).json()
+        assert [group["count"] for group in config["instance_group"]] == [2]
+        assert "generator_0_1" in log.read_text()  # the second instance was initialized
+        prompt = "The capital of France"
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        expected = tokenizer.decode(hf_greedy(prompt_ids, 6), skip_special_tokens=True)
+        # greedy, and no EOS stop: hf_greedy does not stop there
+        body = {"text_input": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+        url = f"http://{server.http_url}/v2/models/llm/generate"
+        response = requests.post(url, json={**body, "stream": False}, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["text_output"] == expected
+    finally:
+        server.stop()
+    assert not copy.exists() and server.served_repository == MODEL_REPOSITORY
+    assert (MODEL_REPOSITORY / "generator" / "1" / "model.py").is_file()
+
+
+def _repository(root: Path, config: str) -> Path:
+    (root / "generator" / "1").mkdir(parents=True)
+    (root / "generator" / "config.pbtxt").write_text(config)
+    (root / "tokenizer").mkdir()
+    return root
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        'name: "generator"\n',  # no instance_group: Triton's default, no count to set
+        "instance_group [ { kind: KIND_CPU } ]\n",
+        "instance_group [ { count: 1 kind: KIND_CPU }, { count: 2 kind: KIND_CPU } ]\n",
+        "instance_group [ { count: 1 } ]\ninstance_group [ { count: 1 } ]\n",
+        "# instance_group [ { count: 1 kind: KIND_CPU } ]\n",
+    ],
+)
+def test_a_generator_config_without_one_instance_count_is_refused(tmp_path, config):
+    source = _repository(tmp_path / "source", config)
+    into = tmp_path / "into"
+    into.mkdir()
+    with pytest.raises(RuntimeError, match="config.pbtxt: expected one instance_group"):
+        repository_with_instances(source, "generator", 2, into)
+    assert list(into.iterdir()) == []  # nothing made before the refusal
+
+
+def test_only_the_instance_groups_count_is_set(tmp_path):
+    """A count outside the instance_group (a parameter's, a comment's) stays as it was, and
+    so does the rest of the group."""
+    config = (
+        "# instance_group [ { count: 8 } ]\n"
+        'parameters { key: "count" value: { string_value: "count: 5" } }\n'
+        "instance_group [\n  {\n    count : 1\n    kind: KIND_GPU\n    gpus: [ 0 ]\n  }\n]\n"
+    )
+    source = _repository(tmp_path / "source", config)
+    (tmp_path / "into").mkdir()
+    repo = repository_with_instances(source, "generator", 4, tmp_path / "into")
+    assert (repo / "generator" / "config.pbtxt").read_text() == config.replace(
+        "count : 1", "count: 4"
+    )
+    with pytest.raises(ValueError, match="instances"):
+        repository_with_instances(source, "generator", 0, tmp_path / "other")
+    with pytest.raises(ValueError, match="generator_instances"):
+        TritonServer(generator_instances=0)
 
 
 def test_a_second_stop_signal_does_not_interrupt_the_first():

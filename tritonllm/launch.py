@@ -2,7 +2,8 @@
 
 ``python -m tritonllm.launch [--model PATH|HUB_ID] [--host 127.0.0.1] [--port 9000]
 [--triton-host 127.0.0.1] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
-[--on-failure restart|exit] [--drain-timeout 30] [--sidecar-workers 1]``
+[--on-failure restart|exit] [--drain-timeout 30] [--sidecar-workers 1]
+[--generator-instances 1]``
 
 Without ``--model`` (or ``TRITONLLM_MODEL``) the built-in default, SmolLM2-135M-Instruct, is
 served from ``models/smollm2-135m-instruct`` (converted once, on first use, by
@@ -20,7 +21,9 @@ and exits 1, for a container whose orchestrator restarts it. SIGTERM drains: new
 (SIGINT) stops at once, aborting what is in flight. This process imports neither torch nor
 transformers. ``--sidecar-workers N`` runs the sidecar as N processes on its one port
 (``openai_frontend/workers.py``): still one child here, which exits non-zero, and is restarted,
-when one of its workers dies.
+when one of its workers dies. ``--generator-instances N`` serves the generator model as N
+Triton instances (its instance_group count, set in a copy of the repository:
+``triton_server.repository_with_instances``) sharing one engine process.
 
 Ports and addresses: the OpenAI API on ``--host``:``--port`` (default 127.0.0.1:9000);
 tritonserver's HTTP, gRPC and metrics endpoints on ``--triton-host`` (default 127.0.0.1) at
@@ -83,6 +86,8 @@ class LaunchConfig:
         tensor_parallel_size: ranks the engine splits the model across
             (``TRITONLLM_TENSOR_PARALLEL_SIZE``; None: the repository's setting, 1).
         sidecar_workers: the sidecar's worker processes (its ``--workers``).
+        generator_instances: the generator model's Triton instances (``TritonServer``'s
+            ``generator_instances``).
     """
 
     model: str | None = None
@@ -101,6 +106,7 @@ class LaunchConfig:
     cors_origins: tuple[str, ...] = ()
     tensor_parallel_size: int | None = None
     sidecar_workers: int = 1
+    generator_instances: int = 1
 
     @property
     def base_url(self) -> str:
@@ -219,6 +225,7 @@ def _triton_factory(cfg: LaunchConfig, model: str, control_secret: str):
             metrics_port=cfg.metrics_port,
             bind_address=cfg.triton_host,
             control_secret=control_secret,
+            generator_instances=cfg.generator_instances,
         )
 
     return new_triton
@@ -383,9 +390,20 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         help="processes of the OpenAI sidecar, serving its one port (default 1; more relay "
         "more streamed chunks per second, one CPU core each)",
     )
+    p.add_argument(
+        "--generator-instances",
+        type=int,
+        default=1,
+        metavar="N",
+        help="generator model instances (Triton instance_group) sharing one engine process: "
+        "responses are sent from N Python stubs at once; needs the engine in its own process "
+        "(the default on CUDA); default 1",
+    )
     a = p.parse_args(argv)
     if a.sidecar_workers < 1:
         p.error(f"--sidecar-workers must be at least 1, got {a.sidecar_workers}")
+    if a.generator_instances < 1:
+        p.error(f"--generator-instances must be at least 1, got {a.generator_instances}")
     keys = ",".join(a.api_key or [os.environ.get(API_KEY_ENV, "")])
     api_keys = tuple(k.strip() for k in keys.split(",") if k.strip())
     if a.cache_salt_from_api_key and not api_keys:
@@ -413,6 +431,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         cors_origins=tuple(a.cors_allow_origin),
         tensor_parallel_size=a.tensor_parallel_size,
         sidecar_workers=a.sidecar_workers,
+        generator_instances=a.generator_instances,
     )
 
 

@@ -11,6 +11,10 @@ that carry the server's admin key (`admin_headers`, generated per start), the ge
 aborts only with the control secret (`control_secret`, generated per start, passed in the
 environment, never on a command line), and the Python backend's shared memory lives in a
 private, bounded /dev/shm (`processes.private_shm_command`).
+
+Triton reads a model's instance count only from its config.pbtxt: `TritonServer`'s
+``generator_instances`` > 1 serves a copy of the repository that differs in that count alone
+(`repository_with_instances`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import re
 import secrets
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +44,7 @@ from tritonllm.triton_install import TritonInstall, find_tritonserver, print_env
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+GENERATOR_MODEL = "generator"
 
 # Lines of a tritonserver log that say why something failed.
 _ERROR_LINE = re.compile(r"error|exception|failed to load|traceback", re.IGNORECASE)
@@ -78,8 +84,78 @@ def _setting_or_new(name: str) -> str:
     return os.environ.get(name, "").strip() or secrets.token_hex(32)
 
 
+# In config.pbtxt (protobuf text format): where the instance groups start (``instance_group [``
+# or ``instance_group {``), and an instance count.
+_INSTANCE_GROUP = re.compile(r"\binstance_group\s*[\[{]")
+_COUNT = re.compile(r"\bcount\s*:\s*\d+")
+_COMMENT = re.compile(r"#[^\n]*")
+
+
+def _with_instance_count(config: str, instances: int, where: Path) -> str:
+    """``config`` (a config.pbtxt's text) with the one ``count: <n>`` of its instance_group set
+    to ``instances``; the rest of the text as it was. Raises: RuntimeError (naming ``where``)
+    unless the text has one instance_group holding one count."""
+    # Comments blanked out, offsets kept: a commented-out group or count is not one.
+    text = _COMMENT.sub(lambda m: " " * len(m.group()), config)
+    groups = list(_INSTANCE_GROUP.finditer(text))
+    counts = []
+    if len(groups) == 1:
+        depth, end = 0, len(text)
+        for end in range(groups[0].end() - 1, len(text)):
+            depth += (text[end] in "[{") - (text[end] in "]}")
+            if depth == 0:
+                break
+        counts = list(_COUNT.finditer(text, groups[0].end(), end))
+    if len(counts) != 1:
+        raise RuntimeError(
+            f"{where}: expected one instance_group with one 'count: <n>', found "
+            f"{len(groups)} instance_group(s) and {len(counts)} count(s)"
+        )
+    start, stop = counts[0].span()
+    return f"{config[:start]}count: {instances}{config[stop:]}"
+
+
+def repository_with_instances(source: Path, model: str, instances: int, into: Path) -> Path:
+    """A model repository, made in the existing directory ``into``, that serves ``source``
+    with ``instances`` instances of ``model`` (Triton reads the count only from config.pbtxt).
+
+    Made of symlinks: every model directory of ``source`` but ``model`` is a symlink to the
+    original; ``model`` is a directory whose entries are symlinks to the original's, except
+    its config.pbtxt, a copy with the instance_group's ``count`` set to ``instances``. A
+    model.py reached through it resolves (``Path(__file__).resolve()``) into ``source``, where
+    the project's models find the project root. Removing the copy leaves ``source`` as it was.
+
+    Returns:
+        the new repository, ``into / source.name``.
+
+    Raises:
+        ValueError: ``instances`` < 1.
+        FileNotFoundError: ``source`` has no ``model/config.pbtxt``.
+        RuntimeError: that config.pbtxt does not have exactly one ``count: <n>`` inside one
+            instance_group.
+        FileExistsError: ``into / source.name`` exists.
+    """
+    if instances < 1:
+        raise ValueError(f"instances must be >= 1, got {instances}")
+    source = Path(source).resolve()
+    config_path = source / model / "config.pbtxt"
+    config = _with_instance_count(config_path.read_text(), instances, config_path)
+    target = Path(into) / source.name
+    target.mkdir()
+    for entry in sorted(source.iterdir()):
+        if entry.is_dir() and entry.name != model:
+            (target / entry.name).symlink_to(entry, target_is_directory=True)
+    (target / model).mkdir()
+    for entry in sorted((source / model).iterdir()):
+        if entry.name != config_path.name:
+            (target / model / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    (target / model / config_path.name).write_text(config)
+    return target
+
+
 __all__ = [
     "DEFAULT_BIND_ADDRESS",
+    "GENERATOR_MODEL",
     "MODEL_REPOSITORY",
     "REPO_ROOT",
     "TritonInstall",
@@ -90,6 +166,7 @@ __all__ = [
     "main",
     "print_env",
     "remove_shm_regions",
+    "repository_with_instances",
     "server_paths",
     "start_process_group",
     "stop_process_group",
@@ -117,6 +194,12 @@ class TritonServer:
             environment (``TRITONLLM_CONTROL_SECRET``); the sidecar needs the same.
         private_shm: run the server with a /dev/shm of its own (`SHM_LIMIT_BYTES`); None: where
             the host allows it, else its Python-backend regions are made 0600 once it is ready.
+        generator_instances: instances of the ``generator`` model (its instance_group count);
+            above 1, `start` serves a copy of ``model_repository`` with that count
+            (`repository_with_instances`, in a temporary directory that `stop` removes).
+
+    Raises:
+        ValueError: ``generator_instances`` < 1.
     """
 
     model_path: Path | str | None = None
@@ -132,7 +215,22 @@ class TritonServer:
         default_factory=lambda: _setting_or_new(CONTROL_SECRET_ENV), repr=False
     )
     private_shm: bool | None = None
+    generator_instances: int = 1
     process: subprocess.Popen | None = None
+    # The repository copy of `generator_instances` > 1 and its temporary directory, while
+    # started.
+    _repository_copy: Path | None = field(default=None, init=False, repr=False)
+    _copy_dir: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.generator_instances < 1:
+            raise ValueError(f"generator_instances must be >= 1, got {self.generator_instances}")
+
+    @property
+    def served_repository(self) -> Path:
+        """The model repository tritonserver is given: ``model_repository``, or while started
+        with ``generator_instances`` > 1, its copy with that many generator instances."""
+        return self._repository_copy or Path(self.model_repository)
 
     @property
     def admin_headers(self) -> dict[str, str]:
@@ -176,7 +274,7 @@ class TritonServer:
         shm = f"shm-default-byte-size={SHM_DEFAULT_BYTES},shm-growth-byte-size={SHM_GROWTH_BYTES}"
         return [
             str(install.binary),
-            f"--model-repository={self.model_repository}",
+            f"--model-repository={self.served_repository}",
             f"--backend-directory={install.backend_dir}",
             f"--http-address={self.bind_address}",
             f"--http-port={self.http_port}",
@@ -206,17 +304,29 @@ class TritonServer:
         return env
 
     def start(self, timeout: float = 180.0) -> TritonServer:
-        """Start the server and wait until it reports ready.
+        """Start the server and wait until it reports ready (with ``generator_instances`` > 1,
+        on a copy of the repository made first; `stop` removes it).
 
         Raises:
             RuntimeError: the process exited or was not ready within ``timeout`` seconds; the
-                message carries the tail of the server log.
+                message carries the tail of the server log. Or the generator's config.pbtxt
+                has no one instance count to set (`repository_with_instances`).
         """
         install = find_tritonserver()
         if self.log_path is None:
-            import tempfile
-
             self.log_path = Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        if self.generator_instances > 1 and self._repository_copy is None:
+            self._copy_dir = tempfile.TemporaryDirectory(prefix="tritonllm-repository-")
+            try:
+                self._repository_copy = repository_with_instances(
+                    self.model_repository,
+                    GENERATOR_MODEL,
+                    self.generator_instances,
+                    Path(self._copy_dir.name),
+                )
+            except BaseException:
+                self._remove_repository_copy()
+                raise
         command = self.command(install)
         private = None
         if self.private_shm is not False:
@@ -270,10 +380,17 @@ class TritonServer:
     def stop(self, timeout: float = 20.0) -> None:
         """Stop the server (SIGTERM to its process group, SIGKILL after ``timeout`` s), then
         remove the shared-memory regions left under its `shm_prefix` (none after a clean
-        shutdown)."""
+        shutdown) and the repository copy of ``generator_instances`` > 1 (its symlinks only:
+        the original repository stays)."""
         stop_process_group(self.process, timeout)
         if self.process is not None:
             remove_shm_regions(self.shm_prefix)
+        self._remove_repository_copy()
+
+    def _remove_repository_copy(self) -> None:
+        if self._copy_dir is not None:
+            self._copy_dir.cleanup()  # unlinks the symlinks, never follows them
+        self._copy_dir = self._repository_copy = None
 
     def __enter__(self) -> TritonServer:
         if self.process is None:
