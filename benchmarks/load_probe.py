@@ -10,12 +10,13 @@ that interval:
   is single-threaded Python is saturated.
 - The generator's `tritonllm_*` time counters (`tritonllm/serving/metrics.py`) as fractions
   of the interval: engine loop busy / its CPU / waiting for the GPU, sender thread busy /
-  CPU, engine steps/s (of which prefill/extend steps, with their mean tokens), output tokens
-  per decode step and responses/s. Waiting for a CUDA event spins, so GPU wait counts as
-  CPU time too: host work is about `cpu - gpu wait`, and `busy - cpu` is time the loop was
-  blocked otherwise (on the GIL, when the engine thread shares the generator's process). With
-  overlap scheduling a loop that is busy ~100% of the time but rarely waits for the GPU is
-  host-bound.
+  CPU (with several generator instances, the mean over their stubs' sender threads: each stub
+  adds to the same counters), engine steps/s (of which prefill/extend steps, with their mean
+  tokens), output tokens per decode step and responses/s. Waiting for a CUDA event spins, so
+  GPU wait counts as CPU time too: host work is about `cpu - gpu wait`, and `busy - cpu` is
+  time the loop was blocked otherwise (on the GIL, when the engine thread shares the
+  generator's process). With overlap scheduling a loop that is busy ~100% of the time but
+  rarely waits for the GPU is host-bound.
 """
 
 from __future__ import annotations
@@ -117,11 +118,16 @@ def scrape(metrics_url: str | None) -> dict[str, float]:
 
 class LoadProbe:
     """Snapshots of the process groups `pgids` and the metrics at `metrics_url` (either may be
-    empty: what is missing is left out of the report)."""
+    empty: what is missing is left out of the report). `generator_instances`: the generator's
+    Triton instances, whose stubs' sender threads all add to the `tritonllm_sender_*`
+    counters."""
 
-    def __init__(self, pgids: list[int], metrics_url: str | None) -> None:
+    def __init__(
+        self, pgids: list[int], metrics_url: str | None, generator_instances: int = 1
+    ) -> None:
         self.pgids = pgids
         self.metrics_url = metrics_url
+        self.generator_instances = generator_instances
 
     def snapshot(self) -> Snapshot:
         cpu = process_cpu_seconds(self.pgids)
@@ -135,10 +141,11 @@ class LoadProbe:
         dt = max(after.at - before.at, 1e-9)
         return {k: (v - before.metrics.get(k, 0.0)) / dt for k, v in after.metrics.items()}
 
-    @staticmethod
-    def report(before: Snapshot, after: Snapshot) -> dict[str, str]:
+    def report(self, before: Snapshot, after: Snapshot) -> dict[str, str]:
         """`{column: value}` over the interval: `cpu` (cores per process, busiest first) and,
-        with metrics, `engine` and `sender` (busy / CPU / GPU-wait fractions, rates)."""
+        with metrics, `engine` and `sender` (busy / CPU / GPU-wait fractions, rates; the
+        sender's busy and CPU fractions per stub: the counters' rates over
+        `generator_instances`, its responses/s all stubs' together)."""
         dt = max(after.at - before.at, 1e-9)
         cores = {k: (v - before.cpu_s.get(k, 0.0)) / dt for k, v in after.cpu_s.items()}
         cpu = ", ".join(
@@ -163,9 +170,10 @@ class LoadProbe:
                 f"{rate('engine_prefill_tokens_total') / prefills if prefills else 0:,.0f} tok), "
                 f"{tokens / decodes if decodes > 0 else 0:.0f} tok/decode step"
             )
+            stubs = self.generator_instances
             out["sender"] = (
-                f"busy {rate('sender_busy_seconds_total'):.0%}, cpu "
-                f"{rate('sender_cpu_seconds_total'):.0%}; "
+                f"busy {rate('sender_busy_seconds_total') / stubs:.0%}, cpu "
+                f"{rate('sender_cpu_seconds_total') / stubs:.0%}; "
                 f"{rate('responses_total'):,.0f} responses/s"
             )
         return out

@@ -2,7 +2,7 @@
 
     python -m benchmarks.online [--model DIR] [--concurrency 1,16,64,256]
         [--num-prompts-per-level N] [--device cuda] [--tensor-parallel-size 2]
-        [--sidecar-workers 4] [--no-append]
+        [--sidecar-workers 4] [--generator-instances 2] [--no-append]
 
 For each concurrency level, `c` closed-loop clients stream chat completions (a client sends its
 next request when the last one finished) with random prompts and fixed output lengths
@@ -12,10 +12,12 @@ a subprocess (so its GPU memory is freed before the server starts), in the same 
 `--ceiling`, the platform ceiling (`benchmarks.ceiling`) too, and the generator's responses/s
 against it; `--plots-dir` draws the plots (`benchmarks.plots`). `--tensor-parallel-size N`
 splits both engines, the served one and the offline one, across N ranks (GPUs);
-`--sidecar-workers N` runs the sidecar this benchmark starts as N processes on its port. What is
-reported: `benchmarks.online_report`. With `--triton-url`, the sidecar gets the server's
-control secret from `$TRITONLLM_CONTROL_SECRET` (without it the generator refuses its lease and
-it streams from `llm`; a run meant for `llm_fused` then stops with an error).
+`--sidecar-workers N` runs the sidecar this benchmark starts as N processes on its port;
+`--generator-instances N` serves the generator of the tritonserver it starts as N Triton
+instances (`TritonServer.generator_instances`). What is reported: `benchmarks.online_report`.
+With `--triton-url`, the sidecar gets the server's control secret from
+`$TRITONLLM_CONTROL_SECRET` (without it the generator refuses its lease and it streams from
+`llm`; a run meant for `llm_fused` then stops with an error).
 """
 
 from __future__ import annotations
@@ -269,7 +271,10 @@ def serve_and_run(
     }
     env.update({f"TRITONLLM_{k.upper()}": v for k, v in engine_args(args).items()})
     log_path = Path(args.server_log) if args.server_log else None
-    server = TritonServer(model_path=model, env=env, log_path=log_path)
+    instances = args.generator_instances
+    server = TritonServer(
+        model_path=model, env=env, log_path=log_path, generator_instances=instances
+    )
     log(f"starting tritonserver ({env})")
     try:
         server.start(timeout=600)
@@ -278,7 +283,8 @@ def serve_and_run(
         with Sidecar(
             server.grpc_url, None, args.triton_model, secret, args.sidecar_workers
         ) as sidecar:
-            probe = LoadProbe([server.process.pid, *sidecar.pgids()], server.metrics_url)
+            pgids = [server.process.pid, *sidecar.pgids()]
+            probe = LoadProbe(pgids, server.metrics_url, instances)
             return go(sidecar.base_url, probe)
     except RuntimeError:
         print(server.log_tail(), file=sys.stderr)
@@ -365,6 +371,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="processes of the sidecar this benchmark starts (its --workers; not with "
         "--openai-url)",
     )
+    p.add_argument(
+        "--generator-instances",
+        type=common.positive_int,
+        default=1,
+        help="generator model instances (Triton instance_group) of the tritonserver this "
+        "benchmark starts, sharing one engine process (not with --triton-url or --openai-url)",
+    )
     p.add_argument("--server-log", help="tritonserver log file (default: a temp file)")
     p.add_argument(
         "--tensor-parallel-size",
@@ -387,6 +400,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.openai_url and args.sidecar_workers != 1:
         p.error("--sidecar-workers: this benchmark starts no sidecar with --openai-url")
+    if (args.triton_url or args.openai_url) and args.generator_instances != 1:
+        p.error(
+            "--generator-instances: this benchmark starts no tritonserver with --triton-url "
+            "or --openai-url"
+        )
     return args
 
 
@@ -411,18 +429,31 @@ def main(argv: list[str] | None = None) -> OnlineRun:
             f"sidecar: {args.sidecar_workers} worker process(es) on one port (--sidecar-workers), "
             f"streaming from {args.triton_model} (--triton-model)"
         )
+    if not (args.openai_url or args.triton_url):
+        notes.append(
+            f"generator: {args.generator_instances} Triton instance(s) (--generator-instances; "
+            "several share one engine)"
+        )
     itl = online_report.itl_note(result)
     if itl:
         notes.append(itl)
     table = online_report.report(result)
     if result.loads:
         table += "\n\nWhere the time goes per level (averages over the level's wall time):\n\n"
-        table += online_report.load_report(result.loads)
+        table += online_report.load_report(result.loads, args.generator_instances)
         notes.append(
             "CPU cores: user+system CPU seconds per process (/proc) over the level's wall time; "
             "engine/sender: the generator's tritonllm_* time counters over the same interval "
             "(busy = had work, cpu = thread CPU time, gpu wait = waiting for a launched step)"
         )
+        if args.generator_instances > 1:
+            notes.append(
+                f"{args.generator_instances} generator instances: stub:generator is their "
+                "stubs' CPU together; every stub adds to the same tritonllm_sender_* counters, "
+                "so sender busy and cpu are those counters' rates over "
+                f"{args.generator_instances} (the mean per stub's sender thread), and "
+                "responses/s is all stubs' together"
+            )
     if result.ceiling:
         table += "\n\nPlatform ceiling (benchmarks.ceiling, same run):\n\n"
         table += ceiling.report(result.ceiling)

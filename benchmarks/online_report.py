@@ -174,17 +174,22 @@ def itl_note(run: OnlineRun) -> str | None:
     )
 
 
-def load_report(loads: dict[int, dict[str, str]]) -> str:
-    """Markdown table of the per-level load reports (`LoadProbe.report`); '' without any."""
+def load_report(loads: dict[int, dict[str, str]], generator_instances: int = 1) -> str:
+    """Markdown table of the per-level load reports (`LoadProbe.report`); '' without any.
+    With several `generator_instances` the sender column says that its fractions are per
+    stub (the mean over the instances' sender threads)."""
     if not loads:
         return ""
     keys = sorted(
         {k for load in loads.values() for k in load}, key=["cpu", "engine", "sender"].index
     )
+    sender = "generator sender thread"
+    if generator_instances > 1:
+        sender = f"generator sender threads (busy, cpu: mean of {generator_instances} stubs)"
     names = {
         "cpu": "CPU cores per process",
         "engine": "generator engine loop",
-        "sender": "generator sender thread",
+        "sender": sender,
     }
     rows = [[str(c)] + [load.get(k, "-") for k in keys] for c, load in loads.items()]
     return common.markdown_table(["concurrency"] + [names[k] for k in keys], rows)

@@ -578,3 +578,14 @@ def test_online_refuses_sidecar_workers_for_a_sidecar_it_does_not_start(capsys):
         online.parse_args(["--openai-url", "http://127.0.0.1:1", "--sidecar-workers", "2"])
     assert exit_.value.code == 2 and "--sidecar-workers" in capsys.readouterr().err
     assert online.parse_args(["--openai-url", "http://127.0.0.1:1"]).sidecar_workers == 1
+
+
+@pytest.mark.parametrize("url", ["--openai-url", "--triton-url"])
+def test_online_refuses_generator_instances_for_a_server_it_does_not_start(url, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        online.parse_args([url, "http://x", "--generator-instances", "2"])
+    assert exit_.value.code == 2 and "--generator-instances" in capsys.readouterr().err
+    assert online.parse_args([url, "http://x"]).generator_instances == 1
+    assert online.parse_args(["--generator-instances", "3"]).generator_instances == 3
+    with pytest.raises(SystemExit):
+        online.parse_args(["--generator-instances", "0"])

@@ -138,6 +138,22 @@ def test_load_probe_rates_are_counter_increase_per_second():
     assert LoadProbe.rates(before, Snapshot(11.0, {}, {})) == {}
 
 
+def test_load_probe_reports_the_sender_fractions_per_generator_stub():
+    """Every generator stub adds to the same tritonllm_sender_* counters: with N instances the
+    sender's busy and CPU fractions are those counters' rates over N, its responses/s the sum,
+    and the table's column says so."""
+    counters = ("sender_busy_seconds_total", "sender_cpu_seconds_total", "responses_total")
+    before = Snapshot(10.0, {}, dict.fromkeys((f"tritonllm_{c}" for c in counters), 0.0))
+    after = Snapshot(12.0, {}, dict(zip(before.metrics, (3.0, 1.0, 2_000.0), strict=True)))
+    one = LoadProbe([], None).report(before, after)["sender"]
+    assert one == "busy 150%, cpu 50%; 1,000 responses/s"
+    three = LoadProbe([], None, generator_instances=3).report(before, after)["sender"]
+    assert three == "busy 50%, cpu 17%; 1,000 responses/s"
+    assert "| generator sender thread |" in online_report.load_report({1: {"sender": one}})
+    table = online_report.load_report({1: {"sender": three}}, generator_instances=3)
+    assert "| generator sender threads (busy, cpu: mean of 3 stubs) |" in table
+
+
 def test_plots_drawn_later_from_the_saved_summary_where_matplotlib_is_missing(
     tmp_path, monkeypatch, capsys
 ):
