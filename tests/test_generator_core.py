@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -587,3 +588,100 @@ def test_several_sender_threads_keep_every_stream_exact_and_in_order():
             assert [t for chunk, _ in sink.sent for t in chunk.output_ids] == list(range(30))
     finally:
         core.finalize()
+
+
+# ---- instances sharing one engine (siblings) ----------------------------------------------------
+
+
+class SiblingEngine(RecordingEngine):
+    """A ``RecordingEngine`` of one instance of a shared engine: ``broadcast`` hands the payload
+    to every other instance's ``on_control``, as the engine process does; ``live`` stands for
+    the whole engine's requests in its stats."""
+
+    def __init__(self, group: list) -> None:
+        super().__init__()
+        self.group, self.on_control, self.live = group, None, 0
+        group.append(self)
+
+    def broadcast(self, payload) -> None:
+        for other in self.group:
+            if other is not self and other.on_control is not None:
+                other.on_control(payload)
+
+    def stats(self):
+        return types.SimpleNamespace(num_running=self.live, num_waiting=0)
+
+
+def _siblings(n: int = 2, **settings) -> list[GeneratorCore]:
+    group: list = []
+    return [
+        GeneratorCore(
+            SiblingEngine(group),
+            lambda *a: None,
+            lambda: True,
+            print,
+            print,
+            siblings=True,
+            **settings,
+        ).start()
+        for _ in range(n)
+    ]
+
+
+def test_an_abort_by_id_reaches_the_instance_that_has_the_request():
+    a, b = _siblings()
+    try:
+        b.execute("far", {"input_ids": ids(1, 2)}, "", Sink())
+        control = Sink()
+        a.execute("ctl", {"abort_request_id": np.array([b"far"], dtype=object)}, "", control)
+        assert control.sent == [(None, True)]
+        assert b.engine.aborted == ["far"] and a.engine.aborted == []
+        # one still on its way to the other instance is remembered there too
+        a.execute("ctl2", {"abort_request_id": np.array([b"later"], dtype=object)}, "", Sink())
+        late = Sink()
+        b.execute("later", {"input_ids": ids(1, 2)}, "", late)
+        ((chunk, final),) = late.sent
+        assert final and chunk.finish_reason == "abort" and "later" not in b.engine.submitted
+    finally:
+        a.finalize()
+        b.finalize()
+
+
+def test_a_lease_renewed_at_one_instance_is_renewed_at_all_and_its_end_aborts_everywhere():
+    settings = {"metrics_interval_s": 0.01, "lease_check_s": 0.01, "lease_s": 5.0}
+    a, b = _siblings(lease_grace_s=0.3, **settings)
+    try:
+        on_a, on_b = Sink(), Sink()
+        a.execute("w1", {"input_ids": ids(1)}, "", Sink())  # another client's request
+        a.execute("side/1", {"input_ids": ids(1)}, "", Sink())
+        b.execute("side/2", {"input_ids": ids(1)}, "", Sink())
+        a.execute("l0", _lease("side"), "", on_a)
+        b.execute("l1", _lease("side"), "", on_b)  # the renewal lands on the other instance
+        assert on_a.sent == [(None, True)] and on_b.sent == []  # the older request answered
+        for i in range(6):  # renewed every 0.1 s, for twice the grace, always on b
+            time.sleep(0.1)
+            older, on_b = on_b, Sink()
+            b.execute(f"r{i}", _lease("side"), "", on_b)
+            assert older.sent == [(None, True)]
+        assert a.engine.aborted == [] and b.engine.aborted == []  # b's renewals count on a
+        on_b.cancelled = True  # the lease's client went away: b sees it
+        on_b.wait()
+        eventually(lambda: a.engine.aborted == ["side/1"] and b.engine.aborted == ["side/2"])
+    finally:
+        a.finalize()
+        b.finalize()
+
+
+def test_the_live_limit_counts_the_whole_engine():
+    a, b = _siblings(max_live_requests=3)
+    try:
+        a.engine.live = 3  # the engine runs three requests of the other instance
+        refused = Sink()
+        a.execute("one-too-many", {"input_ids": ids(1)}, "", refused)
+        assert refused.error().code == ErrorCode.SERVER_OVERLOADED
+        a.engine.live = 2
+        a.execute("fits", {"input_ids": ids(1)}, "", Sink())
+        assert "fits" in a.engine.submitted
+    finally:
+        a.finalize()
+        b.finalize()

@@ -115,6 +115,22 @@ def test_tensor_parallel_size_is_parsed_and_always_runs_the_engine_in_processes(
         off.use_engine_process("cuda", 2)
 
 
+def test_several_generator_instances_share_an_engine_process():
+    """The instance count is read from Triton's model config (the sum of its instance groups);
+    more than one instance always runs the engine in a process (they share it), and an
+    explicit ``engine_process=false`` with it is refused with both names."""
+    from tritonllm.triton_config import instance_count
+
+    assert instance_count('{"instance_group": [{"count": 2, "kind": "KIND_CPU"}]}') == 2
+    assert instance_count({"instance_group": [{"count": 2}, {"count": 1}]}) == 3
+    assert instance_count({"instance_group": [{"kind": "KIND_CPU"}]}) == 1
+    assert instance_count("{}") == 1
+    assert serving_config({}, {}).use_engine_process("cpu", 1, 2)
+    off = serving_config({"engine_process": "false"}, {})
+    with pytest.raises(ValueError, match="engine_process=false cannot serve 2 generator instances"):
+        off.use_engine_process("cpu", 1, 2)
+
+
 def test_every_engine_field_is_documented():
     from dataclasses import fields
 

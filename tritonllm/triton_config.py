@@ -143,14 +143,25 @@ class ServingConfig:
             return self.sender_threads
         return 4 if own_process else 1
 
-    def use_engine_process(self, device: str, tensor_parallel_size: int = 1) -> bool:
+    def use_engine_process(
+        self, device: str, tensor_parallel_size: int = 1, instances: int = 1
+    ) -> bool:
         """Whether the generator runs an engine on ``device`` (``cpu``, ``cuda``, ``cuda:N``)
         split across ``tensor_parallel_size`` ranks in its own process (always, for more than
-        one rank: each rank is a process).
+        one rank: each rank is a process; and for more than one generator instance: they share
+        it, ``serving.shared_engine``).
 
         Raises:
-            ValueError: ``engine_process`` false with more than one rank.
+            ValueError: ``engine_process`` false with more than one rank or instance.
         """
+        if instances > 1:
+            if self.engine_process is False:
+                raise ValueError(
+                    f"engine_process=false cannot serve {instances} generator instances (they"
+                    " share one engine process; set instance_group count to 1 or engine_process"
+                    " to true)"
+                )
+            return True
         if tensor_parallel_size > 1:
             if self.engine_process is False:
                 raise ValueError(
@@ -161,6 +172,15 @@ class ServingConfig:
         if self.engine_process is None:
             return device.split(":")[0] == "cuda"
         return self.engine_process
+
+
+def instance_count(model_config: str | Mapping[str, Any]) -> int:
+    """The instances Triton runs of a model: the sum of its ``instance_group`` counts (JSON, as
+    Triton hands ``args["model_config"]`` to a Python model, or the parsed dict); 1 without
+    any."""
+    config = json.loads(model_config) if isinstance(model_config, str) else model_config
+    groups = config.get("instance_group") or []
+    return max(1, sum(int(group.get("count", 1)) for group in groups))
 
 
 def model_parameters(model_config: str | Mapping[str, Any]) -> dict[str, str]:

@@ -20,15 +20,18 @@ import cProfile
 import ctypes
 import dataclasses
 import functools
+import logging
 import multiprocessing
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, Listener, wait
 
 from tritonllm.config import EngineConfig
 from tritonllm.distributed import init_tensor_parallel, rank_device
@@ -39,13 +42,20 @@ from tritonllm.engine.model_runner import ModelRunner
 from tritonllm.engine.process_messages import (
     ABORT,
     FAILED,
+    FORWARD,
     READY,
     SUBMIT,
     StepBroadcast,
     decode_forward,
-    encode_step,
+    encode_control,
+    encode_rows,
+    output_row,
 )
+from tritonllm.engine.request import RequestOutput
 from tritonllm.engine.request_limits import RequestLimits
+from tritonllm.engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # <linux/prctl.h>
 # Diagnostics (`EngineConfig.engine_profile`): seconds between two dumps of the child's cProfile
@@ -70,15 +80,29 @@ class RankLink:
     pipes: list[Connection]
 
 
+@dataclass(frozen=True)
+class ListenAddress:
+    """Where a shared engine takes the connections of further clients (a spawn argument).
+
+    Attributes:
+        address: an `AF_UNIX` address (on Linux an abstract one: a leading NUL byte).
+        authkey: the key `multiprocessing.connection` authenticates each connection with.
+    """
+
+    address: str
+    authkey: bytes = dataclasses.field(repr=False)
+
+
 def engine_main(
     config: EngineConfig,
     commands: Connection,
     results: Connection,
     parent_pid: int,
     link: RankLink | None = None,
+    listen: ListenAddress | None = None,
 ) -> None:
     """The child's entry point: build the engine (as rank 0 of `link`'s group when given),
-    report ready (or the error), serve."""
+    report ready (or the error), serve (with `listen`, also the clients that connect there)."""
     _start_child(parent_pid)
     try:
         engine = _build_engine(config, link)
@@ -96,8 +120,11 @@ def engine_main(
         profiler.enable()
         dump_profile = functools.partial(profiler.dump_stats, config.engine_profile)
     try:
+        listener = None
+        if listen is not None:
+            listener = Listener(listen.address, "AF_UNIX", authkey=listen.authkey)
         results.send((READY, RequestLimits.of(engine), engine.stats()))
-        _serve(engine, commands, results, dump_profile)
+        _serve(engine, _Clients(commands, results, listener), dump_profile)
     except (EOFError, OSError):
         pass  # the parent closed its end or is gone: nobody is left to serve
     finally:
@@ -157,14 +184,14 @@ def _bind_to_parent(parent_pid: int, name: str) -> None:
 
 def _serve(
     engine: LLMEngine,
-    commands: Connection,
-    results: Connection,
+    clients: _Clients,
     dump_profile: Callable[[], None] | None = None,
 ) -> None:
     """The engine loop (like `EngineThread._loop`): read commands, blocking only while idle,
-    apply them between steps, step, send one message per step. Returns on a stop command;
-    raises EOFError when the parent closed the command pipe. `dump_profile` (diagnostics, see
-    `EngineConfig.engine_profile`) is called every `PROFILE_DUMP_S` seconds."""
+    apply them between steps, step, send one message per step to each client. Returns on a stop
+    command of the parent that started the child; raises EOFError when that parent closed its
+    command pipe. `dump_profile` (diagnostics, see `EngineConfig.engine_profile`) is called
+    every `PROFILE_DUMP_S` seconds."""
     cpu0 = time.thread_time()
     busy = transport = 0.0
     loops = 0
@@ -173,26 +200,198 @@ def _serve(
         if dump_profile is not None and time.monotonic() >= next_dump:
             dump_profile()
             next_dump = time.monotonic() + PROFILE_DUMP_S
-        batch: list[tuple] = []
-        if not engine.has_unfinished():
-            batch.extend(commands.recv())
-        while commands.poll():
-            batch.extend(commands.recv())
+        batch = clients.receive(engine, block=not engine.has_unfinished())
         start = time.perf_counter()
-        submissions, aborts = [], []
-        for command in batch:
+        submissions, aborts = [], clients.orphaned()
+        for client, command in batch:
             if command[0] == SUBMIT:
-                submissions.append(command[1:])
+                submissions.append((clients.submitted(client, command[1]), *command[2:4]))
             elif command[0] == ABORT:
-                aborts.append(command[1])
-            else:
+                aborts.append(clients.engine_id(client, command[1]))
+            elif command[0] == FORWARD:
+                clients.forward(client, command[1])
+            elif client is clients.owner:
                 return
+            else:
+                clients.drop(client)
         outputs = admit_and_step(engine, submissions, aborts)
         encoding = time.perf_counter()
         busy_now = busy + encoding - start
         times = LoopTimes(busy_now, time.thread_time() - cpu0, transport, loops + 1)
-        results.send_bytes(encode_step(outputs, engine.stats(), times))
+        clients.send_step(outputs, engine.stats(), times)
         end = time.perf_counter()
         busy += end - start
         transport += end - encoding
         loops += 1
+
+
+class _Client:
+    """One parent the child serves: its command and result connections (one duplex
+    connection for a client that connected over the listener) and its requests in flight
+    (engine ids; tracked only when the engine is shared)."""
+
+    __slots__ = ("index", "commands", "results", "live")
+
+    def __init__(self, index: int, commands: Connection, results: Connection) -> None:
+        self.index, self.commands, self.results = index, commands, results
+        self.live: set[str] = set()
+
+
+class _Clients:
+    """The parents an engine child serves: the one that started it (client 0, over its two
+    pipes) and, with a `listener`, every generator instance that connects there (a thread
+    accepts them; the loop greets each between steps with the READY message).
+
+    A shared engine (one with a listener) names each request `"<client index>:<id>"` inside
+    the engine, so that two instances may use the same id, and hands each client its own
+    outputs under the id it gave, in a step message of its own (every client gets one per
+    step, with the engine's stats). A client that disconnects has its requests aborted. An
+    engine without a listener sends the step's outputs as they are: the one parent's path costs
+    nothing more.
+    """
+
+    def __init__(
+        self, commands: Connection, results: Connection, listener: Listener | None = None
+    ) -> None:
+        self.owner = _Client(0, commands, results)
+        self.shared = listener is not None
+        self._clients: dict[int, _Client] = {0: self.owner}
+        self._next_index = 1
+        self._accepted: queue.SimpleQueue[Connection] = queue.SimpleQueue()
+        self._orphans: list[str] = []  # requests of dropped clients, to abort
+        self._wake_r = self._wake_w = -1
+        if listener is not None:
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_r, False)
+            threading.Thread(
+                target=self._accept, args=(listener,), name="tritonllm-accept", daemon=True
+            ).start()
+
+    # ---- commands -------------------------------------------------------------------------
+    def receive(self, engine: LLMEngine, block: bool) -> list[tuple[_Client, tuple]]:
+        """The commands waiting on every client's connection, in arrival order per client;
+        with `block`, waits until there is one. Greets clients accepted meanwhile.
+
+        Raises:
+            EOFError: the parent that started the child closed its command pipe.
+        """
+        owner = self.owner
+        if not self.shared:
+            batch = [(owner, c) for c in owner.commands.recv()] if block else []
+            while owner.commands.poll():
+                batch.extend((owner, c) for c in owner.commands.recv())
+            return batch
+        self._greet(engine)
+        if block:
+            wait([c.commands for c in self._clients.values()] + [self._wake_r])
+            self._greet(engine)
+        batch = []
+        for client in list(self._clients.values()):
+            try:
+                while client.commands.poll():
+                    batch.extend((client, c) for c in client.commands.recv())
+            except (EOFError, OSError):
+                if client is owner:
+                    raise EOFError from None
+                self.drop(client)
+        return batch
+
+    def engine_id(self, client: _Client, request_id: str) -> str:
+        """The engine's name of `client`'s request `request_id`."""
+        return f"{client.index}:{request_id}" if self.shared else request_id
+
+    def submitted(self, client: _Client, request_id: str) -> str:
+        """`engine_id`, for a request being submitted (a shared engine tracks it)."""
+        if not self.shared:
+            return request_id
+        engine_id = f"{client.index}:{request_id}"
+        client.live.add(engine_id)
+        return engine_id
+
+    def forward(self, sender: _Client, payload: object) -> None:
+        """Send `payload` to every client but `sender` as a control message."""
+        data = encode_control(payload)
+        for client in list(self._clients.values()):
+            if client is not sender:
+                self._send(client, data)
+
+    def drop(self, client: _Client) -> None:
+        """Forget a client that left: its requests are aborted at the next step."""
+        if self._clients.pop(client.index, None) is None:
+            return
+        self._orphans.extend(client.live)
+        client.live.clear()
+        try:
+            client.commands.close()
+        except OSError:
+            pass
+
+    def orphaned(self) -> list[str]:
+        """Engine ids of dropped clients' requests not aborted yet (taken)."""
+        orphans, self._orphans = self._orphans, []
+        return orphans
+
+    # ---- results ----------------------------------------------------------------------------
+    def send_step(self, outputs: list[RequestOutput], stats: EngineStats, times: LoopTimes) -> None:
+        """Send one step message to each client, with its own outputs.
+
+        Raises:
+            OSError: the parent that started the child is gone.
+        """
+        if not self.shared:
+            rows = [output_row(out) for out in outputs]
+            self.owner.results.send_bytes(encode_rows(rows, stats, times))
+            return
+        per_client: dict[int, list[tuple]] = {index: [] for index in self._clients}
+        for out in outputs:
+            prefix, _, request_id = out.request_id.partition(":")
+            client = self._clients.get(int(prefix))
+            if client is None:
+                continue  # its client left
+            if out.request_finished:
+                client.live.discard(out.request_id)
+            per_client[client.index].append((request_id, *output_row(out)[1:]))
+        for number, rows in per_client.items():
+            receiver = self._clients.get(number)
+            if receiver is not None:
+                self._send(receiver, encode_rows(rows, stats, times))
+
+    def _send(self, client: _Client, data: bytes) -> None:
+        try:
+            client.results.send_bytes(data)
+        except OSError:
+            if client is self.owner:
+                raise
+            self.drop(client)
+
+    # ---- connections ------------------------------------------------------------------------
+    def _accept(self, listener: Listener) -> None:
+        """The accept thread: hands each authenticated connection to the loop."""
+        while True:
+            try:
+                conn = listener.accept()
+            except multiprocessing.AuthenticationError:
+                continue  # not one of ours
+            except OSError:
+                return
+            self._accepted.put(conn)
+            os.write(self._wake_w, b"\0")
+
+    def _greet(self, engine: LLMEngine) -> None:
+        """Add the clients accepted since the last call: each gets the READY message."""
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                conn = self._accepted.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                conn.send((READY, RequestLimits.of(engine), engine.stats()))
+            except OSError:
+                continue
+            client = _Client(self._next_index, conn, conn)
+            self._clients[client.index] = client
+            self._next_index += 1

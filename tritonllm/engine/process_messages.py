@@ -1,10 +1,16 @@
 """The messages between `EngineProcess` (the parent) and its engine child process.
 
 Down the command pipe the parent sends lists of commands: `(SUBMIT, request_id, prompt_ids,
-params)`, `(ABORT, request_id)`, `(STOP,)`. Up the result pipe the child first sends
-`(READY, RequestLimits, EngineStats)` or `(FAILED, error and traceback)`, then one step message
-per engine step: `encode_step`'s bytes, the step's outputs, the engine's stats and the loop's
-times.
+params)`, `(ABORT, request_id)`, `(FORWARD, payload)`, `(STOP,)`. Up the result pipe the child
+first sends `(READY, RequestLimits, EngineStats)` or `(FAILED, error and traceback)`, then one
+step message per engine step: `encode_step`'s bytes, the step's outputs, the engine's stats and
+the loop's times.
+
+A shared engine (`EngineProcess(..., listen=True)`, several generator instances) also serves
+`EngineConnection`s over a socket: the same commands and messages, one duplex connection each.
+A `FORWARD` command's payload reaches every other client as a control message
+(`encode_control`), which `decode_message` tells from a step message: how one instance's
+control requests (an abort by client id, a lease renewed or ended) reach its siblings.
 
 Tensor parallelism adds one message kind, from rank 0 to ranks 1..N-1, each down its own pipe
 (`StepBroadcast`): `encode_forward`'s bytes, the host arrays of one forward (`StepInputs`) and
@@ -29,11 +35,12 @@ from tritonllm.engine.request import RequestOutput
 from tritonllm.engine.stats import EngineStats
 
 # Commands (parent → child) and the tags of the child's first message.
-SUBMIT, ABORT, STOP = "submit", "abort", "stop"
+SUBMIT, ABORT, FORWARD, STOP = "submit", "abort", "forward", "stop"
 READY, FAILED = "ready", "failed"
+CONTROL = "control"  # the tag of a control message (a 2-tuple; a step message is a 3-tuple)
 
 # Tuples of the dataclass fields in declaration order, so `Class(*row)` rebuilds them.
-_output_row = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestOutput)))
+output_row = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestOutput)))
 _stats_row = operator.attrgetter(*(f.name for f in dataclasses.fields(EngineStats)))
 _times_row = operator.attrgetter(*(f.name for f in dataclasses.fields(LoopTimes)))
 _inputs_row = operator.attrgetter(*(f.name for f in dataclasses.fields(StepInputs)))
@@ -41,13 +48,33 @@ _inputs_row = operator.attrgetter(*(f.name for f in dataclasses.fields(StepInput
 
 def encode_step(outputs: list[RequestOutput], stats: EngineStats, times: LoopTimes) -> bytes:
     """The bytes of one step message (see `decode_step`)."""
-    rows = [_output_row(out) for out in outputs]
+    return encode_rows([output_row(out) for out in outputs], stats, times)
+
+
+def encode_rows(rows: list[tuple], stats: EngineStats, times: LoopTimes) -> bytes:
+    """`encode_step` of outputs already turned into rows (`output_row`)."""
     return pickle.dumps((rows, _stats_row(stats), _times_row(times)), pickle.HIGHEST_PROTOCOL)
 
 
 def decode_step(data: bytes) -> tuple[list[RequestOutput], EngineStats, LoopTimes]:
     """(outputs, stats, loop times) of a message made by `encode_step`."""
     rows, stats, times = pickle.loads(data)
+    return [RequestOutput(*row) for row in rows], EngineStats(*stats), LoopTimes(*times)
+
+
+def encode_control(payload: object) -> bytes:
+    """The bytes of a control message carrying a sibling's `FORWARD` payload."""
+    return pickle.dumps((CONTROL, payload), pickle.HIGHEST_PROTOCOL)
+
+
+def decode_message(
+    data: bytes,
+) -> tuple[list[RequestOutput], EngineStats, LoopTimes] | tuple[str, object]:
+    """A step message as `decode_step` returns it (a 3-tuple), or `(CONTROL, payload)`."""
+    message = pickle.loads(data)
+    if len(message) == 2:
+        return message
+    rows, stats, times = message
     return [RequestOutput(*row) for row in rows], EngineStats(*stats), LoopTimes(*times)
 
 

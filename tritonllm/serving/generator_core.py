@@ -40,7 +40,12 @@ a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept 
   request's fault (``RequestOutput.error_code``); anything else is ``engine_unavailable``
   while the engine does not run, else ``internal_error``;
 - latencies (``serving.metrics.LatencySamples``): TTFT, ITL and end-to-end as the responses go
-  out, the engine's queue time from final outputs, handed to ``on_tick``.
+  out, the engine's queue time from final outputs, handed to ``on_tick``;
+- instances: with ``siblings`` (several instances sharing one engine,
+  ``serving.shared_engine``) Triton hands each request to any instance, so each control request
+  reaches the others through the engine (``broadcast``): an abort by client id, a lease renewed
+  (the others answer their open request of it and count it renewed) and a lease that ended (the
+  others abort its requests too).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -81,6 +86,10 @@ LEASE_S = 1.0
 LEASE_GRACE_S = 30.0
 # Between a lease id and the rest of the request ids it covers: "<lease>/<id>".
 LEASE_SEPARATOR = "/"
+
+
+# The control requests one instance hands to its siblings (``GeneratorCore._tell_siblings``).
+ABORT_ID, LEASE_RENEWED, LEASE_ENDED = "abort_id", "lease_renewed", "lease_ended"
 
 
 @dataclass
@@ -169,6 +178,10 @@ class GeneratorCore:
         max_model_len: the engine's context limit (tokens), which health probes report.
         lease_check_s, lease_s, lease_grace_s: seconds between two cancellation checks of each
             lease, that one lease request is held open, that a lease may stay unrenewed.
+        siblings: the engine is shared with other instances of the generator
+            (``serving.shared_engine``; ``engine`` then has ``broadcast`` and ``on_control``):
+            control requests reach them all (see "Instances" in the module doc), and
+            ``max_live_requests`` counts the engine's requests too.
     """
 
     def __init__(
@@ -189,8 +202,12 @@ class GeneratorCore:
         lease_check_s: float = LEASE_CHECK_S,
         lease_s: float = LEASE_S,
         lease_grace_s: float = LEASE_GRACE_S,
+        siblings: bool = False,
     ) -> None:
         self.engine = engine
+        self._siblings = siblings
+        if siblings:
+            engine.on_control = self._on_sibling  # type: ignore[attr-defined]
         self._leases: dict[str, _Lease] = {}
         self._leases_lock = threading.Lock()
         self._lease_check_s, self._lease_s = lease_check_s, lease_s
@@ -279,6 +296,7 @@ class GeneratorCore:
                 )
             for key in self.requests.abort(target):
                 self.engine.abort(key)
+            self._tell_siblings(ABORT_ID, target)
             sink.send(None, final=True)
             return
         lease = inputs.get(tensors.CLIENT_LEASE.name)
@@ -296,7 +314,7 @@ class GeneratorCore:
             return
         request = generate_request(inputs, parameters)
         limit = self._max_live_requests
-        if limit is not None and len(self.requests) >= limit:
+        if limit is not None and self._live_requests() >= limit:
             raise RequestError(
                 ErrorCode.SERVER_OVERLOADED,
                 None,
@@ -350,6 +368,7 @@ class GeneratorCore:
             older, state.sink, state.since = state.sink, sink, time.monotonic()
         if older is not None:
             _close(older)
+        self._tell_siblings(LEASE_RENEWED, lease)
 
     def _check_leases(self, now: float) -> None:
         """End the leases whose client went away (sender thread): an open request held
@@ -377,13 +396,55 @@ class GeneratorCore:
                 if state.sink is not sink:  # renewed meanwhile
                     continue
                 del self._leases[lease]
-            # Aborted in the engine, so that a client still there gets finish_reason "abort".
-            prefix = lease + LEASE_SEPARATOR
-            for key, entry in self.requests.items():
-                if key.startswith(prefix) and not entry.cancelled:
-                    self.engine.abort(key)
+            self._abort_lease(lease)
+            self._tell_siblings(LEASE_ENDED, lease)
             if sink is not None:
                 _close(sink)
+
+    def _abort_lease(self, lease: str) -> None:
+        """Abort the live requests of ``lease`` in the engine (so that a client still there
+        gets finish_reason "abort")."""
+        prefix = lease + LEASE_SEPARATOR
+        for key, entry in self.requests.items():
+            if key.startswith(prefix) and not entry.cancelled:
+                self.engine.abort(key)
+
+    # --- sibling instances (the engine's receiver thread) ------------------------------------
+    def _tell_siblings(self, kind: str, value: str) -> None:
+        """Hand a control request's effect to the other instances of a shared engine."""
+        if self._siblings:
+            self.engine.broadcast((kind, value))  # type: ignore[attr-defined]
+
+    def _on_sibling(self, payload: object) -> None:
+        """What another instance was asked (``_tell_siblings``): an abort by client id aborts
+        the requests of that id here too (or is remembered for one still on its way); a lease
+        renewed there answers this instance's open request of it and counts as renewed; a
+        lease ended there ends here too."""
+        kind, value = cast(tuple[str, str], payload)
+        if kind == ABORT_ID:
+            for key in self.requests.abort(value):
+                self.engine.abort(key)
+        elif kind == LEASE_RENEWED:
+            with self._leases_lock:
+                state = self._leases.setdefault(value, _Lease())
+                older, state.sink, state.since = state.sink, None, time.monotonic()
+            if older is not None:
+                _close(older)
+        elif kind == LEASE_ENDED:
+            with self._leases_lock:
+                ended = self._leases.pop(value, None)
+            self._abort_lease(value)
+            if ended is not None and ended.sink is not None:
+                _close(ended.sink)
+
+    def _live_requests(self) -> int:
+        """Requests live here, or with a shared engine in the whole engine (as of its last
+        step) when that is more."""
+        live = len(self.requests)
+        if self._siblings:
+            stats = self.engine.stats()
+            live = max(live, stats.num_running + stats.num_waiting)
+        return live
 
     # --- sender thread -----------------------------------------------------------------------
     def _response_cost(self, key: str) -> float:

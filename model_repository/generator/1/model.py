@@ -43,17 +43,21 @@ from tritonllm.serving.metrics import (
 )
 from tritonllm.serving.orphan_watch import exit_when_orphaned
 from tritonllm.serving.pacer import DETOKENIZED_RESPONSE_COST
+from tritonllm.serving.shared_engine import SharedEngineOwner, open_shared_engine
 from tritonllm.serving.text_outputs import text_outputs
 from tritonllm.tokenization.detokenizer import Detokenizer
 from tritonllm.tokenization.loading import load_tokenizer
 from tritonllm.triton_config import (
     engine_config,
+    instance_count,
     model_parameters,
     served_model_dir,
     serving_config,
 )
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# The counters each instance adds its own share to (the rest are the engine's, see _Metrics).
+SENDER_COUNTERS = frozenset(spec.name for spec, source, _ in TIME_COUNTERS if source == "sender")
 
 
 def _int32(name, value):
@@ -191,9 +195,15 @@ class _Sink:
 class _Metrics:
     """The ``tritonllm_*`` Triton custom metrics (``serving.metrics`` names them). Triton
     counters only increment: the cumulative ``TIME_COUNTERS`` go in as deltas. The latency
-    histograms are Triton histograms, one ``observe`` per sample."""
+    histograms are Triton histograms, one ``observe`` per sample.
 
-    def __init__(self):
+    Instances of one model that create a metric of the same name and labels share it (Triton's
+    custom metrics API): with a shared engine, every instance adds its own tokens, sender
+    times and latencies, and only the one that owns the engine (``engine_wide``) reports the
+    engine's gauges and loop counters."""
+
+    def __init__(self, engine_wide=True):
+        self.engine_wide = engine_wide
         labels = {"model": "generator"}
         # A family must outlive its metrics: keep references to both.
         self.families, self.gauges = [], {}
@@ -225,13 +235,16 @@ class _Metrics:
     def update(self, stats, new_tokens, loop_times, sender_times, latencies):
         # Each set/increment is an IPC round trip to tritonserver: only changes are sent (an
         # idle server sends none).
-        for name, value in gauge_values(stats).items():
-            if self.values.get(name) != value:
-                self.gauges[name].set(value)
-                self.values[name] = value
+        if self.engine_wide:
+            for name, value in gauge_values(stats).items():
+                if self.values.get(name) != value:
+                    self.gauges[name].set(value)
+                    self.values[name] = value
         if new_tokens:
             self.generated_tokens.increment(new_tokens)
         for name, total in counter_values(stats, loop_times, sender_times).items():
+            if not self.engine_wide and name not in SENDER_COUNTERS:
+                continue
             if total > self.totals[name]:
                 self.counters[name].increment(total - self.totals[name])
                 self.totals[name] = total
@@ -255,15 +268,24 @@ class TritonPythonModel:
         # with its decoder's name, as the detokenizer's does.
         self.detokenizer = Detokenizer(load_tokenizer(model_dir))
         config, serving = engine_config(params), serving_config(params)
+        instances = instance_count(args["model_config"])
         engine: EngineClient
-        own_process = serving.use_engine_process(config.device, config.tensor_parallel_size)
-        if own_process:
+        own_process = serving.use_engine_process(
+            config.device, config.tensor_parallel_size, instances
+        )
+        owner = True
+        if instances > 1:  # one engine for every instance (serving/shared_engine.py)
+            key = f"{parent_pid}-{args['model_name']}-{args['model_version']}"
+            engine = open_shared_engine(config, key)  # RuntimeError fails the load
+            owner = isinstance(engine, SharedEngineOwner)
+        elif own_process:
             engine = EngineProcess(config)  # RuntimeError with the reason fails the load
         else:
             engine = EngineThread(LLMEngine(config))
         self.core = GeneratorCore(
             engine,
-            on_tick=_Metrics().update,
+            # The engine's gauges and loop counters come from the instance that owns it.
+            on_tick=_Metrics(engine_wide=owner).update,
             parent_alive=lambda: os.getppid() == parent_pid,
             log_warning=logger.log_warn,
             log_error=logger.log_error,
@@ -273,6 +295,7 @@ class TritonPythonModel:
             control_secret=serving.control_secret,
             max_live_requests=config.max_running_requests + serving.max_waiting_requests,
             max_model_len=config.effective_max_model_len,
+            siblings=instances > 1,
         ).start()
         if serving.control_secret is None:
             logger.log_warn(

@@ -1,0 +1,191 @@
+"""A shared engine: one `EngineProcess(listen=True)` serving further `EngineConnection`s (the
+instances of a generator with instance_group count > 1), and the election of the instance that
+starts it (`serving.shared_engine`). Oracles: Hugging Face transformers' greedy decoding, each
+client's own outputs (ids, counts, finish reasons), and the kernel's process table.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from test_engine_helpers import checkpoint, hf_greedy, prompts
+from test_engine_thread import GREEDY, TIMEOUT, Collector
+
+from tritonllm.config import EngineConfig
+from tritonllm.engine.engine_child import ListenAddress
+from tritonllm.engine.engine_process import EngineConnection, EngineProcess
+from tritonllm.sampling_params import SamplingParams
+from tritonllm.serving import shared_engine
+
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+
+
+def _config() -> EngineConfig:
+    return EngineConfig(model=checkpoint("qwen3"), page_size=4, num_pages=256)
+
+
+@pytest.fixture(scope="module")
+def shared():
+    owner = EngineProcess(_config(), listen=True)
+    yield owner
+    owner.shutdown()
+
+
+def _started(sink: Collector, rid: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not sink.outputs.get(rid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sink.outputs.get(rid), f"{rid} never started"
+
+
+def test_clients_of_one_engine_get_their_own_outputs_under_their_own_ids(shared):
+    """Three clients submit the same ids at once: each gets exactly its own requests' outputs,
+    equal to transformers' greedy ids, and they shared the engine's batches."""
+    assert shared.listen_address is not None
+    clients = [shared] + [EngineConnection(shared.listen_address) for _ in range(2)]
+    try:
+        ps = prompts([4, 9, 13, 2, 21, 7], seed=44)
+        sinks = [Collector() for _ in clients]
+
+        def submit(job):
+            c, i = job
+            # client c's request i gets prompt (i + c) so that a crossed output shows
+            clients[c].submit(f"r{i}", ps[(i + c) % len(ps)], GREEDY, sinks[c])
+
+        jobs = [(c, i) for c in range(len(clients)) for i in range(len(ps))]
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(submit, jobs))
+        for c, sink in enumerate(sinks):
+            sink.wait([f"r{i}" for i in range(len(ps))])
+            assert set(sink.outputs) == {f"r{i}" for i in range(len(ps))}
+            for i in range(len(ps)):
+                prompt = ps[(i + c) % len(ps)]
+                assert sink.ids(f"r{i}") == hf_greedy(checkpoint("qwen3"), prompt, 12)[0]
+                outs = sink.outputs[f"r{i}"]
+                assert sum(o.finished for o in outs) == 1
+                assert outs[-1].num_prompt_tokens == len(prompt)
+        assert shared.stats().max_batch_size_seen > len(ps)  # clients' requests shared steps
+        assert all(c.is_alive() for c in clients)
+    finally:
+        for c in clients[1:]:
+            c.shutdown()
+
+
+def test_aborts_reach_only_the_clients_own_request(shared):
+    other = EngineConnection(shared.listen_address)
+    try:
+        mine, theirs = Collector(), Collector()
+        shared.submit("same", [1, 2, 3], LONG, mine)
+        other.submit("same", [1, 2, 3], GREEDY, theirs)
+        _started(mine, "same")
+        other.abort("same")  # other's request: it may already be done, never shared's
+        theirs.wait(["same"])
+        assert not mine.finished("same")
+        shared.abort("same")
+        mine.wait(["same"])
+        assert mine.outputs["same"][-1].finish_reason == "abort"
+    finally:
+        other.shutdown()
+
+
+def test_a_broadcast_reaches_every_other_client_once(shared):
+    got: list[list] = [[], [], []]
+    clients = [shared] + [EngineConnection(shared.listen_address) for _ in range(2)]
+    try:
+        for c, box in zip(clients, got, strict=True):
+            c.on_control = box.append
+        clients[1].broadcast(("abort_id", "x"))
+        shared.broadcast(("lease_ended", "y"))
+        # the child forwards between steps; a request makes it step
+        sink = Collector()
+        shared.submit("tick", [1, 2], GREEDY, sink)
+        sink.wait(["tick"])
+        deadline = time.monotonic() + TIMEOUT
+        while sum(map(len, got)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # one each from the other two senders; between senders the order is not kept
+        assert got[0] == [("abort_id", "x")] and got[1] == [("lease_ended", "y")]
+        assert sorted(got[2]) == [("abort_id", "x"), ("lease_ended", "y")]
+    finally:
+        for c in clients[1:]:
+            c.shutdown()
+
+
+def test_a_client_that_leaves_has_its_requests_aborted_and_the_engine_serves_on(shared):
+    other = EngineConnection(shared.listen_address)
+    sink = Collector()
+    for i in range(3):
+        other.submit(f"gone{i}", [1, 2, 3 + i], LONG, sink)
+    _started(sink, "gone0")
+    other.shutdown()
+    assert not other.is_alive()
+    with pytest.raises(RuntimeError):
+        other.submit("late", [1, 2], GREEDY, sink)
+    deadline = time.monotonic() + TIMEOUT
+    while shared.stats().num_running and time.monotonic() < deadline:
+        mine = Collector()
+        shared.submit("probe", [4, 5], SamplingParams(max_tokens=1), mine)
+        mine.wait(["probe"])
+    assert shared.stats().num_running == 0  # the leaver's 400-token requests were aborted
+    assert all(not o.finished for o in sink.outputs.get("gone0", []))  # no output after it left
+
+
+def test_a_wrong_key_is_refused_and_the_engine_serves_on(shared):
+    wrong = ListenAddress(shared.listen_address.address, b"not the key")
+    with pytest.raises((multiprocessing.AuthenticationError, OSError, EOFError)):
+        EngineConnection(wrong)
+    sink = Collector()
+    shared.submit("after-wrong-key", [1, 2], GREEDY, sink)
+    sink.wait(["after-wrong-key"])
+
+
+def test_clients_fail_their_requests_when_the_engine_dies():
+    owner = EngineProcess(_config(), listen=True)
+    other = EngineConnection(owner.listen_address)
+    sink = Collector()
+    other.submit("doomed", [1, 2, 3], LONG, sink)
+    _started(sink, "doomed")
+    owner._process.kill()
+    sink.wait(["doomed"])
+    assert sink.outputs["doomed"][-1].finish_reason == "error"
+    assert not other.is_alive()
+    owner.shutdown()
+
+
+def test_one_instance_starts_the_engine_and_the_others_connect(tmp_path):
+    """Three threads stand for three generator stubs of one model: one builds the engine, the
+    others connect to it; a request through each is served; the rendezvous is gone after."""
+    key = f"test-{time.monotonic_ns()}"
+    fronts: list = [None] * 3
+    errors: list[BaseException] = []
+
+    def open_one(i: int) -> None:
+        try:
+            fronts[i] = shared_engine.open_shared_engine(_config(), key, directory=tmp_path)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT * 3)
+    assert not errors, errors
+    owners = [f for f in fronts if isinstance(f, EngineProcess)]
+    assert len(owners) == 1 and sum(isinstance(f, EngineConnection) for f in fronts) == 2
+    try:
+        for front in fronts:
+            sink = Collector()
+            front.submit("same-id", [3, 1, 4, 1, 5], GREEDY, sink)
+            sink.wait(["same-id"])
+            assert sink.ids("same-id") == hf_greedy(checkpoint("qwen3"), [3, 1, 4, 1, 5], 12)[0]
+    finally:
+        for front in fronts:
+            if front is not owners[0]:
+                front.shutdown()
+        owners[0].shutdown()
+    assert not list(tmp_path.glob("*.json"))  # the owner removed its rendezvous
