@@ -31,7 +31,8 @@ is a field of ``EngineConfig``; each can be set by the environment variable
 ``TRITONLLM_OVERLAP_SCHEDULE``         ``true``/``false``: overlap scheduling (default: by device)
 ``TRITONLLM_METRICS_INTERVAL_MS``      generator: most ms between custom-metric updates (50)
 ``TRITONLLM_MAX_RESPONSES_PER_S``      generator: response budget shared by all streaming
-                                       requests; under load several tokens go per response
+                                       requests (by all instances: each paces its share);
+                                       under load several tokens go per response
                                        (``serving/pacer.py``: a response through ``llm``
                                        costs 2.5, one through ``llm_fused`` 1); 0 disables
                                        pacing (default 5000: BENCHMARKS.md, "The fused

@@ -290,7 +290,8 @@ class TritonPythonModel:
             log_warning=logger.log_warn,
             log_error=logger.log_error,
             metrics_interval_s=serving.metrics_interval_s,
-            max_responses_per_s=serving.max_responses_per_s,
+            # The budget is the generator's: each instance paces its share of the requests.
+            max_responses_per_s=serving.max_responses_per_s / instances,
             sender_threads=serving.senders(own_process),
             control_secret=serving.control_secret,
             max_live_requests=config.max_running_requests + serving.max_waiting_requests,
