@@ -600,7 +600,7 @@ class SiblingEngine(RecordingEngine):
 
     def __init__(self, group: list) -> None:
         super().__init__()
-        self.group, self.on_control, self.live = group, None, 0
+        self.group, self.on_control, self.live, self.num_clients = group, None, 0, None
         group.append(self)
 
     def broadcast(self, payload) -> None:
@@ -621,7 +621,7 @@ def _siblings(n: int = 2, **settings) -> list[GeneratorCore]:
             lambda: True,
             print,
             print,
-            siblings=True,
+            instances=n,
             **settings,
         ).start()
         for _ in range(n)
@@ -682,6 +682,26 @@ def test_the_live_limit_counts_the_whole_engine():
         a.engine.live = 2
         a.execute("fits", {"input_ids": ids(1)}, "", Sink())
         assert "fits" in a.engine.submitted
+    finally:
+        a.finalize()
+        b.finalize()
+
+
+def test_a_health_probe_fails_on_every_instance_once_one_lost_the_engine():
+    a, b = _siblings()
+    try:
+        for core in (a, b):
+            core.engine.num_clients = None  # not announced yet: the engine's liveness counts
+            probe = Sink()
+            core.execute("h", {"health_probe": np.array([True])}, "", probe)
+            assert probe.sent == [({"max_model_len": 0}, True)]
+        for core in (a, b):
+            core.engine.num_clients = 1  # the engine announced one client of two
+            probe = Sink()
+            core.execute("h", {"health_probe": np.array([True])}, "", probe)
+            error = probe.error()
+            assert error.code == ErrorCode.ENGINE_UNAVAILABLE
+            assert "1 of the generator's 2 instances" in error.message
     finally:
         a.finalize()
         b.finalize()

@@ -134,6 +134,28 @@ def test_a_client_that_leaves_has_its_requests_aborted_and_the_engine_serves_on(
     assert all(not o.finished for o in sink.outputs.get("gone0", []))  # no output after it left
 
 
+def test_every_client_learns_how_many_clients_the_engine_serves(shared):
+    def wait_for(front, n):
+        deadline = time.monotonic() + TIMEOUT
+        while front.num_clients != n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert front.num_clients == n
+
+    first = EngineConnection(shared.listen_address)
+    second = EngineConnection(shared.listen_address)
+    for front in (shared, first, second):
+        wait_for(front, 3)
+    second.shutdown()
+    # the engine notices between steps; a request makes it step
+    sink = Collector()
+    shared.submit("count", [1, 2], GREEDY, sink)
+    sink.wait(["count"])
+    for front in (shared, first):
+        wait_for(front, 2)
+    first.shutdown()
+    wait_for(shared, 1)
+
+
 def test_a_wrong_key_is_refused_and_the_engine_serves_on(shared):
     wrong = ListenAddress(shared.listen_address.address, b"not the key")
     with pytest.raises((multiprocessing.AuthenticationError, OSError, EOFError)):

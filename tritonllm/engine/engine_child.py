@@ -41,6 +41,7 @@ from tritonllm.engine.engine_thread import admit_and_step
 from tritonllm.engine.model_runner import ModelRunner
 from tritonllm.engine.process_messages import (
     ABORT,
+    CLIENTS,
     FAILED,
     FORWARD,
     READY,
@@ -245,7 +246,9 @@ class _Clients:
     A shared engine (one with a listener) names each request `"<client index>:<id>"` inside
     the engine, so that two instances may use the same id, and hands each client its own
     outputs under the id it gave, in a step message of its own (every client gets one per
-    step, with the engine's stats). A client that disconnects has its requests aborted. An
+    step, with the engine's stats), and after a step in which a client joined or left, the
+    number of clients connected (`(CLIENTS, n)`). A client that disconnects has its requests
+    aborted. An
     engine without a listener sends the step's outputs as they are: the one parent's path costs
     nothing more.
     """
@@ -259,6 +262,7 @@ class _Clients:
         self._next_index = 1
         self._accepted: queue.SimpleQueue[Connection] = queue.SimpleQueue()
         self._orphans: list[str] = []  # requests of dropped clients, to abort
+        self._joined_or_left = False  # since the last `(CLIENTS, n)` announcement
         self._wake_r = self._wake_w = -1
         if listener is not None:
             self._wake_r, self._wake_w = os.pipe()
@@ -319,6 +323,7 @@ class _Clients:
         """Forget a client that left: its requests are aborted at the next step."""
         if self._clients.pop(client.index, None) is None:
             return
+        self._joined_or_left = True
         self._orphans.extend(client.live)
         client.live.clear()
         try:
@@ -355,6 +360,11 @@ class _Clients:
             receiver = self._clients.get(number)
             if receiver is not None:
                 self._send(receiver, encode_rows(rows, stats, times))
+        if self._joined_or_left:  # (a client dropped while announcing sets it again)
+            self._joined_or_left = False
+            announcement = encode_control((CLIENTS, len(self._clients)))
+            for client in list(self._clients.values()):
+                self._send(client, announcement)
 
     def _send(self, client: _Client, data: bytes) -> None:
         try:
@@ -395,3 +405,4 @@ class _Clients:
             client = _Client(self._next_index, conn, conn)
             self._clients[client.index] = client
             self._next_index += 1
+            self._joined_or_left = True

@@ -47,6 +47,7 @@ from tritonllm.engine.engine_child import ListenAddress, engine_main
 from tritonllm.engine.engine_thread import CallbackTable
 from tritonllm.engine.process_messages import (
     ABORT,
+    CLIENTS,
     FAILED,
     FORWARD,
     STOP,
@@ -99,11 +100,14 @@ class _EngineFront:
         on_control: called on the receiver thread with the payload of each control message (a
             sibling instance's `broadcast`, see `process_messages`); None: they are dropped.
             It must not block; it may call `submit` and `abort`.
+        num_clients: the clients a shared engine serves, as it last announced (None: not
+            announced yet, or not shared).
     """
 
     def __init__(self, stall_timeout_s: float | None) -> None:
         self.stall_timeout_s = stall_timeout_s
         self.on_control: ControlHandler | None = None
+        self.num_clients: int | None = None
         # Last sign of progress: a step message, or a submit that found nothing in flight.
         self._last_progress = time.monotonic()
         self._routes = CallbackTable()
@@ -244,10 +248,14 @@ class _EngineFront:
                 return
             message = decode_message(data)
             if len(message) == 2:
+                payload = message[1]
+                if isinstance(payload, tuple) and payload[:1] == (CLIENTS,):
+                    self.num_clients = payload[1]
+                    continue
                 handler = self.on_control
                 if handler is not None:
                     try:
-                        handler(message[1])
+                        handler(payload)
                     except Exception:
                         logger.exception("control message handler failed")
                 continue

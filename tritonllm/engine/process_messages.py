@@ -10,7 +10,8 @@ A shared engine (`EngineProcess(..., listen=True)`, several generator instances)
 `EngineConnection`s over a socket: the same commands and messages, one duplex connection each.
 A `FORWARD` command's payload reaches every other client as a control message
 (`encode_control`), which `decode_message` tells from a step message: how one instance's
-control requests (an abort by client id, a lease renewed or ended) reach its siblings.
+control requests (an abort by client id, a lease renewed or ended) reach its siblings. After a
+step in which a client joined or left, the engine itself sends every client `(CLIENTS, n)`.
 
 Tensor parallelism adds one message kind, from rank 0 to ranks 1..N-1, each down its own pipe
 (`StepBroadcast`): `encode_forward`'s bytes, the host arrays of one forward (`StepInputs`) and
@@ -38,6 +39,8 @@ from tritonllm.engine.stats import EngineStats
 SUBMIT, ABORT, FORWARD, STOP = "submit", "abort", "forward", "stop"
 READY, FAILED = "ready", "failed"
 CONTROL = "control"  # the tag of a control message (a 2-tuple; a step message is a 3-tuple)
+# A shared engine's own control payload, `(CLIENTS, n)`: n clients are connected now.
+CLIENTS = "clients"
 
 # Tuples of the dataclass fields in declaration order, so `Class(*row)` rebuilds them.
 output_row = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestOutput)))

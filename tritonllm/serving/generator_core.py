@@ -41,11 +41,12 @@ a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept 
   while the engine does not run, else ``internal_error``;
 - latencies (``serving.metrics.LatencySamples``): TTFT, ITL and end-to-end as the responses go
   out, the engine's queue time from final outputs, handed to ``on_tick``;
-- instances: with ``siblings`` (several instances sharing one engine,
+- instances: with several instances sharing one engine (``instances``,
   ``serving.shared_engine``) Triton hands each request to any instance, so each control request
   reaches the others through the engine (``broadcast``): an abort by client id, a lease renewed
   (the others answer their open request of it and count it renewed) and a lease that ended (the
-  others abort its requests too).
+  others abort its requests too); a health probe fails on every instance once one of them
+  lost its connection to the engine.
 """
 
 from __future__ import annotations
@@ -178,10 +179,11 @@ class GeneratorCore:
         max_model_len: the engine's context limit (tokens), which health probes report.
         lease_check_s, lease_s, lease_grace_s: seconds between two cancellation checks of each
             lease, that one lease request is held open, that a lease may stay unrenewed.
-        siblings: the engine is shared with other instances of the generator
-            (``serving.shared_engine``; ``engine`` then has ``broadcast`` and ``on_control``):
-            control requests reach them all (see "Instances" in the module doc), and
-            ``max_live_requests`` counts the engine's requests too.
+        instances: the generator's instances; more than one share the engine
+            (``serving.shared_engine``; ``engine`` then has ``broadcast``, ``on_control`` and
+            ``num_clients``): control requests reach them all (see "Instances" in the module
+            doc), ``max_live_requests`` counts the engine's requests too, and a health probe
+            fails while fewer instances than this are connected to the engine.
     """
 
     def __init__(
@@ -202,10 +204,11 @@ class GeneratorCore:
         lease_check_s: float = LEASE_CHECK_S,
         lease_s: float = LEASE_S,
         lease_grace_s: float = LEASE_GRACE_S,
-        siblings: bool = False,
+        instances: int = 1,
     ) -> None:
         self.engine = engine
-        self._siblings = siblings
+        self._instances = instances
+        self._siblings = siblings = instances > 1
         if siblings:
             engine.on_control = self._on_sibling  # type: ignore[attr-defined]
         self._leases: dict[str, _Lease] = {}
@@ -305,12 +308,11 @@ class GeneratorCore:
             self._open_lease(scalar(lease, "client_lease", str), sink)
             return
         if inputs.get(tensors.HEALTH_PROBE.name) is not None:
-            if self.engine.is_alive():
+            problem = self._unhealthy()
+            if problem is None:
                 sink.send_info(self.max_model_len)
             else:
-                sink.send_error(
-                    encode_error(ErrorCode.ENGINE_UNAVAILABLE, "the engine is not running")
-                )
+                sink.send_error(encode_error(ErrorCode.ENGINE_UNAVAILABLE, problem))
             return
         request = generate_request(inputs, parameters)
         limit = self._max_live_requests
@@ -436,6 +438,20 @@ class GeneratorCore:
             self._abort_lease(value)
             if ended is not None and ended.sink is not None:
                 _close(ended.sink)
+
+    def _unhealthy(self) -> str | None:
+        """Why a health probe fails (None: it passes): the engine does not run, or an instance
+        of a shared engine is gone (its requests fail, since Triton never restarts a dead
+        stub: the probe says so on every instance, so that supervision restarts the server)."""
+        if not self.engine.is_alive():
+            return "the engine is not running"
+        connected = getattr(self.engine, "num_clients", None) if self._siblings else None
+        if connected is not None and connected < self._instances:
+            return (
+                f"{self._instances - connected} of the generator's {self._instances} instances"
+                " lost their engine connection"
+            )
+        return None
 
     def _live_requests(self) -> int:
         """Requests live here, or with a shared engine in the whole engine (as of its last

@@ -296,7 +296,7 @@ class TritonPythonModel:
             control_secret=serving.control_secret,
             max_live_requests=config.max_running_requests + serving.max_waiting_requests,
             max_model_len=config.effective_max_model_len,
-            siblings=instances > 1,
+            instances=instances,
         ).start()
         if serving.control_secret is None:
             logger.log_warn(
