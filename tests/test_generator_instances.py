@@ -78,26 +78,28 @@ def test_two_instances_share_one_engine_and_stream_hf_greedy(instances_server, t
     wants = {}  # transformers' greedy text per prompt (here: its model cache is not threadsafe)
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt, add_special_tokens=False)
-        wants[prompt] = tokenizer.decode(hf_greedy(model, ids, 10)[0], skip_special_tokens=True)
+        wants[prompt] = tokenizer.decode(hf_greedy(model, ids, 48)[0], skip_special_tokens=True)
 
     def one(i: int) -> tuple[str, str]:
         prompt = PROMPTS[i % len(PROMPTS)]
         want = wants[prompt]
         stream = Stream(instances_server.grpc_url)
         try:
-            rid = stream.send("llm_fused", {"text_input": prompt, "max_tokens": 10, **GREEDY})
+            rid = stream.send("llm_fused", {"text_input": prompt, "max_tokens": 48, **GREEDY})
             text = "".join(o["text_output"][0].decode() for o in _finish(stream, rid))
         finally:
             stream.close()
         return text, want
 
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(one, range(24)))
+        results = list(pool.map(one, range(32)))
     for text, want in results:
         assert text == want
-    # Triton handed requests to both instances: each stub did part of the response work.
+    # Triton handed requests to both instances: each stub did a share of the response work
+    # (about 1,500 responses; an idle stub's own ticks are a small part of it).
     used = {pid: _cpu_s(pid) - before[pid] for pid in stubs}
-    assert all(seconds > 0.05 for seconds in used.values()), used
+    total = sum(used.values())
+    assert all(seconds > 0.25 * total for seconds in used.values()), used
     assert _spawned_engines(instances_server.process.pid) == engines
 
 
