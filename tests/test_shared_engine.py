@@ -210,4 +210,4 @@ def test_one_instance_starts_the_engine_and_the_others_connect(tmp_path):
             if front is not owners[0]:
                 front.shutdown()
         owners[0].shutdown()
-    assert not list(tmp_path.glob("*.json"))  # the owner removed its rendezvous
+    assert not list(tmp_path.iterdir())  # the owner removed its rendezvous and lock files

@@ -44,14 +44,17 @@ class SharedEngineOwner(EngineProcess):
     the rendezvous and lets go of the lock (see the module doc)."""
 
     lock_fd: int = -1
+    lock_path: Path | None = None
     rendezvous: Path | None = None
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
-        """``EngineProcess.shutdown``, then the rendezvous is removed and the lock released."""
+        """``EngineProcess.shutdown``, then the rendezvous and lock files are removed (the
+        instances are unloading with the engine) and the lock released."""
         super().shutdown(timeout)
-        if self.rendezvous is not None:
-            self.rendezvous.unlink(missing_ok=True)
-            self.rendezvous = None
+        for path in (self.rendezvous, self.lock_path):
+            if path is not None:
+                path.unlink(missing_ok=True)
+        self.rendezvous = self.lock_path = None
         if self.lock_fd >= 0:
             os.close(self.lock_fd)
             self.lock_fd = -1
@@ -92,7 +95,7 @@ def open_shared_engine(
                     return connection
             else:
                 owner = _start_owner(config, fd, rendezvous, start_timeout)
-                fd = -1  # the owner holds it now
+                owner.lock_path, fd = lock_path, -1  # the owner holds it now
                 return owner
             if deadline is not None and time.monotonic() > deadline:
                 raise RuntimeError(f"the shared engine was not ready after {start_timeout} s")
