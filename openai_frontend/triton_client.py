@@ -278,7 +278,8 @@ class TritonClient:
         one is always open while this process runs; a stream that failed (tritonserver
         restarting or unreachable) is opened again after ``LEASE_RETRY_S``. Runs until
         cancelled. Its end, by cancellation or by this process' death, aborts this client's
-        requests in the generator.
+        requests in the generator. A renewal answered with an error keeps the stream (the next
+        renewal follows), so that one failing generator instance does not end the lease.
 
         A generator that refuses the lease for want of the control secret (a sidecar started
         without ``TRITONLLM_CONTROL_SECRET``) can take no aborts from this client either: then
@@ -306,7 +307,12 @@ class TritonClient:
                     if wire is not None and wire.code is ErrorCode.PERMISSION_DENIED:
                         self._lease_refused(wire.message)
                         return
-                    raise TritonError(message.error_message)
+                    # One renewal failed (e.g. it reached a dead generator instance): the stream
+                    # stays, since closing it would end the lease on the instance that holds
+                    # it open and abort every request of this client; the next renewal follows.
+                    failures += 1
+                    log_failure = log.warning if failures == 1 else log.debug
+                    log_failure("generator lease renewal: %s", message.error_message)
             except (TritonError, grpc.aio.AioRpcError) as exc:
                 failures += 1
                 (log.warning if failures == 1 else log.debug)("generator lease: %r", exc)

@@ -501,6 +501,17 @@ def test_generator_instances_flag_reaches_every_tritonserver(tmp_path, capsys):
         assert exit_.value.code == 2 and "--generator-instances" in capsys.readouterr().err
 
 
+def test_generator_instances_without_an_engine_process_is_a_usage_error(monkeypatch, capsys):
+    """Instances share an engine process: with ``TRITONLLM_ENGINE_PROCESS=false`` the launcher
+    says so before it starts anything (tritonserver would fail every instance's load)."""
+    monkeypatch.setenv("TRITONLLM_ENGINE_PROCESS", "false")
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--generator-instances", "2"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "TRITONLLM_ENGINE_PROCESS=false" in err
+    assert parse_args(["--generator-instances", "1"]).generator_instances == 1
+
+
 def test_repository_copy_sets_the_generator_instances_and_links_the_rest(tmp_path):
     """The copy differs from the repository in the generator's instance count alone: every
     other model is a symlink to the original, the generator's version directory too, so its

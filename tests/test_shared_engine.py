@@ -156,6 +156,39 @@ def test_every_client_learns_how_many_clients_the_engine_serves(shared):
     wait_for(shared, 1)
 
 
+def test_the_live_limit_holds_over_all_clients(shared):
+    """Two clients, a limit of 3 live requests: the fourth and fifth submits (of either
+    client) end at once with code server_overloaded; once one ends, a new one is taken."""
+    other = EngineConnection(shared.listen_address)
+    shared.live_limit = other.live_limit = 3
+    try:
+        mine, theirs = Collector(), Collector()
+        shared.submit("l1", [1, 2], LONG, mine)
+        other.submit("l2", [1, 2], LONG, theirs)
+        shared.submit("l3", [1, 2], LONG, mine)
+        for rid in ("l1", "l3"):
+            _started(mine, rid)
+        _started(theirs, "l2")
+        other.submit("l4", [1, 2], LONG, theirs)
+        shared.submit("l5", [1, 2], LONG, mine)
+        theirs.wait(["l4"])
+        mine.wait(["l5"])
+        for sink, rid in ((theirs, "l4"), (mine, "l5")):
+            (refused,) = sink.outputs[rid]
+            assert refused.finish_reason == "error" and refused.error_code == "server_overloaded"
+            assert "limit of 3 requests" in refused.error
+        shared.abort("l1")
+        mine.wait(["l1"])
+        other.submit("l6", [1, 2], GREEDY, theirs)
+        theirs.wait(["l6"])
+        assert theirs.outputs["l6"][-1].finish_reason == "length"
+    finally:
+        shared.live_limit = None
+        for rid in ("l2", "l3"):
+            (other if rid == "l2" else shared).abort(rid)
+        other.shutdown()
+
+
 def test_a_wrong_key_is_refused_and_the_engine_serves_on(shared):
     wrong = ListenAddress(shared.listen_address.address, b"not the key")
     with pytest.raises((multiprocessing.AuthenticationError, OSError, EOFError)):

@@ -404,6 +404,12 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         p.error(f"--sidecar-workers must be at least 1, got {a.sidecar_workers}")
     if a.generator_instances < 1:
         p.error(f"--generator-instances must be at least 1, got {a.generator_instances}")
+    engine_process = os.environ.get("TRITONLLM_ENGINE_PROCESS", "").strip().lower()
+    if a.generator_instances > 1 and engine_process in ("0", "false", "no", "off"):
+        p.error(
+            f"--generator-instances {a.generator_instances} needs the engine in its own process,"
+            f" which TRITONLLM_ENGINE_PROCESS={engine_process} turns off"
+        )
     keys = ",".join(a.api_key or [os.environ.get(API_KEY_ENV, "")])
     api_keys = tuple(k.strip() for k in keys.split(",") if k.strip())
     if a.cache_salt_from_api_key and not api_keys:

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener, wait
 
 from tritonllm.config import EngineConfig
+from tritonllm.contract.errors import ErrorCode
 from tritonllm.distributed import init_tensor_parallel, rank_device
 from tritonllm.engine.client import LoopTimes
 from tritonllm.engine.engine import LLMEngine
-from tritonllm.engine.engine_thread import admit_and_step
+from tritonllm.engine.engine_thread import admit_and_step, error_output
 from tritonllm.engine.model_runner import ModelRunner
 from tritonllm.engine.process_messages import (
     ABORT,
@@ -204,8 +205,12 @@ def _serve(
         batch = clients.receive(engine, block=not engine.has_unfinished())
         start = time.perf_counter()
         submissions, aborts = [], clients.orphaned()
+        refused: list[RequestOutput] = []
         for client, command in batch:
             if command[0] == SUBMIT:
+                if clients.over_limit(command):
+                    refused.append(clients.overloaded(client, command))
+                    continue
                 submissions.append((clients.submitted(client, command[1]), *command[2:4]))
             elif command[0] == ABORT:
                 aborts.append(clients.engine_id(client, command[1]))
@@ -215,7 +220,7 @@ def _serve(
                 return
             else:
                 clients.drop(client)
-        outputs = admit_and_step(engine, submissions, aborts)
+        outputs = refused + admit_and_step(engine, submissions, aborts)
         encoding = time.perf_counter()
         busy_now = busy + encoding - start
         times = LoopTimes(busy_now, time.thread_time() - cpu0, transport, loops + 1)
@@ -311,6 +316,29 @@ class _Clients:
         engine_id = f"{client.index}:{request_id}"
         client.live.add(engine_id)
         return engine_id
+
+    def over_limit(self, command: tuple) -> bool:
+        """Whether a shared engine must refuse this submit: it carries a limit (the most
+        requests live in the whole engine, ``_EngineFront.live_limit``) that its clients'
+        live requests already reach."""
+        limit = command[4] if len(command) > 4 else None
+        if not self.shared or limit is None:
+            return False
+        return sum(len(c.live) for c in self._clients.values()) >= limit
+
+    def overloaded(self, client: _Client, command: tuple) -> RequestOutput:
+        """The final output refusing a submit ``over_limit``: finish_reason "error" with the
+        code ``server_overloaded`` (the sidecar's 429), under the engine's name of the request
+        (``send_step`` maps it back)."""
+        limit = command[4]
+        return dataclasses.replace(
+            error_output(
+                self.engine_id(client, command[1]),
+                len(command[2]),
+                f"the server is at its limit of {limit} requests in progress; retry later",
+            ),
+            error_code=ErrorCode.SERVER_OVERLOADED.value,
+        )
 
     def forward(self, sender: _Client, payload: object) -> None:
         """Send `payload` to every client but `sender` as a control message."""

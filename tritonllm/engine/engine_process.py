@@ -102,12 +102,16 @@ class _EngineFront:
             It must not block; it may call `submit` and `abort`.
         num_clients: the clients a shared engine serves, as it last announced (None: not
             announced yet, or not shared).
+        live_limit: the most requests live in a shared engine, all clients' together: a
+            submit beyond it ends at once with one "error" output whose `error_code` is
+            `server_overloaded` (None: no limit; an engine of one client ignores it).
     """
 
     def __init__(self, stall_timeout_s: float | None) -> None:
         self.stall_timeout_s = stall_timeout_s
         self.on_control: ControlHandler | None = None
         self.num_clients: int | None = None
+        self.live_limit: int | None = None
         # Last sign of progress: a step message, or a submit that found nothing in flight.
         self._last_progress = time.monotonic()
         self._routes = CallbackTable()
@@ -149,7 +153,7 @@ class _EngineFront:
                 self._last_progress = time.monotonic()
             self._routes.add(request_id, callback, len(prompt_ids))
         try:
-            self._post((SUBMIT, request_id, list(prompt_ids), params))
+            self._post((SUBMIT, request_id, list(prompt_ids), params, self.live_limit))
         except OSError as exc:
             # The child is gone. If the receiver already failed the request through its
             # callback, that was its one answer; otherwise this exception is.

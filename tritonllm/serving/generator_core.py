@@ -182,7 +182,8 @@ class GeneratorCore:
         instances: the generator's instances; more than one share the engine
             (``serving.shared_engine``; ``engine`` then has ``broadcast``, ``on_control`` and
             ``num_clients``): control requests reach them all (see "Instances" in the module
-            doc), ``max_live_requests`` counts the engine's requests too, and a health probe
+            doc), ``max_live_requests`` is also the engine's limit over all instances
+            (``live_limit``, enforced by the engine), and a health probe
             fails while fewer instances than this are connected to the engine.
     """
 
@@ -211,6 +212,7 @@ class GeneratorCore:
         self._siblings = siblings = instances > 1
         if siblings:
             engine.on_control = self._on_sibling  # type: ignore[attr-defined]
+            engine.live_limit = max_live_requests  # type: ignore[attr-defined]
         self._leases: dict[str, _Lease] = {}
         self._leases_lock = threading.Lock()
         self._lease_check_s, self._lease_s = lease_check_s, lease_s
@@ -316,7 +318,7 @@ class GeneratorCore:
             return
         request = generate_request(inputs, parameters)
         limit = self._max_live_requests
-        if limit is not None and self._live_requests() >= limit:
+        if limit is not None and len(self.requests) >= limit:
             raise RequestError(
                 ErrorCode.SERVER_OVERLOADED,
                 None,
@@ -452,15 +454,6 @@ class GeneratorCore:
                 " lost their engine connection"
             )
         return None
-
-    def _live_requests(self) -> int:
-        """Requests live here, or with a shared engine in the whole engine (as of its last
-        step) when that is more."""
-        live = len(self.requests)
-        if self._siblings:
-            stats = self.engine.stats()
-            live = max(live, stats.num_running + stats.num_waiting)
-        return live
 
     # --- sender thread -----------------------------------------------------------------------
     def _response_cost(self, key: str) -> float:
