@@ -13,11 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import requests
 from test_engine_helpers import hf_greedy
 from test_engine_process import _spawned_engines
 from test_triton_models import GREEDY, PROMPTS, Stream, wait_metric
 
-from tritonllm.triton_server import TritonServer
+from tritonllm.triton_server import MODEL_REPOSITORY, TritonServer
 
 INSTANCES = 2
 
@@ -34,7 +35,22 @@ def instances_server(tiny_model_dir, tmp_path_factory):
     try:
         yield server.start(timeout=float(os.environ.get("TRITONLLM_TEST_SERVER_TIMEOUT", "300")))
     finally:
+        copy = server.served_repository
         server.stop()
+    # the repository copy with the instance count is gone (its symlinks only)
+    assert not copy.exists() and server.served_repository == MODEL_REPOSITORY
+    assert (MODEL_REPOSITORY / "generator" / "1" / "model.py").is_file()
+
+
+def test_triton_serves_the_copy_with_the_instance_count(instances_server):
+    copy = instances_server.served_repository
+    assert copy != MODEL_REPOSITORY and (copy / "generator" / "config.pbtxt").is_file()
+    config = requests.get(
+        f"http://{instances_server.http_url}/v2/models/generator/config",
+        headers=instances_server.admin_headers,
+        timeout=10,
+    ).json()
+    assert [group["count"] for group in config["instance_group"]] == [INSTANCES]
 
 
 def _generator_stubs(server_pid: int) -> list[int]:

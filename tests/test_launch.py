@@ -18,7 +18,6 @@ from pathlib import Path
 
 import openai
 import pytest
-import requests
 
 from tritonllm.launch import parse_args, resolve_model, served_name
 from tritonllm.triton_server import (
@@ -538,43 +537,6 @@ def test_repository_copy_sets_the_generator_instances_and_links_the_rest(tmp_pat
     shutil.rmtree(repo)
     assert (MODEL_REPOSITORY / "generator" / "1" / "model.py").is_file()
     assert "count: 1 kind: KIND_CPU" in original.read_text()
-
-
-def test_a_server_with_two_generator_instances_answers_and_removes_its_copy(
-    tiny_model_dir, tokenizer, hf_greedy, tmp_path
-):
-    """``generator_instances=2``: tritonserver loads two generator instances from the
-    repository copy, streams what transformers generates through them, and `stop` removes
-    the copy (its symlinks only)."""
-    from conftest import SERVER_ENV
-
-    env = {**SERVER_ENV, "TRITONLLM_ENGINE_PROCESS": "1"}
-    log = tmp_path / "tritonserver.log"
-    server = TritonServer(model_path=tiny_model_dir, env=env, log_path=log, generator_instances=2)
-    try:
-        server.start(timeout=float(os.environ.get("TRITONLLM_TEST_SERVER_TIMEOUT", "300")))
-        copy = server.served_repository
-        assert copy != MODEL_REPOSITORY and (copy / "generator" / "config.pbtxt").is_file()
-        config = requests.get(
-            f"http://{server.http_url}/v2/models/generator/config",
-            headers=server.admin_headers,
-            timeout=10,
-        ).json()
-        assert [group["count"] for group in config["instance_group"]] == [2]
-        assert "generator_0_1" in log.read_text()  # the second instance was initialized
-        prompt = "The capital of France"
-        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-        expected = tokenizer.decode(hf_greedy(prompt_ids, 6), skip_special_tokens=True)
-        # greedy, and no EOS stop: hf_greedy does not stop there
-        body = {"text_input": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
-        url = f"http://{server.http_url}/v2/models/llm/generate"
-        response = requests.post(url, json={**body, "stream": False}, timeout=60)
-        assert response.status_code == 200, response.text
-        assert response.json()["text_output"] == expected
-    finally:
-        server.stop()
-    assert not copy.exists() and server.served_repository == MODEL_REPOSITORY
-    assert (MODEL_REPOSITORY / "generator" / "1" / "model.py").is_file()
 
 
 def _repository(root: Path, config: str) -> Path:
