@@ -12,6 +12,9 @@ engine however often it is asked:
 - otherwise one probe, a 1-token greedy generation, runs at a time; its result is cached for
   ``interval_s`` seconds and shared by every caller meanwhile.
 
+Each probe also asks the generator's own health probe (``health_probe``, no generation), which
+every generator instance fails while one of them is gone (``GeneratorCore``, "instances").
+
 A probe that gets an *error response* (not merely a slow one) means a part of the pipeline is
 broken, and Triton never repairs a dead stub. Such a failure is held for ``failure_hold_s``
 seconds (a model with two instances fails every other request when one of them died, and
@@ -140,7 +143,7 @@ class HealthMonitor:
             return self._record(
                 HealthStatus(False, "triton not ready", checked_at=time.monotonic())
             )
-        failure = await self._generate_one()
+        failure = await self._ask_generator() or await self._generate_one()
         now = time.monotonic()
         if failure is not None:
             reason, backend_failed = failure
@@ -158,6 +161,19 @@ class HealthMonitor:
             return self._record(HealthStatus(False, held.reason, True, now))
         self._failed = None
         return self._record(HealthStatus(True, "ok", checked_at=now))
+
+    async def _ask_generator(self) -> tuple[str, bool] | None:
+        """The generator's own health probe: None when it answers, else ``(reason,
+        backend_failed)``. With several generator instances it fails on every one of them
+        while one is gone, which the generation alone (landing on a live one every other time)
+        would not show for good."""
+        try:
+            await self.client.generator_info()
+        except TritonError as exc:
+            if _overloaded(exc):
+                return None
+            return f"generator: {exc.message}", not exc.unavailable
+        return None
 
     async def _generate_one(self) -> tuple[str, bool] | None:
         """Send the probe generation: None when it finished, else ``(reason,

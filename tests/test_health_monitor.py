@@ -22,11 +22,20 @@ class _Stream:
 class _Client:
     """A Triton client whose probes go through or fail in the order of ``outcomes``."""
 
-    def __init__(self, outcomes: list[bool]) -> None:
+    def __init__(self, outcomes: list[bool], generator_fails: bool = False) -> None:
         self.outcomes = list(outcomes)
+        self.generator_fails = generator_fails
 
     async def is_ready(self) -> bool:
         return True
+
+    async def generator_info(self) -> dict:
+        if self.generator_fails:  # as every instance answers while one of two is gone
+            raise TritonError(
+                '{"code":"engine_unavailable","message":"1 of the generator\'s 2 instances'
+                ' lost their engine connection"}'
+            )
+        return {}
 
     async def stream(self, request_id, inputs, model=None):
         # through llm, every stub, whatever ensemble the sidecar streams from
@@ -37,8 +46,9 @@ class _Client:
         pass
 
 
-def _statuses(outcomes: list[bool]) -> list[bool]:
-    monitor = HealthMonitor(_Client(outcomes), set(), interval_s=0.0, failure_hold_s=600.0)
+def _statuses(outcomes: list[bool], generator_fails: bool = False) -> list[bool]:
+    client = _Client(outcomes, generator_fails)
+    monitor = HealthMonitor(client, set(), interval_s=0.0, failure_hold_s=600.0)
 
     async def run() -> list[bool]:
         return [(await monitor.check()).ok for _ in outcomes]
@@ -57,3 +67,9 @@ def test_alternating_failures_keep_the_failure_held():
 
 def test_a_healthy_backend_is_ok_at_once():
     assert _statuses([True, True]) == [True, True]
+
+
+def test_a_lost_generator_instance_fails_every_check_even_when_generations_pass():
+    """Generations land on the live instance, but the generator's own probe says an instance
+    is gone: every check fails (no flapping), so supervision restarts the server."""
+    assert _statuses([True] * 6, generator_fails=True) == [False] * 6
