@@ -16,6 +16,7 @@ joins the process group, and its engine's model runner sends every forward to th
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import ctypes
 import dataclasses
@@ -354,10 +355,8 @@ class _Clients:
         self._joined_or_left = True
         self._orphans.extend(client.live)
         client.live.clear()
-        try:
+        with contextlib.suppress(OSError):
             client.commands.close()
-        except OSError:
-            pass
 
     def orphaned(self) -> list[str]:
         """Engine ids of dropped clients' requests not aborted yet (taken)."""
@@ -417,10 +416,8 @@ class _Clients:
 
     def _greet(self, engine: LLMEngine) -> None:
         """Add the clients accepted since the last call: each gets the READY message."""
-        try:
+        with contextlib.suppress(BlockingIOError):  # nothing to read: no wake-up pending
             os.read(self._wake_r, 4096)
-        except BlockingIOError:
-            pass
         while True:
             try:
                 conn = self._accepted.get_nowait()

@@ -27,7 +27,9 @@ ends the engine: the others are killed and the requests in flight fail as above.
 
 from __future__ import annotations
 
+import abc
 import atexit
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -90,7 +92,7 @@ def python_executable() -> str:
 ControlHandler = Callable[[object], None]
 
 
-class _EngineFront:
+class _EngineFront(abc.ABC):
     """The parent side of an engine child, over a command connection and a result connection
     (the two pipes of `EngineProcess`, or one socket of `EngineConnection`): submits and aborts
     go down, step messages come up on a receiver thread that routes each output to its
@@ -171,10 +173,8 @@ class _EngineFront:
     def broadcast(self, payload: object) -> None:
         """Have the engine hand `payload` (picklable) to the `on_control` of every other
         client of a shared engine (none: nothing happens). Ignored once the engine is gone."""
-        try:
+        with contextlib.suppress(OSError):
             self._post((FORWARD, payload))
-        except OSError:
-            pass
 
     def stats(self) -> EngineStats:
         """The engine stats as of the end of the child's last step."""
@@ -190,8 +190,9 @@ class _EngineFront:
         silent = time.monotonic() - self._last_progress
         return stall is None or not len(self._routes) or silent <= stall
 
+    @abc.abstractmethod
     def _not_running(self) -> str:
-        raise NotImplementedError
+        """Why the engine takes no request now (the `RuntimeError` message of `submit`)."""
 
     # ---- transport ---------------------------------------------------------------------------
     def _post(self, command: tuple) -> None:

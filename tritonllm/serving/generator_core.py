@@ -367,12 +367,17 @@ class GeneratorCore:
                 "client_lease",
                 f"client_lease must be a non-empty id without {LEASE_SEPARATOR!r}",
             )
+        self._renew_lease(lease, sink)
+        self._tell_siblings(LEASE_RENEWED, lease)
+
+    def _renew_lease(self, lease: str, sink: ResponseSink | None) -> None:
+        """Count ``lease`` renewed now, with ``sink`` its open request (None: the renewal is
+        open on a sibling instance); its older open request here is answered."""
         with self._leases_lock:
             state = self._leases.setdefault(lease, _Lease())
             older, state.sink, state.since = state.sink, sink, time.monotonic()
         if older is not None:
             _close(older)
-        self._tell_siblings(LEASE_RENEWED, lease)
 
     def _check_leases(self, now: float) -> None:
         """End the leases whose client went away (sender thread): an open request held
@@ -429,11 +434,7 @@ class GeneratorCore:
             for key in self.requests.abort(value):
                 self.engine.abort(key)
         elif kind == LEASE_RENEWED:
-            with self._leases_lock:
-                state = self._leases.setdefault(value, _Lease())
-                older, state.sink, state.since = state.sink, None, time.monotonic()
-            if older is not None:
-                _close(older)
+            self._renew_lease(value, None)
         elif kind == LEASE_ENDED:
             with self._leases_lock:
                 ended = self._leases.pop(value, None)

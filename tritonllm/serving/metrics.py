@@ -230,6 +230,11 @@ TIME_COUNTERS: tuple[tuple[MetricSpec, str, str], ...] = (
 )
 
 
+# The ``TIME_COUNTERS`` each generator instance adds its own share to (its sender threads'); the
+# others are the engine's, reported by the instance that owns a shared engine.
+SENDER_COUNTERS = frozenset(spec.name for spec, source, _ in TIME_COUNTERS if source == "sender")
+
+
 def counter_values(
     stats: EngineStats, loop_times: LoopTimes, sender_times: SenderTimes
 ) -> dict[str, float]:

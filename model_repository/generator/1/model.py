@@ -37,6 +37,7 @@ from tritonllm.serving.metrics import (
     ENGINE_GAUGES,
     GENERATED_TOKENS,
     LATENCY_HISTOGRAMS,
+    SENDER_COUNTERS,
     TIME_COUNTERS,
     counter_values,
     gauge_values,
@@ -56,8 +57,6 @@ from tritonllm.triton_config import (
 )
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# The counters each instance adds its own share to (the rest are the engine's, see _Metrics).
-SENDER_COUNTERS = frozenset(spec.name for spec, source, _ in TIME_COUNTERS if source == "sender")
 
 
 def _int32(name, value):
