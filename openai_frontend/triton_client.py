@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import struct
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -210,6 +212,9 @@ _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # (``TritonClient.hold_lease``).
 LEASE_RENEW_S = 0.5
 LEASE_RETRY_S = 1.0
+# At most one warning per this many seconds for failed lease renewals (the others go to DEBUG):
+# with a dead generator instance, about every other renewal fails until tritonserver restarts.
+LEASE_WARN_EVERY_S = 60.0
 # The ensemble a client streams from by default, and the one it falls back to when the
 # generator refuses its lease: through the latter a cancelled stream still stops its generation
 # (its detokenizer step sees the cancellation).
@@ -220,6 +225,24 @@ FALLBACK_MODEL = "llm"
 def new_lease() -> str:
     """A random generator lease id (``TritonClient``): ``sidecar-`` and 16 hex digits."""
     return f"sidecar-{secrets.token_hex(8)}"
+
+
+class _FailureLog:
+    """Logs repeated failures: a warning at most once every ``every_s`` seconds (saying how
+    many failed since the last one), the others at DEBUG."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s, self._warned_at, self._since = every_s, -math.inf, 0
+
+    def log(self, fmt: str, *args: object) -> None:
+        self._since += 1
+        now = time.monotonic()
+        if now - self._warned_at < self.every_s:
+            log.debug(fmt, *args)
+            return
+        more = f" ({self._since} failures since the last warning)" if self._since > 1 else ""
+        log.warning(fmt + more, *args)
+        self._warned_at, self._since = now, 0
 
 
 class TritonClient:
@@ -287,7 +310,7 @@ class TritonClient:
         stream still stops its generation, and the lease is given up (logged once).
         """
         inputs = {"client_lease": self.lease, **self._secret()}
-        failures = 0
+        failures = _FailureLog(LEASE_WARN_EVERY_S)
 
         async def renewals(request: Any) -> Any:
             while True:
@@ -301,7 +324,6 @@ class TritonClient:
                 call = self._stub.ModelStreamInfer(renewals(request))
                 async for message in call:  # an empty final response per renewal
                     if not message.error_message:
-                        failures = 0
                         continue
                     wire = decode_error(message.error_message)
                     if wire is not None and wire.code is ErrorCode.PERMISSION_DENIED:
@@ -310,12 +332,9 @@ class TritonClient:
                     # One renewal failed (e.g. it reached a dead generator instance): the stream
                     # stays, since closing it would end the lease on the instance that holds
                     # it open and abort every request of this client; the next renewal follows.
-                    failures += 1
-                    log_failure = log.warning if failures == 1 else log.debug
-                    log_failure("generator lease renewal: %s", message.error_message)
+                    failures.log("generator lease renewal: %s", message.error_message)
             except (TritonError, grpc.aio.AioRpcError) as exc:
-                failures += 1
-                (log.warning if failures == 1 else log.debug)("generator lease: %r", exc)
+                failures.log("generator lease: %r", exc)
             finally:
                 if call is not None:
                     call.cancel()

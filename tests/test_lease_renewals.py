@@ -81,3 +81,28 @@ def test_a_refused_lease_is_given_up():
     refused = encode_error(ErrorCode.PERMISSION_DENIED, "no control secret")
     calls = _hold_lease([[refused]])
     assert len(calls) == 1 and calls[0].cancelled and calls[0].answered == 1
+
+
+def test_failed_renewals_warn_once_per_interval(caplog):
+    # A dead instance fails about every other renewal until tritonserver restarts: one warning
+    # for the run of them, not one per failure after each success.
+    dead = encode_error(ErrorCode.INTERNAL_ERROR, "Stub process 'generator_0_1' is not healthy.")
+    with caplog.at_level("DEBUG", logger=triton_client.__name__):
+        _hold_lease([["", dead] * 50 + [""] * 10**6])
+    renewals = [r for r in caplog.records if "lease renewal" in r.getMessage()]
+    assert len(renewals) == 50
+    assert [r.levelname for r in renewals].count("WARNING") == 1
+
+
+def test_a_failure_after_the_interval_warns_again_with_the_count(monkeypatch, caplog):
+    clock = [1000.0]
+    monkeypatch.setattr(triton_client.time, "monotonic", lambda: clock[0])
+    failures = triton_client._FailureLog(every_s=60.0)
+    with caplog.at_level("WARNING", logger=triton_client.__name__):
+        for t in (0, 10, 20, 59, 61, 62):
+            clock[0] = 1000.0 + t
+            failures.log("generator lease renewal: %s", "dead")
+    assert [r.getMessage() for r in caplog.records] == [
+        "generator lease renewal: dead",
+        "generator lease renewal: dead (4 failures since the last warning)",
+    ]
