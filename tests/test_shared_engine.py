@@ -7,6 +7,8 @@ client's own outputs (ids, counts, finish reasons), and the kernel's process tab
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -244,3 +246,30 @@ def test_one_instance_starts_the_engine_and_the_others_connect(tmp_path):
                 front.shutdown()
         owners[0].shutdown()
     assert not list(tmp_path.iterdir())  # the owner removed its rendezvous and lock files
+
+
+def test_an_owner_removes_files_left_by_a_process_that_is_gone(tmp_path):
+    """A tritonserver killed before its owner cleaned up leaves its lock and rendezvous files;
+    the next owner removes those of processes that are gone, and no others."""
+    gone = subprocess_pid_that_exited()
+    stale = [tmp_path / f"tritonllm-engine-{gone}-generator-1.{ext}" for ext in ("lock", "json")]
+    alive = [tmp_path / f"tritonllm-engine-{os.getpid()}-other-1.{ext}" for ext in ("lock", "json")]
+    unscoped = tmp_path / "tritonllm-engine-test-unscoped.lock"
+    for path in [*stale, *alive, unscoped]:
+        path.write_text("{}")
+    key = shared_engine.engine_key(os.getpid(), f"generator-{time.monotonic_ns()}")
+    owner = shared_engine.open_shared_engine(_config(), key, directory=tmp_path)
+    try:
+        assert isinstance(owner, EngineProcess)
+        assert not any(p.exists() for p in stale)
+        assert all(p.exists() for p in [*alive, unscoped])
+    finally:
+        owner.shutdown()
+
+
+def subprocess_pid_that_exited() -> int:
+    """The pid of a child process that has exited and been reaped (no process has it now,
+    unless the system reused it meanwhile)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid

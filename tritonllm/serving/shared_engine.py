@@ -16,6 +16,11 @@ by ``key`` (the generator's tritonserver process and model):
   lets go of the lock and the next instance to take it tries in turn (and fails the same way,
   with the same error, when the engine cannot be built).
 
+A key that begins with a process id and a dash (``engine_key``: tritonserver's pid) scopes the
+engine to that process's life: an owner that wins an election removes the files of keys whose
+process is gone, which a tritonserver killed before its owner could clean up left behind (the
+supervisor's restart sends SIGKILL after a short stop timeout).
+
 The connection is authenticated by the random key of the rendezvous file, readable only by the
 server's user; the engine's address is an abstract Unix socket (Linux).
 """
@@ -27,6 +32,7 @@ import fcntl
 import json
 import multiprocessing
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +43,40 @@ from tritonllm.engine.engine_process import EngineConnection, EngineProcess
 
 # Seconds between two looks at the rendezvous while another instance builds the engine.
 POLL_S = 0.1
+# The lock and rendezvous files of an engine key scoped to a process (``engine_key``).
+_SCOPED_FILE = re.compile(r"tritonllm-engine-(\d+)-.*\.(lock|json)")
+
+
+def engine_key(scope_pid: int, name: str) -> str:
+    """The key (``open_shared_engine``) of the engine named ``name`` (e.g. the model and its
+    version) that lives no longer than process ``scope_pid`` (tritonserver): files left behind
+    under a key whose process is gone are removed by the next owner (module doc)."""
+    return f"{scope_pid}-{name}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_stale(directory: Path) -> list[Path]:
+    """Remove the lock and rendezvous files in ``directory`` of engine keys scoped to a
+    process that is gone (``engine_key``); returns the paths removed. Keys of a live process
+    (also a reused pid) and keys not scoped to a process are left alone."""
+    removed = []
+    for path in directory.glob("tritonllm-engine-*"):
+        match = _SCOPED_FILE.fullmatch(path.name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
 
 
 class SharedEngineOwner(EngineProcess):
@@ -110,6 +150,7 @@ def _start_owner(
 ) -> SharedEngineOwner:
     """Start the engine (the lock ``fd`` is held) and publish its address."""
     rendezvous.unlink(missing_ok=True)  # a dead owner's, if any: its engine is gone
+    sweep_stale(rendezvous.parent)
     owner = SharedEngineOwner(config, start_timeout=start_timeout, listen=True)
     listen = owner.listen_address
     assert listen is not None

@@ -44,7 +44,7 @@ from tritonllm.serving.metrics import (
 )
 from tritonllm.serving.orphan_watch import exit_when_orphaned
 from tritonllm.serving.pacer import DETOKENIZED_RESPONSE_COST
-from tritonllm.serving.shared_engine import SharedEngineOwner, open_shared_engine
+from tritonllm.serving.shared_engine import SharedEngineOwner, engine_key, open_shared_engine
 from tritonllm.serving.text_outputs import text_outputs
 from tritonllm.tokenization.detokenizer import Detokenizer
 from tritonllm.tokenization.loading import load_tokenizer
@@ -274,7 +274,7 @@ class TritonPythonModel:
         )
         owner = True
         if instances > 1:  # one engine for every instance (serving/shared_engine.py)
-            key = f"{parent_pid}-{args['model_name']}-{args['model_version']}"
+            key = engine_key(parent_pid, f"{args['model_name']}-{args['model_version']}")
             engine = open_shared_engine(config, key)  # RuntimeError fails the load
             owner = isinstance(engine, SharedEngineOwner)
         elif own_process:
