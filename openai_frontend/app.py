@@ -188,7 +188,8 @@ def create_app(
             cache_salt_from_api_key=cache_salt_from_api_key,
             tool_call_parser=tool_call_parser,
         )
-        app.state.health = health.HealthMonitor(client, state.live)
+        app.state.health = monitor = health.HealthMonitor(client, state.live)
+        state.backend_ok = monitor.ok
         watch = health.BackendWatch(app.state.health)
         watch.start()
         try:

@@ -19,7 +19,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,8 @@ def to_openai_error(exc: TritonError, prompt_param: str) -> OpenAIError:
     Triton unreachable or the model not loaded (a gRPC status) -> 503; an error in the
     backend's wire form (``tritonllm.contract.errors``) -> by its code (``errors.OPENAI_STATUS``);
     any other error is Triton's own (a stub that died, a model not ready, a cancelled step) ->
-    500. No message text is searched: a client's own text can never change the class.
+    500 (``backend_error`` makes it a 503 while the backend is unhealthy). No message text is
+    searched: a client's own text can never change the class.
     """
     if exc.unavailable:  # the details (the internal gRPC address) go to the log only
         log.warning("backend unavailable: %s", exc.message)
@@ -49,6 +50,32 @@ def to_openai_error(exc: TritonError, prompt_param: str) -> OpenAIError:
         log.warning("backend error: %s", exc.message)
         return OpenAIError(INTERNAL_MESSAGE, 500, "server_error")
     return from_backend(wire, prompt_param)
+
+
+# Most seconds an error path waits for the health check that classifies Triton's own errors.
+BACKEND_CHECK_S = 3.0
+
+
+async def backend_error(
+    exc: TritonError,
+    prompt_param: str,
+    backend_ok: Callable[[], Awaitable[bool]] | None,
+) -> OpenAIError:
+    """``to_openai_error``, with Triton's own errors (no wire form: a generator stub that died,
+    a tritonserver that is stopping for a restart) told apart by the backend's health rather
+    than by their text: a 503 ``service_unavailable`` (retry later) while ``backend_ok`` (the
+    sidecar's health check, ``health.HealthMonitor``) says the backend is failing, a 500
+    otherwise, and when the check takes more than ``BACKEND_CHECK_S``."""
+    error = to_openai_error(exc, prompt_param)
+    if backend_ok is None or exc.unavailable or decode_error(exc.message) is not None:
+        return error
+    try:
+        ok = await asyncio.wait_for(backend_ok(), BACKEND_CHECK_S)
+    except asyncio.TimeoutError:
+        return error
+    if ok:
+        return error
+    return OpenAIError(UNAVAILABLE_MESSAGE, 503, "server_error", code="service_unavailable")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +137,8 @@ class Generation:
         idle_timeout_s: most seconds to wait for the next response; past it the generation
             fails with a 504 (a backend that stopped answering, e.g. a dead generator stub,
             which Triton never reports for requests in flight). None: wait forever.
+        backend_ok: the sidecar's health check (True: healthy), which classifies Triton's
+            own errors (``backend_error``); None: they are 500s.
 
     Attributes:
         started_at: ``time.monotonic()`` at construction; ``last_response_at``: of the latest
@@ -126,8 +155,10 @@ class Generation:
         logprobs: bool = False,
         registry: set[Generation] | None = None,
         idle_timeout_s: float | None = None,
+        backend_ok: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self.client, self.request_id, self.inputs = client, request_id, inputs
+        self._backend_ok = backend_ok
         self.prompt_param = prompt_param
         self.n, self.logprobs = n, logprobs
         self.finish_reasons: list[str | None] = [None] * n
@@ -159,7 +190,7 @@ class Generation:
         try:
             self._stream = await self.client.stream(self.request_id, self.inputs)
         except TritonError as exc:
-            raise to_openai_error(exc, self.prompt_param) from exc
+            raise await backend_error(exc, self.prompt_param, self._backend_ok) from exc
         self._first = await self._read()
 
     async def _read(self) -> LLMChunk | None:
@@ -179,7 +210,7 @@ class Generation:
             self._backend_finished = True  # an error response ends the request in Triton
             if self._failure is not None:
                 raise self._failure from exc
-            raise to_openai_error(exc, self.prompt_param) from exc
+            raise await backend_error(exc, self.prompt_param, self._backend_ok) from exc
         if self._failure is not None:
             raise self._failure
         self.last_response_at = time.monotonic()

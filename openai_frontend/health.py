@@ -7,13 +7,16 @@ Python stub died, and a wedged tokenizer or detokenizer hangs every request whil
 alone still answers (ARCHITECTURE.md, "Platform facts"). The check is cheap and cannot load the
 engine however often it is asked:
 
-- a response that any generation in flight received within the last ``interval_s`` seconds is
-  proof enough (the backend makes progress), so a busy server sends no probe at all;
-- otherwise one probe, a 1-token greedy generation, runs at a time; its result is cached for
-  ``interval_s`` seconds and shared by every caller meanwhile.
-
-Each probe also asks the generator's own health probe (``health_probe``, no generation), which
-every generator instance fails while one of them is gone (``GeneratorCore``, "instances").
+- one check runs at a time; its result is cached for ``interval_s`` seconds and shared by
+  every caller meanwhile;
+- a check asks whether tritonserver is ready, then the generator's own health probe
+  (``health_probe``, a control request, no generation), which every generator instance fails
+  while one of them is gone (``GeneratorCore``, "instances");
+- then a 1-token greedy generation, unless a response that a generation in flight received
+  within the last ``interval_s`` seconds is proof enough that the pipeline makes progress: a
+  busy server runs no probe generation at all. (Progress alone is not proof of health: with one
+  of two generator instances dead, the live one keeps streaming while every other new request
+  fails, which is why the generator's probe is always asked.)
 
 A probe that gets an *error response* (not merely a slow one) means a part of the pipeline is
 broken, and Triton never repairs a dead stub. Such a failure is held for ``failure_hold_s``
@@ -116,7 +119,12 @@ class HealthMonitor:
         self._passed_in_row = 0  # probes that went through since the held failure
         self._running: asyncio.Task | None = None
 
-    def _recent_progress(self, now: float) -> bool:
+    def _progress_is_proof(self, now: float) -> bool:
+        """Whether a live generation's recent response stands in for the probe generation:
+        one came within ``interval_s``, and no failure is held (a held failure clears only
+        by probes that went through)."""
+        if self._failed is not None and now - self._failed.checked_at < self.failure_hold_s:
+            return False
         times = (gen.last_response_at for gen in self.live)
         return any(t is not None and now - t < self.interval_s for t in times)
 
@@ -126,10 +134,6 @@ class HealthMonitor:
         now = time.monotonic()
         if self._last is not None and now - self._last.checked_at < self.interval_s:
             return self._last
-        held = self._failed is not None and now - self._failed.checked_at < self.failure_hold_s
-        if not held and self._recent_progress(now):
-            self._last = HealthStatus(True, "ok", checked_at=now)
-            return self._last
         if self._running is None:
             self._running = asyncio.ensure_future(self._probe())
             self._running.add_done_callback(lambda _: setattr(self, "_running", None))
@@ -137,13 +141,19 @@ class HealthMonitor:
         # the probe that other callers share.
         return await asyncio.shield(self._running)
 
+    async def ok(self) -> bool:
+        """Whether ``check`` finds the service healthy now."""
+        return (await self.check()).ok
+
     async def _probe(self) -> HealthStatus:
         if not await self.client.is_ready():
             self._failed = None  # tritonserver is down or (re)starting: old failures are moot
             return self._record(
                 HealthStatus(False, "triton not ready", checked_at=time.monotonic())
             )
-        failure = await self._ask_generator() or await self._generate_one()
+        failure = await self._ask_generator()
+        if failure is None and not self._progress_is_proof(time.monotonic()):
+            failure = await self._generate_one()
         now = time.monotonic()
         if failure is not None:
             reason, backend_failed = failure

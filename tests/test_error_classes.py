@@ -10,6 +10,7 @@ through the real server.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -21,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_generator_core import RecordingEngine, Sink
 
-from openai_frontend import create_app
-from openai_frontend.generation import to_openai_error
+from openai_frontend import create_app, generation
+from openai_frontend.generation import backend_error, to_openai_error
 from openai_frontend.triton_client import TritonError
 from tritonllm.contract import limits
 from tritonllm.contract.errors import MARKER, ErrorCode, RequestError, decode_error, encode_error
@@ -229,3 +230,41 @@ def test_adversarial_prompt_and_names_through_the_server(client, sidecar):
         json={"model": ADVERSARIAL[1], "messages": [{"role": "user", "content": "x"}]},
     )
     assert (bad.status_code, bad.json()["error"]["code"]) == (404, "model_not_found")
+
+
+def _backend_error(message: str, healthy: bool | None, delay_s: float = 0.0):
+    """``backend_error`` of a Triton error with ``message``, the health check answering
+    ``healthy`` after ``delay_s`` (None: no health check)."""
+    asked = []
+
+    async def backend_ok() -> bool:
+        asked.append(True)
+        await asyncio.sleep(delay_s)
+        return bool(healthy)
+
+    check = None if healthy is None else backend_ok
+    error = asyncio.run(backend_error(TritonError(message), "prompt", check))
+    return error, bool(asked)
+
+
+DEAD_STUB = "in ensemble 'llm_fused', Stub process 'generator_0_1' is not healthy."
+
+
+def test_tritons_own_error_is_a_503_while_the_backend_is_unhealthy():
+    error, asked = _backend_error(DEAD_STUB, healthy=False)
+    assert asked and (error.status, error.code) == (503, "service_unavailable")
+
+
+def test_tritons_own_error_is_a_500_while_the_backend_is_healthy_or_the_check_is_slow(
+    monkeypatch,
+):
+    assert _backend_error(DEAD_STUB, healthy=True)[0].status == 500
+    assert _backend_error(DEAD_STUB, healthy=None)[0].status == 500
+    monkeypatch.setattr(generation, "BACKEND_CHECK_S", 0.01)
+    assert _backend_error(DEAD_STUB, healthy=False, delay_s=1.0)[0].status == 500
+
+
+def test_a_classified_backend_error_keeps_its_class_whatever_the_health():
+    wire = encode_error(ErrorCode.INVALID_VALUE, "temperature must be at least 0")
+    error, asked = _backend_error(f"in ensemble 'llm', {wire}", healthy=False)
+    assert not asked and error.status == 400

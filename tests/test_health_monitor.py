@@ -4,6 +4,7 @@ row went through, and never while every other probe fails (one of two instances 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from openai_frontend.health import RECOVERY_PROBES, HealthMonitor
 from openai_frontend.triton_client import TritonError
@@ -73,3 +74,25 @@ def test_a_lost_generator_instance_fails_every_check_even_when_generations_pass(
     """Generations land on the live instance, but the generator's own probe says an instance
     is gone: every check fails (no flapping), so supervision restarts the server."""
     assert _statuses([True] * 6, generator_fails=True) == [False] * 6
+
+
+class _Busy:
+    """A generation in flight that has just had a response."""
+
+    def __init__(self) -> None:
+        self.last_response_at = time.monotonic()
+
+
+def test_a_busy_server_is_ok_without_a_probe_generation():
+    client = _Client([])  # any probe generation would pop from an empty list and fail the test
+    monitor = HealthMonitor(client, {_Busy()}, interval_s=60.0)
+    assert asyncio.run(monitor.check()).ok
+
+
+def test_a_lost_generator_instance_fails_the_check_of_a_busy_server():
+    """Under load the live instance keeps streaming, which used to stand in for the whole
+    check; the generator's own probe is still asked, so the dead instance is seen."""
+    client = _Client([], generator_fails=True)
+    monitor = HealthMonitor(client, {_Busy()}, interval_s=60.0)
+    status = asyncio.run(monitor.check())
+    assert not status.ok and status.backend_failed

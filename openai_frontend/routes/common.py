@@ -45,6 +45,8 @@ class ServerState:
     tool_call_parser: str = "hermes"  # tool_parsers.TOOL_PARSERS
     max_prompt_chars: int | None = None  # the tokenizer's limit, once fetched
     max_model_len: int | None = None  # the engine's context limit, once asked (tokens)
+    # The health check (True: healthy) that tells Triton's own errors apart (503 or 500).
+    backend_ok: Callable[[], Awaitable[bool]] | None = None
 
     async def prompt_chars_limit(self) -> int | None:
         """The most characters a prompt can have and still fit the context (the tokenizer
@@ -204,6 +206,7 @@ async def start_generation(
         logprobs=body.wants_logprobs,
         registry=state.live,
         idle_timeout_s=state.stream_idle_timeout_s,
+        backend_ok=state.backend_ok,
     )
     try:
         await unless_disconnected(request, gen.start())
