@@ -18,6 +18,7 @@ from test_engine_helpers import checkpoint, hf_greedy, prompts
 from test_engine_thread import GREEDY, TIMEOUT, Collector
 
 from tritonllm.config import EngineConfig
+from tritonllm.engine import engine_child
 from tritonllm.engine.engine_child import ListenAddress
 from tritonllm.engine.engine_process import EngineConnection, EngineProcess
 from tritonllm.sampling_params import SamplingParams
@@ -134,6 +135,24 @@ def test_a_client_that_leaves_has_its_requests_aborted_and_the_engine_serves_on(
         mine.wait(["probe"])
     assert shared.stats().num_running == 0  # the leaver's 400-token requests were aborted
     assert all(not o.finished for o in sink.outputs.get("gone0", []))  # no output after it left
+
+
+def test_a_client_without_requests_gets_the_stats_only_now_and_then(shared):
+    """While another client's request decodes, a client with nothing in the engine is sent
+    a step message (its stats) at most every IDLE_CLIENT_STATS_S, not one every step."""
+    idle = EngineConnection(shared.listen_address)
+    try:
+        sink = Collector()
+        seen, begin = set(), time.monotonic()
+        shared.submit("busy", [1, 2, 3], LONG, sink)
+        while not sink.finished("busy") and time.monotonic() - begin < TIMEOUT:
+            seen.add(idle.loop_times().loops)
+            time.sleep(0.002)
+        elapsed = time.monotonic() - begin
+        assert len(sink.ids("busy")) == LONG.max_tokens  # one step message per step here
+        assert len(seen) <= elapsed / engine_child.IDLE_CLIENT_STATS_S + 3
+    finally:
+        idle.shutdown()
 
 
 def test_every_client_learns_how_many_clients_the_engine_serves(shared):

@@ -64,6 +64,10 @@ PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # <linux/prctl.h>
 # Diagnostics (`EngineConfig.engine_profile`): seconds between two dumps of the child's cProfile
 # stats.
 PROFILE_DUMP_S = 10.0
+# A shared engine's client with no request in it gets a step message (the engine's stats) at most
+# this often, in seconds: writing one to every idle instance every step cost the engine loop
+# about 50 us a client a step (BENCHMARKS.md, "Every level with 2 generator instances").
+IDLE_CLIENT_STATS_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -237,11 +241,12 @@ class _Client:
     connection for a client that connected over the listener) and its requests in flight
     (engine ids; tracked only when the engine is shared)."""
 
-    __slots__ = ("index", "commands", "results", "live")
+    __slots__ = ("index", "commands", "results", "live", "sent_at")
 
     def __init__(self, index: int, commands: Connection, results: Connection) -> None:
         self.index, self.commands, self.results = index, commands, results
         self.live: set[str] = set()
+        self.sent_at = 0.0  # time.monotonic() of its last step message
 
 
 class _Clients:
@@ -251,9 +256,11 @@ class _Clients:
 
     A shared engine (one with a listener) names each request `"<client index>:<id>"` inside
     the engine, so that two instances may use the same id, and hands each client its own
-    outputs under the id it gave, in a step message of its own (every client gets one per
-    step, with the engine's stats), and after a step in which a client joined or left, the
-    number of clients connected (`(CLIENTS, n)`). A client that disconnects has its requests
+    outputs under the id it gave, in a step message of its own, with the engine's stats (every
+    step to the parent that started the engine, which reports the engine's metrics, and to
+    each client with requests in the engine; to the others at most every
+    `IDLE_CLIENT_STATS_S`), and after a step in which a client joined or left, the number of
+    clients connected (`(CLIENTS, n)`). A client that disconnects has its requests
     aborted. An
     engine without a listener sends the step's outputs as they are: the one parent's path costs
     nothing more.
@@ -295,9 +302,14 @@ class _Clients:
         if block:
             wait([c.commands for c in self._clients.values()] + [self._wake_r])
             self._greet(engine)
+        # One readiness check for every client (a `poll()` per connection costs a selector
+        # each), then each ready one read until it has nothing more.
+        by_connection = {c.commands: c for c in self._clients.values()}
         batch = []
-        for client in list(self._clients.values()):
+        for connection in wait(list(by_connection), timeout=0):
+            client = by_connection[connection]  # type: ignore[index]  # (wait returns its inputs)
             try:
+                batch.extend((client, c) for c in client.commands.recv())
                 while client.commands.poll():
                     batch.extend((client, c) for c in client.commands.recv())
             except (EOFError, OSError):
@@ -383,10 +395,16 @@ class _Clients:
             if out.request_finished:
                 client.live.discard(out.request_id)
             per_client[client.index].append((request_id, *output_row(out)[1:]))
+        now = time.monotonic()
         for number, rows in per_client.items():
             receiver = self._clients.get(number)
-            if receiver is not None:
-                self._send(receiver, encode_rows(rows, stats, times))
+            if receiver is None:
+                continue
+            idle = not rows and not receiver.live and receiver is not self.owner
+            if idle and now - receiver.sent_at < IDLE_CLIENT_STATS_S:
+                continue  # nothing of its own in the engine: its stats can wait
+            receiver.sent_at = now
+            self._send(receiver, encode_rows(rows, stats, times))
         if self._joined_or_left:  # (a client dropped while announcing sets it again)
             self._joined_or_left = False
             announcement = encode_control((CLIENTS, len(self._clients)))
