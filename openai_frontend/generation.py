@@ -28,9 +28,18 @@ from tritonllm.contract.errors import decode_error
 from . import metrics
 from .errors import INTERNAL_MESSAGE, UNAVAILABLE_MESSAGE, OpenAIError, from_backend
 from .protocol import PromptTokensDetails, Usage
-from .triton_client import InputValue, LLMChunk, ResponseStream, TritonClient, TritonError
+from .triton_client import (
+    InputValue,
+    LLMChunk,
+    RepeatedWarning,
+    ResponseStream,
+    TritonClient,
+    TritonError,
+)
 
 log = logging.getLogger(__name__)
+# While tritonserver is down every request fails the same way: one warning every 10 s.
+_UNAVAILABLE_LOG = RepeatedWarning(10.0, log)
 
 
 def to_openai_error(exc: TritonError, prompt_param: str) -> OpenAIError:
@@ -43,7 +52,7 @@ def to_openai_error(exc: TritonError, prompt_param: str) -> OpenAIError:
     searched: a client's own text can never change the class.
     """
     if exc.unavailable:  # the details (the internal gRPC address) go to the log only
-        log.warning("backend unavailable: %s", exc.message)
+        _UNAVAILABLE_LOG.log("backend unavailable: %s", exc.message)
         return OpenAIError(UNAVAILABLE_MESSAGE, 503, "server_error", code="service_unavailable")
     wire = decode_error(exc.message)
     if wire is None:

@@ -227,21 +227,24 @@ def new_lease() -> str:
     return f"sidecar-{secrets.token_hex(8)}"
 
 
-class _FailureLog:
-    """Logs repeated failures: a warning at most once every ``every_s`` seconds (saying how
-    many failed since the last one), the others at DEBUG."""
+class RepeatedWarning:
+    """Logs a failure that repeats: a warning at most once every ``every_s`` seconds (saying
+    how many there were since the last one), the others at DEBUG, on ``logger`` (default:
+    this module's)."""
 
-    def __init__(self, every_s: float) -> None:
+    def __init__(self, every_s: float, logger: logging.Logger | None = None) -> None:
         self.every_s, self._warned_at, self._since = every_s, -math.inf, 0
+        self.logger = logger or log
 
     def log(self, fmt: str, *args: object) -> None:
+        """Log one occurrence (``logging``'s lazy ``fmt % args``)."""
         self._since += 1
         now = time.monotonic()
         if now - self._warned_at < self.every_s:
-            log.debug(fmt, *args)
+            self.logger.debug(fmt, *args)
             return
-        more = f" ({self._since} failures since the last warning)" if self._since > 1 else ""
-        log.warning(fmt + more, *args)
+        more = f" ({self._since} since the last warning)" if self._since > 1 else ""
+        self.logger.warning(fmt + more, *args)
         self._warned_at, self._since = now, 0
 
 
@@ -310,7 +313,7 @@ class TritonClient:
         stream still stops its generation, and the lease is given up (logged once).
         """
         inputs = {"client_lease": self.lease, **self._secret()}
-        failures = _FailureLog(LEASE_WARN_EVERY_S)
+        failures = RepeatedWarning(LEASE_WARN_EVERY_S)
 
         async def renewals(request: Any) -> Any:
             while True:

@@ -1,7 +1,8 @@
 """The sidecar's generator lease (``TritonClient.hold_lease``) over a stand-in gRPC stream: a
 renewal answered with an error (a generator instance that died) keeps the stream, so the lease
-held open on the live instances does not end; a refused lease is given up. No tritonserver:
-the stream's messages are scripted."""
+held open on the live instances does not end; a refused lease is given up; repeated failures
+(renewals, tritonserver down) warn once per interval. No tritonserver: the stream's messages are
+scripted."""
 
 from __future__ import annotations
 
@@ -97,12 +98,26 @@ def test_failed_renewals_warn_once_per_interval(caplog):
 def test_a_failure_after_the_interval_warns_again_with_the_count(monkeypatch, caplog):
     clock = [1000.0]
     monkeypatch.setattr(triton_client.time, "monotonic", lambda: clock[0])
-    failures = triton_client._FailureLog(every_s=60.0)
+    failures = triton_client.RepeatedWarning(every_s=60.0)
     with caplog.at_level("WARNING", logger=triton_client.__name__):
         for t in (0, 10, 20, 59, 61, 62):
             clock[0] = 1000.0 + t
             failures.log("generator lease renewal: %s", "dead")
     assert [r.getMessage() for r in caplog.records] == [
         "generator lease renewal: dead",
-        "generator lease renewal: dead (4 failures since the last warning)",
+        "generator lease renewal: dead (4 since the last warning)",
     ]
+
+
+def test_tritonserver_down_warns_once_per_interval_not_per_request(monkeypatch, caplog):
+    """Every request fails the same way while tritonserver is down (clients retrying at once
+    made 17,000 such lines in one QA outage): one warning, the rest at DEBUG."""
+    from openai_frontend import generation
+
+    fresh = triton_client.RepeatedWarning(60.0, generation.log)
+    monkeypatch.setattr(generation, "_UNAVAILABLE_LOG", fresh)
+    refused = triton_client.TritonError("connection refused", unavailable=True)
+    with caplog.at_level("WARNING", logger=generation.__name__):
+        for _ in range(100):
+            assert generation.to_openai_error(refused, "prompt").status == 503
+    assert len(caplog.records) == 1
