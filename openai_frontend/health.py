@@ -288,12 +288,19 @@ router = APIRouter()
 @router.get("/health", response_model=None)
 async def health(request: Request) -> JSONResponse:
     """200 ``{"status": "ok"}`` when a generation goes through the ``llm`` ensemble (see the
-    module docstring); 503 with the reason otherwise, and while the sidecar drains."""
+    module docstring); 503 ``{"status": reason, "backend_failed": bool}`` otherwise
+    (``backend_failed``: a part of the pipeline answered with an error, which Triton never
+    repairs, as opposed to being slow or restarting), and ``{"status": "draining"}`` while the
+    sidecar drains."""
     drain = request.app.state.drain
     if drain.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     status = await request.app.state.health.check()
-    return JSONResponse({"status": status.reason}, status_code=200 if status.ok else 503)
+    if status.ok:
+        return JSONResponse({"status": status.reason})
+    # backend_failed: an error answer (a dead stub), not slowness; supervision restarts sooner.
+    body = {"status": status.reason, "backend_failed": status.backend_failed}
+    return JSONResponse(body, status_code=503)
 
 
 @router.get("/health/live", response_model=None)

@@ -34,7 +34,10 @@ ERROR_SCHEMA: dict[str, Any] = {
         }
     },
 }
-_HEALTH_SCHEMA = {"type": "object", "properties": {"status": {"type": "string"}}}
+_HEALTH_SCHEMA = {
+    "type": "object",
+    "properties": {"status": {"type": "string"}, "backend_failed": {"type": "boolean"}},
+}
 _DESCRIPTIONS = {
     400: "invalid request (OpenAI error body)",
     401: "missing or wrong API key (when the server has API keys)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import types
 
 from openai_frontend.health import RECOVERY_PROBES, HealthMonitor
 from openai_frontend.triton_client import TritonError
@@ -96,3 +97,33 @@ def test_a_lost_generator_instance_fails_the_check_of_a_busy_server():
     monitor = HealthMonitor(client, {_Busy()}, interval_s=60.0)
     status = asyncio.run(monitor.check())
     assert not status.ok and status.backend_failed
+
+
+def test_health_says_backend_failed_for_an_error_answer_only():
+    """The /health body tells supervision an error answer (restart soon) from slowness."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from openai_frontend import health
+
+    def served(client) -> dict:
+        app = FastAPI()
+        app.include_router(health.router)
+        app.state.health = HealthMonitor(client, set(), interval_s=0.0)
+        app.state.drain = types.SimpleNamespace(draining=False)
+        response = TestClient(app).get("/health")
+        return {"code": response.status_code, **response.json()}
+
+    assert served(_Client([True])) == {"code": 200, "status": "ok"}
+    failed = served(_Client([False]))
+    assert failed["code"] == 503 and failed["backend_failed"] is True
+
+    class Unready(_Client):
+        async def is_ready(self) -> bool:
+            return False
+
+    assert served(Unready([])) == {
+        "code": 503,
+        "status": "triton not ready",
+        "backend_failed": False,
+    }

@@ -17,8 +17,8 @@ import pytest
 from tritonllm.supervisor import Backoff, SupervisePolicy, Supervisor, check_health
 from tritonllm.triton_server import free_port, start_process_group, stop_process_group
 
-# A /health server: answers the status code written in the file argv[2] (200 when absent), or
-# never answers while that file says "hang".
+# A /health server: answers the status code written in the file argv[2] (200 when absent;
+# "503 failed" also says backend_failed), or never answers while that file says "hang".
 FAKE_SIDECAR = r"""
 import http.server, sys, time
 from pathlib import Path
@@ -28,10 +28,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
         text = status_file.read_text().strip() if status_file.exists() else "200"
         if text == "hang":
             time.sleep(30)
-        code = int(text) if text.isdigit() else 200
+        failed = text.endswith("failed")  # e.g. "503 failed": backend_failed
+        code = int(text.split()[0]) if text.split() and text.split()[0].isdigit() else 200
         self.send_response(code)
         self.end_headers()
-        self.wfile.write(b'{"status": "fake %d"}' % code)
+        self.wfile.write(b'{"status": "fake %d", "backend_failed": %s}'
+                         % (code, b"true" if failed else b"false"))
     def log_message(self, *args):
         pass
 http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
@@ -164,5 +166,20 @@ def test_a_503_health_restarts_tritonserver_and_no_answer_restarts_the_sidecar(s
     time.sleep(1.0)  # the restart's own wait for health is over
     status.write_text("hang")  # the sidecar itself stopped answering
     assert _wait(lambda: supervisor.sidecar is not first_sidecar, 60)
+    status.write_text("200")
+    assert _wait(lambda: check_health(supervisor.health_url, 2).ok) and not result
+
+
+def test_a_backend_failure_restarts_tritonserver_before_the_unhealthy_timeout(supervised):
+    """/health saying backend_failed (an error answer: a dead stub) restarts tritonserver after
+    failed_timeout_s; a plain 503 (slow, restarting) still waits for unhealthy_timeout_s."""
+    supervisor, status = supervised(unhealthy_timeout_s=60.0, failed_timeout_s=0.5)
+    result = _run_in_thread(supervisor)
+    first = supervisor.triton
+    status.write_text("503")
+    time.sleep(2.0)
+    assert supervisor.triton is first  # not yet: 60 s for a plain 503
+    status.write_text("503 failed")
+    assert _wait(lambda: supervisor.triton is not first, 10)
     status.write_text("200")
     assert _wait(lambda: check_health(supervisor.health_url, 2).ok) and not result

@@ -353,6 +353,13 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         help="seconds /health may fail in a row before it counts as a failure",
     )
     p.add_argument(
+        "--failed-timeout",
+        type=float,
+        default=defaults.failed_timeout_s,
+        help="the same, while /health reports backend_failed (a stub answered with an error, "
+        "e.g. a dead generator instance: Triton never repairs one)",
+    )
+    p.add_argument(
         "--health-interval",
         type=float,
         default=defaults.health_interval_s,
@@ -418,6 +425,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         on_failure=a.on_failure,
         health_interval_s=a.health_interval,
         unhealthy_timeout_s=a.unhealthy_timeout,
+        failed_timeout_s=a.failed_timeout,
         drain_timeout_s=a.drain_timeout,
     )
     return LaunchConfig(

@@ -8,7 +8,9 @@ container (``--on-failure exit``). Failures, and what is restarted for each:
 - tritonserver exited (killed, crashed, OOM): tritonserver;
 - the sidecar exited: the sidecar;
 - the sidecar's ``/health`` (end to end through the ``llm`` ensemble) has answered 503 for
-  ``unhealthy_timeout_s`` seconds: tritonserver, since Triton 2.51 never restarts a dead or
+  ``unhealthy_timeout_s`` seconds, or for ``failed_timeout_s`` seconds saying
+  ``backend_failed`` (a stub answered with an error: a dead generator instance, say, which
+  is no slowness that could pass): tritonserver, since Triton 2.51 never restarts a dead or
   stopped Python stub and keeps reporting the model ready (ARCHITECTURE.md, "Platform facts");
 - ``/health`` has not answered at all for that long (a wedged sidecar): the sidecar.
 
@@ -54,6 +56,11 @@ class SupervisePolicy:
         backoff_reset_s: seconds of good health after which the delay is back to the initial.
         health_interval_s: seconds between two checks of the sidecar's ``/health``.
         unhealthy_timeout_s: seconds ``/health`` may fail in a row before it is a failure.
+        failed_timeout_s: the same, while ``/health`` says ``backend_failed`` (an error
+            answer, not slowness) on every check (QA: with a dead generator instance nearly
+            every request failed for the whole ``unhealthy_timeout_s``). Long enough for a
+            one-off error to clear first: the sidecar holds it until 3 probes in a row pass,
+            about 6 s at the 2 s health interval.
         drain_timeout_s: seconds a graceful stop lets the requests in flight finish.
     """
 
@@ -63,6 +70,7 @@ class SupervisePolicy:
     backoff_reset_s: float = 60.0
     health_interval_s: float = 2.0
     unhealthy_timeout_s: float = 30.0
+    failed_timeout_s: float = 10.0
     drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -98,10 +106,11 @@ class Backoff:
 @dataclass(frozen=True)
 class HealthAnswer:
     """One ``GET /health``: ``status`` the HTTP status (None: no answer), ``reason`` its
-    ``status`` field or why there was no answer."""
+    ``status`` field or why there was no answer, ``backend_failed`` its field of that name."""
 
     status: int | None
     reason: str
+    backend_failed: bool = False
 
     @property
     def ok(self) -> bool:
@@ -112,18 +121,21 @@ def check_health(url: str, timeout_s: float) -> HealthAnswer:
     """``GET url`` (the sidecar's ``/health``) within ``timeout_s`` seconds; never raises."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return HealthAnswer(response.status, _reason(response.read()))
+            return _answer(response.status, response.read())
     except urllib.error.HTTPError as exc:
-        return HealthAnswer(exc.code, _reason(exc.read()))
+        return _answer(exc.code, exc.read())
     except (OSError, ValueError) as exc:  # refused, reset, timed out
         return HealthAnswer(None, str(exc))
 
 
-def _reason(body: bytes) -> str:
+def _answer(status: int, body: bytes) -> HealthAnswer:
     try:
-        return str(json.loads(body).get("status", ""))
+        fields = json.loads(body)
+        return HealthAnswer(
+            status, str(fields.get("status", "")), fields.get("backend_failed") is True
+        )
     except (ValueError, AttributeError):
-        return body[:200].decode(errors="replace")
+        return HealthAnswer(status, body[:200].decode(errors="replace"))
 
 
 def log(message: str) -> None:
@@ -216,6 +228,7 @@ class Supervisor:
         signal handlers raise."""
         policy = self.policy
         last_ok = next_check = time.monotonic()
+        failed_since: float | None = None  # of the answers saying backend_failed in a row
         while not self.stopping:
             time.sleep(0.2)
             now = time.monotonic()
@@ -223,10 +236,16 @@ class Supervisor:
             if failure is None and now >= next_check:
                 next_check = now + policy.health_interval_s
                 answer = check_health(self.health_url, max(policy.health_interval_s, 5.0))
+                failed_since = (failed_since or now) if answer.backend_failed else None
                 if answer.ok:
                     last_ok = now
                     for backoff in self.backoff.values():
                         backoff.healthy(now)
+                elif failed_since is not None and now - failed_since >= policy.failed_timeout_s:
+                    failure = (
+                        "tritonserver",
+                        (f"failed for {now - failed_since:.0f} s: {answer.reason}"),
+                    )
                 elif now - last_ok >= policy.unhealthy_timeout_s:
                     # 503: the sidecar answers and says the backend is broken; no answer at
                     # all: the sidecar itself is wedged.
@@ -240,6 +259,7 @@ class Supervisor:
                 return 1
             self.restart(name)
             last_ok = next_check = time.monotonic()
+            failed_since = None
         return 0
 
     def restart(self, name: str) -> None:
