@@ -38,8 +38,10 @@ from .triton_client import (
 )
 
 log = logging.getLogger(__name__)
-# While tritonserver is down every request fails the same way: one warning every 10 s.
+# While tritonserver is down (or a stub dead) every request fails the same way: one warning
+# every 10 s of each kind.
 _UNAVAILABLE_LOG = RepeatedWarning(10.0, log)
+_UNHEALTHY_LOG = RepeatedWarning(10.0, log)
 
 
 def to_openai_error(exc: TritonError, prompt_param: str) -> OpenAIError:
@@ -75,15 +77,15 @@ async def backend_error(
     than by their text: a 503 ``service_unavailable`` (retry later) while ``backend_ok`` (the
     sidecar's health check, ``health.HealthMonitor``) says the backend is failing, a 500
     otherwise, and when the check takes more than ``BACKEND_CHECK_S``."""
-    error = to_openai_error(exc, prompt_param)
     if backend_ok is None or exc.unavailable or decode_error(exc.message) is not None:
-        return error
+        return to_openai_error(exc, prompt_param)
     try:
         ok = await asyncio.wait_for(backend_ok(), BACKEND_CHECK_S)
     except asyncio.TimeoutError:
-        return error
+        ok = True  # unknown: Triton's own error stays a 500
     if ok:
-        return error
+        return to_openai_error(exc, prompt_param)
+    _UNHEALTHY_LOG.log("backend error while unhealthy: %s", exc.message)
     return OpenAIError(UNAVAILABLE_MESSAGE, 503, "server_error", code="service_unavailable")
 
 

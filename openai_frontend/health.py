@@ -119,11 +119,16 @@ class HealthMonitor:
         self._passed_in_row = 0  # probes that went through since the held failure
         self._running: asyncio.Task | None = None
 
+    def _held(self, now: float) -> HealthStatus | None:
+        """The failure still held at ``now`` (within ``failure_hold_s``), if any."""
+        held = self._failed
+        return held if held is not None and now - held.checked_at < self.failure_hold_s else None
+
     def _progress_is_proof(self, now: float) -> bool:
         """Whether a live generation's recent response stands in for the probe generation:
         one came within ``interval_s``, and no failure is held (a held failure clears only
         by probes that went through)."""
-        if self._failed is not None and now - self._failed.checked_at < self.failure_hold_s:
+        if self._held(now) is not None:
             return False
         times = (gen.last_response_at for gen in self.live)
         return any(t is not None and now - t < self.interval_s for t in times)
@@ -162,12 +167,8 @@ class HealthMonitor:
                 self._failed, self._passed_in_row = status, 0
             return self._record(status)
         self._passed_in_row += 1
-        held = self._failed
-        if (
-            held is not None
-            and now - held.checked_at < self.failure_hold_s
-            and self._passed_in_row < RECOVERY_PROBES
-        ):
+        held = self._held(now)
+        if held is not None and self._passed_in_row < RECOVERY_PROBES:
             return self._record(HealthStatus(False, held.reason, True, now))
         self._failed = None
         return self._record(HealthStatus(True, "ok", checked_at=now))

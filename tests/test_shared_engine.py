@@ -270,7 +270,7 @@ def test_one_instance_starts_the_engine_and_the_others_connect(tmp_path):
 def test_an_owner_removes_files_left_by_a_process_that_is_gone(tmp_path):
     """A tritonserver killed before its owner cleaned up leaves its lock and rendezvous files;
     the next owner removes those of processes that are gone, and no others."""
-    gone = subprocess_pid_that_exited()
+    gone = _pid_that_exited()
     stale = [tmp_path / f"tritonllm-engine-{gone}-generator-1.{ext}" for ext in ("lock", "json")]
     alive = [tmp_path / f"tritonllm-engine-{os.getpid()}-other-1.{ext}" for ext in ("lock", "json")]
     unscoped = tmp_path / "tritonllm-engine-test-unscoped.lock"
@@ -286,7 +286,7 @@ def test_an_owner_removes_files_left_by_a_process_that_is_gone(tmp_path):
         owner.shutdown()
 
 
-def subprocess_pid_that_exited() -> int:
+def _pid_that_exited() -> int:
     """The pid of a child process that has exited and been reaped (no process has it now,
     unless the system reused it meanwhile)."""
     child = subprocess.Popen(["true"])

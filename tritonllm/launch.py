@@ -16,8 +16,8 @@ stubs) second: no orphan processes.
 Supervision (``supervisor.py``): when tritonserver dies, or the sidecar's end-to-end
 ``/health`` fails for ``--unhealthy-timeout`` seconds (or for ``--failed-timeout`` seconds
 while it says ``backend_failed``: a stub answered with an error), tritonserver is restarted
-after an exponential backoff (a dead sidecar likewise); ``--on-failure exit`` instead stops everything
-and exits 1, for a container whose orchestrator restarts it. SIGTERM drains: new requests get
+after an exponential backoff (a dead sidecar likewise); ``--on-failure exit`` instead stops
+everything and exits 1, for a container whose orchestrator restarts it. SIGTERM drains: new requests get
 503 while the ones in flight finish (up to ``--drain-timeout`` seconds), then both stop; Ctrl-C
 (SIGINT) stops at once, aborting what is in flight. This process imports neither torch nor
 transformers. ``--sidecar-workers N`` runs the sidecar as N processes on its one port

@@ -242,10 +242,8 @@ class Supervisor:
                     for backoff in self.backoff.values():
                         backoff.healthy(now)
                 elif failed_since is not None and now - failed_since >= policy.failed_timeout_s:
-                    failure = (
-                        "tritonserver",
-                        (f"failed for {now - failed_since:.0f} s: {answer.reason}"),
-                    )
+                    what = f"failed for {now - failed_since:.0f} s: {answer.reason}"
+                    failure = "tritonserver", what
                 elif now - last_ok >= policy.unhealthy_timeout_s:
                     # 503: the sidecar answers and says the backend is broken; no answer at
                     # all: the sidecar itself is wedged.

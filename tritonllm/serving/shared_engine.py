@@ -64,19 +64,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale(directory: Path) -> list[Path]:
+def sweep_stale(directory: Path) -> None:
     """Remove the lock and rendezvous files in ``directory`` of engine keys scoped to a
-    process that is gone (``engine_key``); returns the paths removed. Keys of a live process
-    (also a reused pid) and keys not scoped to a process are left alone."""
-    removed = []
+    process that is gone (``engine_key``). Keys of a live process (also a reused pid) and keys
+    not scoped to a process are left alone."""
     for path in directory.glob("tritonllm-engine-*"):
         match = _SCOPED_FILE.fullmatch(path.name)
-        if match is None or _pid_alive(int(match.group(1))):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed.append(path)
-    return removed
+        if match is not None and not _pid_alive(int(match.group(1))):
+            path.unlink(missing_ok=True)
 
 
 class SharedEngineOwner(EngineProcess):
