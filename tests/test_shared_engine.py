@@ -12,6 +12,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Client
 
 import pytest
 from test_engine_helpers import checkpoint, hf_greedy, prompts
@@ -21,6 +22,7 @@ from tritonllm.config import EngineConfig
 from tritonllm.engine import engine_child
 from tritonllm.engine.engine_child import ListenAddress
 from tritonllm.engine.engine_process import EngineConnection, EngineProcess
+from tritonllm.engine.process_messages import decode_message
 from tritonllm.sampling_params import SamplingParams
 from tritonllm.serving import shared_engine
 
@@ -208,6 +210,68 @@ def test_the_live_limit_holds_over_all_clients(shared):
         for rid in ("l2", "l3"):
             (other if rid == "l2" else shared).abort(rid)
         other.shutdown()
+
+
+def _stalled_client(shared):
+    """A raw client of the engine that reads its READY message and then nothing (as a stub
+    stopped by SIGSTOP or a debugger does)."""
+    address = shared.listen_address
+    conn = Client(address.address, "AF_UNIX", authkey=address.authkey)
+    conn.recv()
+    return conn
+
+
+BLOB = bytes(range(256)) * (4 << 12)  # 1 MiB
+
+
+def test_a_client_that_stops_reading_holds_up_no_other(shared):
+    """8 MiB of broadcasts, more than a socket's buffer holds, are forwarded to a client that
+    stopped reading: the engine serves the others on (it blocked in the write before), and
+    the stalled client later reads every message intact and in order."""
+    stalled = _stalled_client(shared)
+    try:
+        for i in range(8):
+            shared.broadcast(("blob", i, BLOB))
+        sink = Collector()
+        shared.submit("past-stalled", prompts([6], seed=3)[0], GREEDY, sink)
+        sink.wait(["past-stalled"])
+        assert (
+            sink.ids("past-stalled")
+            == hf_greedy(checkpoint("qwen3"), prompts([6], seed=3)[0], 12)[0]
+        )
+        got = []
+        while len(got) < 8:
+            message = decode_message(stalled.recv_bytes())
+            if len(message) == 2 and message[1][0] == "blob":
+                assert message[1][2] == BLOB
+                got.append(message[1][1])
+        assert got == list(range(8))
+    finally:
+        stalled.close()
+
+
+def test_a_client_that_never_reads_is_dropped_at_the_backlog_limit(shared):
+    """Past CLIENT_BACKLOG_LIMIT bytes of unread messages the engine drops the client (the
+    others learn the number of clients fell) and serves on."""
+    stalled = _stalled_client(shared)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while shared.num_clients != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert shared.num_clients == 2
+        for i in range(engine_child.CLIENT_BACKLOG_LIMIT // len(BLOB) + 2):
+            shared.broadcast(("blob", i, BLOB))
+        sink = Collector()
+        shared.submit("after-drop", [1, 2], GREEDY, sink)
+        sink.wait(["after-drop"])
+        while shared.num_clients != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert shared.num_clients == 1
+        with pytest.raises((EOFError, OSError)):  # what it holds, then the end
+            while True:
+                stalled.recv_bytes()
+    finally:
+        stalled.close()
 
 
 def test_a_wrong_key_is_refused_and_the_engine_serves_on(shared):

@@ -16,6 +16,7 @@ joins the process group, and its engine's model runner sends every forward to th
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import cProfile
 import ctypes
@@ -26,6 +27,9 @@ import multiprocessing
 import os
 import queue
 import signal
+import socket
+import stat
+import struct
 import sys
 import threading
 import time
@@ -68,6 +72,12 @@ PROFILE_DUMP_S = 10.0
 # this often, in seconds: writing one to every idle instance every step cost the engine loop
 # about 50 us a client a step (BENCHMARKS.md, "Every level with 2 generator instances").
 IDLE_CLIENT_STATS_S = 0.25
+# A shared engine's client whose unread messages reach this many bytes is dropped (its requests
+# aborted; the parent that started the engine: the engine stops). Writes to clients never block
+# the loop, so a stopped client (SIGSTOP, a debugger) holds up no other; this bounds its memory.
+CLIENT_BACKLOG_LIMIT = 64 << 20
+# How long the idle loop waits between two attempts to write a client's backlog, in seconds.
+BACKLOG_RETRY_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -236,17 +246,83 @@ def _serve(
         loops += 1
 
 
+class _Outbox:
+    """Messages to one client written without ever blocking: what the connection does not take
+    now waits, in order, for the next `flush`.
+
+    Each message is framed as `multiprocessing.connection.Connection.send_bytes` frames it (a
+    4-byte big-endian signed length, or -1 and an 8-byte length beyond 2 GiB, then the bytes),
+    so the client reads it with `recv_bytes` as before. A socket (a client connected over the
+    listener, whose commands arrive on the same socket) is written with `MSG_DONTWAIT`, which
+    leaves its blocking reads alone; the write end of a pipe (the parent that started the
+    child) is made non-blocking.
+
+    Raises (`put`, `flush`):
+        OSError: the client is gone (`BrokenPipeError`, `ConnectionResetError`).
+    """
+
+    __slots__ = ("_write", "_socket", "_pending", "backlog")
+
+    def __init__(self, conn: Connection) -> None:
+        fd = conn.fileno()
+        self._socket: socket.socket | None = None
+        if stat.S_ISSOCK(os.fstat(fd).st_mode):
+            sock = self._socket = socket.socket(fileno=os.dup(fd))
+            self._write: Callable[[memoryview], int] = lambda chunk: sock.send(
+                chunk, socket.MSG_DONTWAIT
+            )
+        else:
+            os.set_blocking(fd, False)
+            self._write = functools.partial(os.write, fd)
+        self._pending: collections.deque[memoryview] = collections.deque()
+        self.backlog = 0  # bytes in _pending
+
+    def put(self, data: bytes) -> None:
+        """Write one message, or as much of it as the connection takes; keep the rest."""
+        n = len(data)
+        header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+        frame = memoryview(header + data)
+        self._pending.append(frame)
+        self.backlog += len(frame)
+        if len(self._pending) == 1:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write what is pending until the connection would block."""
+        pending = self._pending
+        while pending:
+            chunk = pending[0]
+            try:
+                written = self._write(chunk)
+            except BlockingIOError:
+                return
+            self.backlog -= written
+            if written < len(chunk):
+                pending[0] = chunk[written:]
+                return
+            pending.popleft()
+
+    def close(self) -> None:
+        """Close the duplicate socket (a pipe's descriptor belongs to its connection)."""
+        if self._socket is not None:
+            self._socket.close()
+
+
 class _Client:
     """One parent the child serves: its command and result connections (one duplex
     connection for a client that connected over the listener) and its requests in flight
     (engine ids; tracked only when the engine is shared)."""
 
-    __slots__ = ("index", "commands", "results", "live", "sent_at")
+    __slots__ = ("index", "commands", "results", "live", "sent_at", "outbox")
 
-    def __init__(self, index: int, commands: Connection, results: Connection) -> None:
+    def __init__(
+        self, index: int, commands: Connection, results: Connection, shared: bool = True
+    ) -> None:
         self.index, self.commands, self.results = index, commands, results
         self.live: set[str] = set()
         self.sent_at = 0.0  # time.monotonic() of its last step message
+        # (a shared engine's clients only: one parent may block the engine, it is the engine)
+        self.outbox = _Outbox(results) if shared else None
 
 
 class _Clients:
@@ -269,8 +345,8 @@ class _Clients:
     def __init__(
         self, commands: Connection, results: Connection, listener: Listener | None = None
     ) -> None:
-        self.owner = _Client(0, commands, results)
         self.shared = listener is not None
+        self.owner = _Client(0, commands, results, self.shared)
         self._clients: dict[int, _Client] = {0: self.owner}
         self._next_index = 1
         self._accepted: queue.SimpleQueue[Connection] = queue.SimpleQueue()
@@ -300,7 +376,11 @@ class _Clients:
             return batch
         self._greet(engine)
         if block:
-            wait([c.commands for c in self._clients.values()] + [self._wake_r])
+            waiting = self._flush()
+            wait(
+                [c.commands for c in self._clients.values()] + [self._wake_r],
+                timeout=BACKLOG_RETRY_S if waiting else None,
+            )
             self._greet(engine)
         # One readiness check for every client (a `poll()` per connection costs a selector
         # each), then each ready one read until it has nothing more.
@@ -369,6 +449,8 @@ class _Clients:
         client.live.clear()
         with contextlib.suppress(OSError):
             client.commands.close()
+        if client.outbox is not None:
+            client.outbox.close()
 
     def orphaned(self) -> list[str]:
         """Engine ids of dropped clients' requests not aborted yet (taken)."""
@@ -395,11 +477,14 @@ class _Clients:
             if out.request_finished:
                 client.live.discard(out.request_id)
             per_client[client.index].append((request_id, *output_row(out)[1:]))
+        self._flush()
         now = time.monotonic()
         for number, rows in per_client.items():
             receiver = self._clients.get(number)
             if receiver is None:
                 continue
+            if not rows and receiver.outbox.backlog:  # type: ignore[union-attr]
+                continue  # it has not read the last ones: its stats can wait
             idle = not rows and not receiver.live and receiver is not self.owner
             if idle and now - receiver.sent_at < IDLE_CLIENT_STATS_S:
                 continue  # nothing of its own in the engine: its stats can wait
@@ -412,12 +497,54 @@ class _Clients:
                 self._send(client, announcement)
 
     def _send(self, client: _Client, data: bytes) -> None:
+        """Hand `data` to a shared engine's client (its outbox: never blocks); drop a client
+        that is gone or whose unread messages reach `CLIENT_BACKLOG_LIMIT`.
+
+        Raises:
+            OSError: that client is the parent that started the engine.
+        """
+        outbox = client.outbox
+        assert outbox is not None
         try:
-            client.results.send_bytes(data)
-        except OSError:
+            outbox.put(data)
+            if outbox.backlog >= CLIENT_BACKLOG_LIMIT:
+                raise BlockingIOError(
+                    f"client {client.index} has not read {outbox.backlog} bytes of messages"
+                )
+        except OSError as exc:
+            if isinstance(exc, BlockingIOError):
+                logger.error(
+                    "%s: %s",
+                    exc,
+                    "the engine stops"
+                    if client is self.owner
+                    else "dropping it, its requests aborted",
+                )
             if client is self.owner:
                 raise
             self.drop(client)
+
+    def _flush(self) -> bool:
+        """Write what each client's outbox holds (as far as it goes without blocking); drop
+        clients that are gone. Whether some backlog is left.
+
+        Raises:
+            OSError: the parent that started the engine is gone.
+        """
+        left = False
+        for client in list(self._clients.values()):
+            outbox = client.outbox
+            if outbox is None or not outbox.backlog:
+                continue
+            try:
+                outbox.flush()
+            except OSError:
+                if client is self.owner:
+                    raise
+                self.drop(client)
+                continue
+            left = left or outbox.backlog > 0
+        return left
 
     # ---- connections ------------------------------------------------------------------------
     def _accept(self, listener: Listener) -> None:
