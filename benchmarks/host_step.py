@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         from tritonllm.build_model import build_model
 
         args.model = str(build_model(common.REPO_ROOT / "models" / "tiny-qwen3", shape="tiny"))
-    model = str(common.ensure_model(args.model, args.shape))
+    model = str(common.ensure_model(args.model))
     # The CPU tensors stand in for device ones: intra-op threads only add noise (on 2 cores a
     # parallel CPU op sometimes stalls for milliseconds).
     torch.set_num_threads(1)

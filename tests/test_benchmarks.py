@@ -471,6 +471,19 @@ def test_only_publishing_tools_offer_benchmarks_md_flags(capsys):
     assert "--no-append" in text and "--benchmarks-md" in text
 
 
+def test_host_step_command_line_prints_the_step_and_the_profile(tiny_model_dir, capsys):
+    """`python -m benchmarks.host_step --model DIR ... --profile` runs end to end."""
+    from benchmarks import host_step
+
+    host_step.main(
+        ["--model", str(tiny_model_dir), "--batch-size", "2", "--prompt-len", "8"]
+        + ["--steps", "3", "--profile"]
+    )
+    out = capsys.readouterr().out
+    assert re.search(r"batch 2: [0-9.]+ ms host per decode step", out)
+    assert "function calls" in out
+
+
 @pytest.mark.parametrize("sampler", ["fused", "cpu", "stub"])
 def test_host_step_times_decode_steps_of_the_whole_batch(tiny_model_dir, sampler):
     """host_step's engine decodes every request each step; "fused" runs the sampler's CUDA fast
