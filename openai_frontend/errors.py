@@ -19,6 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tritonllm.contract.errors import ErrorCode, WireError
 
+from .triton_client import RepeatedWarning
+
 log = logging.getLogger(__name__)
 
 # The backend's error codes (tritonllm.contract.errors) -> HTTP status, OpenAI type and code.
@@ -106,6 +108,10 @@ def unsupported(param: str, what: str | None = None) -> OpenAIError:
     )
 
 
+# A server fault's log line, per code: a dead engine fails every request (QA: 253 lines in 10 s).
+_BACKEND_ERROR_LOGS: dict[ErrorCode, RepeatedWarning] = {}
+
+
 def from_backend(error: WireError, prompt_param: str) -> OpenAIError:
     """The OpenAI error of a backend error, by its code alone (never its message's wording).
     A server fault's message (exception text) is logged, not returned.
@@ -126,7 +132,8 @@ def from_backend(error: WireError, prompt_param: str) -> OpenAIError:
         headers = {"Retry-After": str(RETRY_AFTER_S)}
         return OpenAIError(error.message, status, kind, code=code, headers=headers)
     if status >= 500:
-        log.warning("backend error %s: %s", error.code.value, error.message)
+        repeated = _BACKEND_ERROR_LOGS.setdefault(error.code, RepeatedWarning(10.0, log))
+        repeated.log("backend error %s: %s", error.code.value, error.message)
         message = UNAVAILABLE_MESSAGE if status == 503 else INTERNAL_MESSAGE
         return OpenAIError(message, status, kind, code=code)
     return OpenAIError(error.message, status, kind, param=param, code=code)

@@ -263,6 +263,7 @@ def test_killed_child_fails_requests_in_flight_and_later_submits_raise():
     for rid in ("victim", "victims"):
         last = sink.outputs[rid][-1]
         assert last.finish_reason == "error" and "SIGKILL" in last.error
+        assert last.error_code == "engine_unavailable"
     assert sum(o.finished for outs in sink.outputs.values() for o in outs) == 2
     assert not ep.is_alive()
     # The gauges a server exports from stats() no longer show the dead engine's requests.
@@ -423,10 +424,10 @@ def test_triton_generator_in_process_mode_streams_hf_greedy_and_aborts(process_s
 
 
 def test_triton_generator_reports_a_dead_engine_as_a_server_error(process_server):
-    """After the engine process is killed: the request in flight fails with code
-    internal_error, a new request and the health probe (the sidecar's /health) with
-    engine_unavailable (the sidecar's 500 and 503, not a 400), and the gauges no longer count
-    the dead engine's requests. Runs last: it kills the engine."""
+    """After the engine process is killed: the request in flight, a new request and the
+    health probe (the sidecar's /health) fail with code engine_unavailable (the sidecar's 503,
+    not a 400 or a 500), and the gauges no longer count the dead engine's requests. Runs last:
+    it kills the engine."""
     from test_triton_models import GREEDY, InferenceServerException, Stream, metric, wait_metric
 
     (engine,) = _spawned_engines(process_server.process.pid)
@@ -435,7 +436,7 @@ def test_triton_generator_reports_a_dead_engine_as_a_server_error(process_server
         stream.send("llm", {"text_input": "Hello", "max_tokens": 2000, **GREEDY})
         stream.next()  # streaming
         os.kill(engine, signal.SIGKILL)
-        in_flight = '"code":"internal_error".*"message":"the engine process died'
+        in_flight = '"code":"engine_unavailable".*"message":"the engine process died'
         with pytest.raises(InferenceServerException, match=in_flight):
             while True:
                 stream.next()

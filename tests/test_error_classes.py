@@ -268,3 +268,18 @@ def test_a_classified_backend_error_keeps_its_class_whatever_the_health():
     wire = encode_error(ErrorCode.INVALID_VALUE, "temperature must be at least 0")
     error, asked = _backend_error(f"in ensemble 'llm', {wire}", healthy=False)
     assert not asked and error.status == 400
+
+
+def test_a_server_fault_that_repeats_is_logged_now_and_then(caplog):
+    """A dead engine fails every request with the same code: one warning (and the count at
+    the next one), not a line per request."""
+    from openai_frontend import errors
+
+    errors._BACKEND_ERROR_LOGS.clear()
+    wire = decode_error(encode_error(ErrorCode.ENGINE_UNAVAILABLE, "the engine process died"))
+    assert wire is not None
+    with caplog.at_level("WARNING", logger=errors.log.name):
+        for _ in range(50):
+            assert errors.from_backend(wire, "prompt").status == 503
+    lines = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(lines) == 1 and "engine_unavailable" in lines[0].getMessage()

@@ -292,6 +292,7 @@ def test_clients_fail_their_requests_when_the_engine_dies():
     owner._process.kill()
     sink.wait(["doomed"])
     assert sink.outputs["doomed"][-1].finish_reason == "error"
+    assert sink.outputs["doomed"][-1].error_code == "engine_unavailable"
     assert not other.is_alive()
     owner.shutdown()
 

@@ -183,3 +183,34 @@ def test_a_backend_failure_restarts_tritonserver_before_the_unhealthy_timeout(su
     assert _wait(lambda: supervisor.triton is not first, 10)
     status.write_text("200")
     assert _wait(lambda: check_health(supervisor.health_url, 2).ok) and not result
+
+
+def test_a_backend_failure_that_comes_and_goes_still_restarts_tritonserver(supervised):
+    """/health alternating between backend_failed and 200 (one of two generator stubs stopped:
+    the probes land on either) restarts tritonserver once failed_timeout_s has passed since the
+    first failure; a single failure followed by good health for that long is forgotten."""
+    supervisor, status = supervised(unhealthy_timeout_s=60.0, failed_timeout_s=1.0)
+    result = _run_in_thread(supervisor)
+    first = supervisor.triton
+    status.write_text("503 failed")  # once, then good health: forgotten
+    time.sleep(0.3)
+    status.write_text("200")
+    time.sleep(2.5)
+    assert supervisor.triton is first
+    stop = threading.Event()
+
+    def alternate() -> None:
+        while not stop.is_set():
+            for text in ("503 failed", "200"):
+                status.write_text(text)
+                time.sleep(0.15)
+
+    flapping = threading.Thread(target=alternate, daemon=True)
+    flapping.start()
+    try:
+        assert _wait(lambda: supervisor.triton is not first, 10)
+    finally:
+        stop.set()
+        flapping.join()
+    status.write_text("200")
+    assert _wait(lambda: check_health(supervisor.health_url, 2).ok) and not result

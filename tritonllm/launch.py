@@ -14,8 +14,8 @@ reach only this launcher, which then stops the sidecar first and tritonserver (w
 stubs) second: no orphan processes.
 
 Supervision (``supervisor.py``): when tritonserver dies, or the sidecar's end-to-end
-``/health`` fails for ``--unhealthy-timeout`` seconds (or for ``--failed-timeout`` seconds
-while it says ``backend_failed``: a stub answered with an error), tritonserver is restarted
+``/health`` fails for ``--unhealthy-timeout`` seconds (or still fails ``--failed-timeout``
+seconds after it said ``backend_failed``: a stub answered with an error), tritonserver is restarted
 after an exponential backoff (a dead sidecar likewise); ``--on-failure exit`` instead stops
 everything and exits 1, for a container whose orchestrator restarts it. SIGTERM drains: new requests get
 503 while the ones in flight finish (up to ``--drain-timeout`` seconds), then both stop; Ctrl-C
@@ -357,8 +357,9 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         "--failed-timeout",
         type=float,
         default=defaults.failed_timeout_s,
-        help="the same, while /health reports backend_failed (a stub answered with an error, "
-        "e.g. a dead generator instance: Triton never repairs one)",
+        help="restart tritonserver when /health still fails this many seconds after reporting "
+        "backend_failed (a stub answered with an error, e.g. a dead generator instance: Triton "
+        "never repairs one); forgotten after as long without one",
     )
     p.add_argument(
         "--health-interval",

@@ -8,7 +8,7 @@ container (``--on-failure exit``). Failures, and what is restarted for each:
 - tritonserver exited (killed, crashed, OOM): tritonserver;
 - the sidecar exited: the sidecar;
 - the sidecar's ``/health`` (end to end through the ``llm`` ensemble) has answered 503 for
-  ``unhealthy_timeout_s`` seconds, or for ``failed_timeout_s`` seconds saying
+  ``unhealthy_timeout_s`` seconds, or still fails ``failed_timeout_s`` seconds after saying
   ``backend_failed`` (a stub answered with an error: a dead generator instance, say, which
   is no slowness that could pass): tritonserver, since Triton 2.51 never restarts a dead or
   stopped Python stub and keeps reporting the model ready (ARCHITECTURE.md, "Platform facts");
@@ -56,11 +56,14 @@ class SupervisePolicy:
         backoff_reset_s: seconds of good health after which the delay is back to the initial.
         health_interval_s: seconds between two checks of the sidecar's ``/health``.
         unhealthy_timeout_s: seconds ``/health`` may fail in a row before it is a failure.
-        failed_timeout_s: the same, while ``/health`` says ``backend_failed`` (an error
-            answer, not slowness) on every check (QA: with a dead generator instance nearly
-            every request failed for the whole ``unhealthy_timeout_s``). Long enough for a
-            one-off error to clear first: the sidecar holds it until 3 probes in a row pass,
-            about 6 s at the 2 s health interval.
+        failed_timeout_s: seconds from a ``/health`` answer saying ``backend_failed`` (an
+            error answer, not slowness) after which a failing answer is a failure, unless
+            ``/health`` said no ``backend_failed`` for this long meanwhile (then it is
+            forgotten). QA: with a dead generator instance nearly every request failed for the
+            whole ``unhealthy_timeout_s``, and with one of two stubs stopped ``/health``
+            alternated between 200 and ``backend_failed``. Long enough for a one-off error to
+            clear first: the sidecar holds it until 3 probes in a row pass, about 6 s at the
+            2 s health interval.
         drain_timeout_s: seconds a graceful stop lets the requests in flight finish.
     """
 
@@ -228,7 +231,11 @@ class Supervisor:
         signal handlers raise."""
         policy = self.policy
         last_ok = next_check = time.monotonic()
-        failed_since: float | None = None  # of the answers saying backend_failed in a row
+        # The first backend_failed answer not yet cleared, and the latest: a failure clears
+        # only after failed_timeout_s without one (QA: with one of two generator stubs stopped,
+        # /health alternated between 200 and backend_failed, as the probes landed on either).
+        failed_since: float | None = None
+        failed_at = 0.0
         while not self.stopping:
             time.sleep(0.2)
             now = time.monotonic()
@@ -236,7 +243,10 @@ class Supervisor:
             if failure is None and now >= next_check:
                 next_check = now + policy.health_interval_s
                 answer = check_health(self.health_url, max(policy.health_interval_s, 5.0))
-                failed_since = (failed_since or now) if answer.backend_failed else None
+                if answer.backend_failed:
+                    failed_since, failed_at = failed_since or now, now
+                elif now - failed_at >= policy.failed_timeout_s:
+                    failed_since = None
                 if answer.ok:
                     last_ok = now
                     for backoff in self.backoff.values():

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
 
 from tritonllm.config import EngineConfig
+from tritonllm.contract.errors import ErrorCode
 from tritonllm.engine.client import EngineClient, LoopTimes, OutputCallback
 from tritonllm.engine.engine_child import ListenAddress, engine_main
 from tritonllm.engine.engine_thread import CallbackTable
@@ -277,7 +278,8 @@ class _EngineFront(abc.ABC):
 
     def _fail_in_flight(self, message: str) -> None:
         """The engine is gone: every request in flight ends with `message` (finish_reason
-        "error"), and the stats show no request and no used page."""
+        "error", code ``engine_unavailable``: the sidecar's 503), and the stats show no
+        request and no used page."""
         with self._lock:
             unexpected, self._running = self._running, False
         if not unexpected:
@@ -294,7 +296,7 @@ class _EngineFront(abc.ABC):
             cached_pages=0,
             evictable_pages=0,
         )
-        self._routes.fail_all(message)
+        self._routes.fail_all(message, ErrorCode.ENGINE_UNAVAILABLE)
 
 
 class EngineProcess(_EngineFront, EngineClient):

@@ -15,6 +15,7 @@ import threading
 import time
 from collections import deque
 
+from tritonllm.contract.errors import ErrorCode
 from tritonllm.engine.client import EngineClient, LoopTimes, OutputCallback
 from tritonllm.engine.engine import LLMEngine
 from tritonllm.engine.request import RequestOutput
@@ -77,13 +78,14 @@ class CallbackTable:
                 del self._routes[out.request_id]
         _call(route.callback, out)
 
-    def fail_all(self, message: str) -> None:
+    def fail_all(self, message: str, code: ErrorCode | None = None) -> None:
         """End every registered request with one final "error" output carrying `message`
-        (`request_finished`: it ends all n choices) and forget them all."""
+        and `code` (`request_finished`: it ends all n choices) and forget them all."""
         with self._lock:
             routes, self._routes = self._routes, {}
         for request_id, route in routes.items():
-            _call(route.callback, error_output(request_id, route.num_prompt_tokens, message))
+            out = error_output(request_id, route.num_prompt_tokens, message, code)
+            _call(route.callback, out)
 
 
 def _call(callback: OutputCallback, out: RequestOutput) -> None:
@@ -241,9 +243,12 @@ def admit_and_step(
     return outputs
 
 
-def error_output(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
+def error_output(
+    request_id: str, num_prompt_tokens: int, message: str, code: ErrorCode | None = None
+) -> RequestOutput:
     """A request's final output after an engine failure: no ids, finish_reason "error",
-    `request_finished` (it ends every choice)."""
+    `request_finished` (it ends every choice), the error's `code` if given (None: the
+    generator reports ``internal_error``)."""
     return RequestOutput(
         request_id=request_id,
         new_token_ids=[],
@@ -253,5 +258,6 @@ def error_output(request_id: str, num_prompt_tokens: int, message: str) -> Reque
         num_output_tokens=0,
         cached_tokens=0,
         error=message,
+        error_code=None if code is None else code.value,
         request_finished=True,
     )
