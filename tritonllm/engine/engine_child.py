@@ -376,11 +376,13 @@ class _Clients:
             return batch
         self._greet(engine)
         if block:
-            waiting = self._flush()
-            wait(
-                [c.commands for c in self._clients.values()] + [self._wake_r],
-                timeout=BACKLOG_RETRY_S if waiting else None,
-            )
+            # Idle: wait for a command, retrying the outboxes meanwhile while they hold some
+            # backlog (a wake-up for that alone is no step).
+            while True:
+                waiting = self._flush()
+                connections = [c.commands for c in self._clients.values()] + [self._wake_r]
+                if wait(connections, timeout=BACKLOG_RETRY_S if waiting else None):
+                    break
             self._greet(engine)
         # One readiness check for every client (a `poll()` per connection costs a selector
         # each), then each ready one read until it has nothing more.
