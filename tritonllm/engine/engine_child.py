@@ -337,7 +337,8 @@ class _Clients:
     each client with requests in the engine; to the others at most every
     `IDLE_CLIENT_STATS_S`), and after a step in which a client joined or left, the number of
     clients connected (`(CLIENTS, n)`). A client that disconnects has its requests
-    aborted. An
+    aborted. Writes to a shared engine's clients go through each one's `_Outbox` and never
+    block the loop; a client whose backlog reaches `CLIENT_BACKLOG_LIMIT` is dropped. An
     engine without a listener sends the step's outputs as they are: the one parent's path costs
     nothing more.
     """
@@ -509,22 +510,23 @@ class _Clients:
         assert outbox is not None
         try:
             outbox.put(data)
-            if outbox.backlog >= CLIENT_BACKLOG_LIMIT:
-                raise BlockingIOError(
-                    f"client {client.index} has not read {outbox.backlog} bytes of messages"
-                )
-        except OSError as exc:
-            if isinstance(exc, BlockingIOError):
-                logger.error(
-                    "%s: %s",
-                    exc,
-                    "the engine stops"
-                    if client is self.owner
-                    else "dropping it, its requests aborted",
-                )
+        except OSError:
             if client is self.owner:
                 raise
             self.drop(client)
+            return
+        if outbox.backlog < CLIENT_BACKLOG_LIMIT:
+            return
+        owner = client is self.owner
+        logger.error(
+            "client %d has not read %d bytes of messages: %s",
+            client.index,
+            outbox.backlog,
+            "the engine stops" if owner else "dropping it, its requests aborted",
+        )
+        if owner:
+            raise BlockingIOError("the parent that started the engine stopped reading")
+        self.drop(client)
 
     def _flush(self) -> bool:
         """Write what each client's outbox holds (as far as it goes without blocking); drop
