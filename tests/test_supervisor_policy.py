@@ -5,6 +5,7 @@ whose answer the test sets. The real processes are supervised in ``test_supervis
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -214,3 +215,13 @@ def test_a_backend_failure_that_comes_and_goes_still_restarts_tritonserver(super
         flapping.join()
     status.write_text("200")
     assert _wait(lambda: check_health(supervisor.health_url, 2).ok) and not result
+
+
+def test_the_supervisors_lines_say_when(capsys):
+    from tritonllm import supervisor
+
+    supervisor.log("tritonserver failed for 11 s: fake")
+    line = capsys.readouterr().out
+    assert re.fullmatch(
+        r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ tritonserver failed for 11 s: fake\n", line
+    )

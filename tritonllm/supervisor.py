@@ -142,8 +142,10 @@ def _answer(status: int, body: bytes) -> HealthAnswer:
 
 
 def log(message: str) -> None:
-    """The launcher's own lines go to stdout, unbuffered."""
-    print(message, flush=True)
+    """The supervisor's lines go to stdout, unbuffered, each after its UTC time (QA: without
+    one an operator could not time a restart decision)."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    print(f"{stamp} {message}", flush=True)
 
 
 class Supervisor:
