@@ -602,3 +602,11 @@ def test_online_refuses_generator_instances_for_a_server_it_does_not_start(url, 
     assert online.parse_args(["--generator-instances", "3"]).generator_instances == 3
     with pytest.raises(SystemExit):
         online.parse_args(["--generator-instances", "0"])
+
+
+def test_cpu_prefill_chunks_counts_the_steps_of_one_prompt(tiny_model_dir):
+    """A 40-token prompt at a budget of 16 takes 3 prefill steps (16 + 16 + 8)."""
+    from benchmarks import cpu_prefill_chunks
+
+    total, steps, longest = cpu_prefill_chunks.prefill_seconds(str(tiny_model_dir), 16, 40)
+    assert steps == 3 and 0 < longest <= total

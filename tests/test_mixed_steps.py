@@ -85,6 +85,21 @@ def test_a_long_prompt_is_chunked_in_consecutive_steps_beside_the_decode_rows():
     assert long.num_output_tokens == 2
 
 
+def test_a_short_prompt_is_admitted_beside_a_long_prompts_chunks():
+    """A short prompt that arrives while a long one is part-way through its chunks goes in the
+    next step (the long one's chunk shrinks to half the budget), not after its last chunk."""
+    sched = make_scheduler(0, max_prefill_tokens=16, mixed=True)
+    long = add(sched, "long", 100)
+    assert step(sched).extend_lens == [16]
+    short = add(sched, "short", 3, max_tokens=1)
+    batch = step(sched)
+    assert [r.request_id for r in batch.reqs] == ["long", "short"]
+    assert batch.extend_lens == [8, 3]
+    assert short.status == RequestStatus.FINISHED
+    assert step(sched).extend_lens == [16]  # nothing waits: the whole budget again
+    assert long.num_computed == 16 + 8 + 16
+
+
 @pytest.mark.parametrize(
     ("budget", "num_decoding", "share"),
     [(16, 0, 16), (16, 3, 13), (16, 8, 8), (16, 12, 8), (7, 5, 4), (1, 4, 1)],

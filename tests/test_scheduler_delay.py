@@ -308,7 +308,7 @@ def test_engine_config_default_prefill_budget_depends_on_the_device():
     from tritonllm.config import CPU_MAX_PREFILL_TOKENS, CUDA_MAX_PREFILL_TOKENS
 
     assert EngineConfig(model="/nonexistent/model").max_prefill_tokens == CPU_MAX_PREFILL_TOKENS
-    assert CPU_MAX_PREFILL_TOKENS == 8192  # the CPU path keeps its earlier budget
+    assert CPU_MAX_PREFILL_TOKENS == 512  # short CPU steps: a long prompt holds up nothing
     cuda = EngineConfig(model="/nonexistent/model", device="cuda")
     assert cuda.max_prefill_tokens == CUDA_MAX_PREFILL_TOKENS == 16384
     explicit = EngineConfig(model="/nonexistent/model", device="cuda", max_prefill_tokens=512)

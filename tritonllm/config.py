@@ -39,7 +39,11 @@ def device_type(device: str) -> str:
 CPU_KV_CACHE_BYTES = 1 << 30
 CPU_DEFAULT_CONTEXT = 2048
 # Default per-step prefill token budgets (EngineConfig.max_prefill_tokens).
-CPU_MAX_PREFILL_TOKENS = 8192
+# CPU: a step's time grows with its tokens (no fixed launch cost to amortise), so short chunks
+# keep every step short, and the requests behind a long prompt (the sidecar's health probe too)
+# no longer wait for all of it; chunks of 512 were not slower in total (BENCHMARKS.md, "CPU
+# prefill chunks").
+CPU_MAX_PREFILL_TOKENS = 512
 CUDA_MAX_PREFILL_TOKENS = 16384
 # Default admission delay on CUDA (EngineConfig.prefill_delay_steps), in decode steps. Chosen
 # when each prefill step cost the decoding requests a whole step (BENCHMARKS.md, "Online: one
@@ -86,7 +90,7 @@ class EngineConfig:
         max_prefill_tokens: the per-step token budget of a prefill/extend batch (chunked
             prefill splits longer prompts across steps; with `mixed_steps` the decode rows
             riding along count in, though prompts keep at least half of it:
-            `Scheduler.prefill_budget`); None → 8192 on CPU,
+            `Scheduler.prefill_budget`); None → `CPU_MAX_PREFILL_TOKENS` on CPU,
             `CUDA_MAX_PREFILL_TOKENS` on CUDA, where an eager prefill step's host time does
             not grow with its size, so fewer, larger steps finish a burst of prompts sooner
             (BENCHMARKS.md, "Host time of an eager prefill step" and "Session 5 diagnostics",

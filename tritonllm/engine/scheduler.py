@@ -14,7 +14,7 @@ budget):
   SGLang's `mixed_with_decode_tokens` and vLLM's `max_num_batched_tokens` count them): the
   prompt chunks get `max_prefill_tokens - decode rows`, but never less than half the budget
   (`prefill_budget`). So the budget holds whenever the decode rows take at most half of it
-  (always at the defaults, 8,192 / 16,384 tokens against at most 256 decode rows), and where
+  (always at the defaults, 512 (CPU) / 16,384 (CUDA) tokens against at most 256 decode rows), and where
   they take more, prefill still advances at least at the average rate of the alternation
   below (a full budget every other step) instead of being starved by decoding requests.
 - Admission delay (`prefill_delay_steps`, 0 = off): while requests decode, new requests may
@@ -28,7 +28,11 @@ budget):
   idea is vLLM's `scheduler_delay_factor` (delay the next prompt batch by a multiple of the
   last prompt latency), counted in steps.
 - Prefill rows: requests part-way through their prompt go first, then the waiting queue in
-  FIFO order; a long prompt is split and continues in later steps.
+  FIFO order; a long prompt is split and continues in later steps. While a request waits that
+  could be admitted, the part-way prompts take at most half the budget, so that one long
+  prompt does not hold back every short one behind it until its last chunk (QA: on CPU a
+  6,000-token prompt kept the health probe out for 20 s); its chunks then run at half the
+  budget, and any of that half the waiting prompts do not use is left unused in that step.
 - A request that scores its prompt (prompt logprobs, `engine/prompt_logprobs.py`) takes no
   prefix from the prefix cache, and the chunks of such requests add up to at most
   `MAX_SCORED_TOKENS_PER_STEP` tokens per step (each of their tokens computes logits).
@@ -274,10 +278,14 @@ class Scheduler:
         num_decoding = sum(r.is_decoding for r in self.running)
         partial = sorted((r for r in self.running if not r.is_decoding), key=lambda r: r.arrival)
         scored = MAX_SCORED_TOKENS_PER_STEP  # the logits rows left for scoring requests
+        # While a request waits that could be admitted, the part-way prompts leave it half the
+        # budget: a long prompt's chunks do not hold back the short prompts behind it.
+        admissible = self.waiting and len(self.running) < self.max_running_requests
+        reserved = budget // 2 if admissible else 0
         for req in partial:
-            if budget == 0:
+            if budget - reserved <= 0:
                 break
-            extend = min(req.num_pending, budget)
+            extend = min(req.num_pending, budget - reserved)
             if req.scores_prompt:
                 extend = min(extend, scored)
                 if extend == 0:
