@@ -56,8 +56,12 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(_Lenient):
-    """``stream_options``: ``include_usage`` adds a usage-only chunk before ``[DONE]``."""
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a usage-only chunk before ``[DONE]``. Any
+    other key is a 400 naming it (``stream_options.<key>``): vLLM's ``continuous_usage_stats``,
+    OpenAI's ``include_obfuscation``, a typo; none is silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
 

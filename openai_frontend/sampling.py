@@ -170,12 +170,18 @@ def completion_inputs(
     prompt's logprobs (``prompt_logprobs``, the same number of alternatives).
 
     Raises:
-        OpenAIError: 400 for suffix, best_of other than 1 or n, or a field the backend cannot
+        OpenAIError: 400 for suffix, best_of below n (invalid) or above it (unsupported), or a field the backend cannot
             honour (``sampling_inputs``).
     """
     if req.suffix:
         raise unsupported("suffix")
-    if req.best_of not in (None, 1, req.n):
+    if req.best_of is not None and req.best_of < req.n:
+        raise OpenAIError(
+            f"best_of ({req.best_of}) must be at least n ({req.n})",
+            param="best_of",
+            code="invalid_value",
+        )
+    if req.best_of not in (None, req.n):
         raise unsupported("best_of", "best_of other than n")
     inputs: dict[str, InputValue] = {}
     if isinstance(prompt, str):

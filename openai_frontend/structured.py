@@ -37,7 +37,8 @@ class JsonSchemaFormat(BaseModel):
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
-    name: str | None = None
+    # OpenAI requires the name, of at most 64 letters, digits, underscores and dashes.
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None

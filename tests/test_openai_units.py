@@ -597,3 +597,55 @@ def test_an_assistant_message_may_leave_content_out():
             {"messages": [{"role": "user", "content": "hi"}, message]}
         )
         assert request.messages[1].content is None
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        # An unknown key inside stream_options is refused by name, like a top-level one.
+        (
+            "/v1/chat/completions",
+            {
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+            "stream_options.continuous_usage_stats",
+        ),
+        # OpenAI requires json_schema.name, of at most 64 of [a-zA-Z0-9_-].
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema.name",
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "has space!"}}},
+            "response_format.json_schema.name",
+        ),
+    ],
+)
+def test_values_openai_refuses_are_400s_naming_the_field(offline_app, path, extra, param):
+    """QA 2026-12-06: these were accepted (an unknown stream_options key, a json_schema
+    without a name or with a name OpenAI refuses)."""
+    base = _CHAT if path == "/v1/chat/completions" else _COMPLETION
+    error = _assert_openai_error(offline_app.post(path, json={**base, **extra}), 400)
+    assert error["param"] == param
+
+
+def test_a_valid_json_schema_name_passes_validation(offline_app):
+    """A name OpenAI takes is not refused (no backend here: 503)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "out_1-A", "schema": {}}}
+    response = offline_app.post("/v1/chat/completions", json={**_CHAT, "response_format": fmt})
+    assert response.status_code == 503, response.text
+
+
+@pytest.mark.parametrize(("best_of", "code"), [(1, "invalid_value"), (3, "unsupported_parameter")])
+def test_best_of_must_be_n(best_of, code):
+    """OpenAI requires best_of >= n (QA: best_of 1 with n 2 was accepted); above n it is not
+    served here."""
+    request = CompletionRequest(prompt="hi", n=2, best_of=best_of)
+    with pytest.raises(OpenAIError) as raised:
+        completion_inputs(request, FULL_SPECS, True, "hi")
+    assert raised.value.param == "best_of" and raised.value.code == code
+    ok = CompletionRequest(prompt="hi", best_of=1)
+    assert completion_inputs(ok, FULL_SPECS, True, "hi")["text_input"] == "hi"

@@ -301,7 +301,8 @@ def serve(cfg: LaunchConfig) -> int:
 
 
 def _banner(cfg: LaunchConfig, model_name: str) -> str:
-    auth = '-H "Authorization: Bearer $TRITONLLM_API_KEY" ' if cfg.api_keys else ""
+    # The first of the comma-separated keys (QA: with several, "$TRITONLLM_API_KEY" got a 401).
+    auth = '-H "Authorization: Bearer ${TRITONLLM_API_KEY%%,*}" ' if cfg.api_keys else ""
     return (
         f"OpenAI base URL: {cfg.base_url}\n"
         f"try: curl {cfg.base_url}/chat/completions -H 'Content-Type: application/json' {auth}"
