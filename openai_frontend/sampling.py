@@ -170,8 +170,8 @@ def completion_inputs(
     prompt's logprobs (``prompt_logprobs``, the same number of alternatives).
 
     Raises:
-        OpenAIError: 400 for suffix, best_of below n (invalid) or above it (unsupported), or a field the backend cannot
-            honour (``sampling_inputs``).
+        OpenAIError: 400 for suffix, best_of below n (invalid) or above it (unsupported), or
+            a field the backend cannot honour (``sampling_inputs``).
     """
     if req.suffix:
         raise unsupported("suffix")
