@@ -37,6 +37,7 @@ class ThroughputRun:
         seconds: wall time from the first submission to the last token (GPU synchronized).
         generated_tokens: tokens computed, padding/overrun included (HF's padded batch);
             equals `output_tokens` for the engine.
+        steps: the engine's `step()` calls (0: not counted, e.g. HF's run).
     """
 
     num_requests: int
@@ -44,6 +45,7 @@ class ThroughputRun:
     output_tokens: int
     seconds: float
     generated_tokens: int = 0
+    steps: int = 0
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -118,7 +120,7 @@ def run_engine(
     limit = concurrency or n
     pending = deque(range(n))
     produced = [0] * n
-    in_flight = 0
+    in_flight = steps = 0
     common.synchronize(device)
     start = time.perf_counter()
     while pending or in_flight:
@@ -130,6 +132,7 @@ def run_engine(
                 sampling_params(workload.output_lens[i], temperature),
             )
             in_flight += 1
+        steps += 1
         for out in engine.step():
             i = int(out.request_id.rsplit("-", 1)[1])
             produced[i] += len(out.new_token_ids)
@@ -142,7 +145,8 @@ def run_engine(
                     )
     common.synchronize(device)
     seconds = time.perf_counter() - start
-    return ThroughputRun(n, workload.num_prompt_tokens, sum(produced), seconds, sum(produced))
+    out = sum(produced)
+    return ThroughputRun(n, workload.num_prompt_tokens, out, seconds, out, steps)
 
 
 def run_levels(

@@ -92,7 +92,8 @@ def _offline_worker(queue: Any, kwargs: dict[str, Any]) -> None:
         from benchmarks.offline import run_levels
 
         runs, step = run_levels(**kwargs, decode_step=True)
-        queue.put(({c: r.output_tokens_per_s for c, r in runs.items()}, step))
+        tokens = {c: r.output_tokens_per_s for c, r in runs.items()}
+        queue.put((tokens, {c: r.steps / r.seconds for c, r in runs.items()}, step))
     except BaseException as exc:  # noqa: BLE001 (reported to the parent)
         queue.put(f"{type(exc).__name__}: {exc}")
 
@@ -105,9 +106,9 @@ def engine_args(args: argparse.Namespace) -> dict[str, str]:
 
 def offline_tokens_per_s(
     args: argparse.Namespace, model: Path, workloads: dict[int, Workload]
-) -> tuple[dict[int, float], float]:
-    """The offline engine's output tokens/s per level, then its batch-1 decode step (seconds),
-    run in a spawned subprocess.
+) -> tuple[dict[int, float], dict[int, float], float]:
+    """The offline engine's output tokens/s per level, its engine steps/s per level, then its
+    batch-1 decode step (seconds), run in a spawned subprocess.
 
     Raises:
         RuntimeError: the subprocess failed (its error message).
@@ -229,6 +230,7 @@ async def run_levels_online(
             after = probe.snapshot()
             loads[c] = probe.report(before, after)
             rates = probe.rates(before, after)
+            run.engine_rates[c] = rates
             if "tritonllm_responses_total" in rates:
                 run.responses_per_s[c] = rates["tritonllm_responses_total"]
             if fused:
@@ -302,6 +304,7 @@ def run(args: argparse.Namespace) -> OnlineRun:
     tokenizer = AutoTokenizer.from_pretrained(model)
     level_inputs = level_workloads(args, tokenizer)
     offline: dict[int, float] | None = None
+    offline_steps: dict[int, float] | None = None
     step = None
     if args.offline_tokens_per_s:
         values = [float(v) for v in args.offline_tokens_per_s.split(",")]
@@ -309,10 +312,11 @@ def run(args: argparse.Namespace) -> OnlineRun:
         offline = dict(zip(args.concurrency, values, strict=True))
     elif not args.no_offline:
         workloads = {c: w for c, (_, w) in level_inputs.items()}
-        offline, step = offline_tokens_per_s(args, model, workloads)
+        offline, offline_steps, step = offline_tokens_per_s(args, model, workloads)
     platform = ceiling.from_args(args) if args.ceiling else None
     result = serve_and_run(args, model, level_inputs)
     result.offline, result.decode_step_s, result.ceiling = offline, step, platform
+    result.offline_steps_per_s = offline_steps
     result.ceiling_mode = "fused" if args.triton_model == "llm_fused" else "ensemble"
     return result
 
@@ -454,6 +458,16 @@ def main(argv: list[str] | None = None) -> OnlineRun:
                 f"{args.generator_instances} (the mean per stub's sender thread), and "
                 "responses/s is all stubs' together"
             )
+    steps = online_report.step_report(result)
+    if steps:
+        table += "\n\nOnline against offline per engine step:\n\n" + steps
+        notes.append(
+            "per engine step: the served engine's tritonllm_engine_steps_total and "
+            "tritonllm_generated_tokens_total rates over the level against the offline "
+            "engine's step() calls and output tokens on the same workload; online / offline "
+            "output tok/s = (tokens per step ratio) x (steps/s ratio); busy / output / GPU wait: "
+            "the served engine loop's time counters per step"
+        )
     if result.ceiling:
         table += "\n\nPlatform ceiling (benchmarks.ceiling, same run):\n\n"
         table += ceiling.report(result.ceiling)

@@ -4,8 +4,13 @@ summary (JSON-able, what `benchmarks.plots` draws and what a later comparison re
 Per concurrency level: TTFT, TPOT, chunk gaps (chunk ITL) and tokens per streamed chunk from the
 clients; output tokens/s against the offline engine's on the same prompts (online / offline);
 the generator's responses/s (`tritonllm_responses_total` over the level's wall time) against
-the platform ceiling at the same concurrency (`benchmarks.ceiling`, the ensemble's); and once per
-run, the chunk ITL p50 at concurrency 1 against the offline engine's batch-1 decode step.
+the platform ceiling at the same concurrency (`benchmarks.ceiling`, the ensemble's); once per
+run, the chunk ITL p50 at concurrency 1 against the offline engine's batch-1 decode step; and
+(`step_report`) online / offline taken apart per engine step: with the served engine's own
+counters, online / offline output tokens/s is (online / offline tokens per step) × (online /
+offline steps per second), so a level that falls short shows whether its steps carried fewer
+tokens (slots empty while a closed-loop client's next request is on its way) or ran slower
+(host work in the served engine's loop).
 """
 
 from __future__ import annotations
@@ -26,8 +31,12 @@ class OnlineRun:
     Attributes:
         results: the served levels, by concurrency.
         offline: the offline engine's output tokens/s per level (None: not run).
+        offline_steps_per_s: the offline engine's `step()` calls per second, per level (None:
+            not run).
         loads: per level, `LoadProbe.report`'s columns ({} without a probe).
         responses_per_s: per level, the generator's responses/s ({} without its metrics).
+        engine_rates: per level, `LoadProbe.rates` of the generator's metrics over the level
+            (`tritonllm_*` counters per second; {} without its metrics).
         decode_step_s: the offline engine's batch-1 decode step (seconds; None: not run).
         ceiling: `benchmarks.ceiling.run_ceiling`'s levels (None: not run).
         ceiling_mode: the ceiling mode of the ensemble the sidecar streamed from ("fused" for
@@ -36,8 +45,10 @@ class OnlineRun:
 
     results: dict[int, LevelResult]
     offline: dict[int, float] | None = None
+    offline_steps_per_s: dict[int, float] | None = None
     loads: dict[int, dict[str, str]] = field(default_factory=dict)
     responses_per_s: dict[int, float] = field(default_factory=dict)
+    engine_rates: dict[int, dict[str, float]] = field(default_factory=dict)
     decode_step_s: float | None = None
     ceiling: dict[str, dict[int, CeilingLevel]] | None = None
     ceiling_mode: str = "fused"
@@ -97,6 +108,41 @@ def level_summary(run: OnlineRun, c: int) -> dict[str, Any]:
         "ceiling_fused_responses_per_s": run.ceiling_per_s("fused", c),
         "ceiling_mode": run.ceiling_mode,
         "generator_over_ceiling": _ratio(responses, ceiling),
+        **step_summary(run, c),
+    }
+
+
+def step_summary(run: OnlineRun, c: int) -> dict[str, float | None]:
+    """Level `c`'s output tokens/s taken apart per engine step, online and offline.
+
+    Online: the generator's `tritonllm_engine_steps_total` and `..._generated_tokens_total`
+    rates over the level; offline: its engine's `step()` calls over the level's seconds and its
+    output tokens/s. Per step of the served engine's loop, in ms: `busy` (the loop had work),
+    `output` (encoding and sending its outputs), `gpu_wait` (waiting for a launched step).
+    None where either side was not measured.
+    """
+    rates = run.engine_rates.get(c, {})
+    steps = rates.get("tritonllm_engine_steps_total")
+    tokens = rates.get("tritonllm_generated_tokens_total")
+    offline_steps = (run.offline_steps_per_s or {}).get(c)
+    offline_tokens = (run.offline or {}).get(c)
+    per_step = _ratio(tokens, steps)
+    offline_per_step = _ratio(offline_tokens, offline_steps)
+
+    def ms_per_step(name: str) -> float | None:
+        value = _ratio(rates.get(f"tritonllm_engine_{name}_seconds_total"), steps)
+        return None if value is None else value * 1e3
+
+    return {
+        "engine_steps_per_s": steps,
+        "offline_steps_per_s": offline_steps,
+        "tokens_per_step": per_step,
+        "offline_tokens_per_step": offline_per_step,
+        "tokens_per_step_over_offline": _ratio(per_step, offline_per_step),
+        "steps_per_s_over_offline": _ratio(steps, offline_steps),
+        "step_busy_ms": ms_per_step("busy"),
+        "step_output_ms": ms_per_step("output"),
+        "step_gpu_wait_ms": ms_per_step("gpu_wait"),
     }
 
 
@@ -157,6 +203,37 @@ def report(run: OnlineRun) -> str:
                 _pct(s["generator_over_ceiling"]),
             ]
         )
+    return common.markdown_table(headers, rows)
+
+
+def step_report(run: OnlineRun) -> str:
+    """Markdown table of `step_summary` per level; '' unless some level has both the offline
+    engine's steps and the generator's metrics."""
+    levels = [step_summary(run, c) | {"c": c} for c in run.results]
+    levels = [s for s in levels if s["tokens_per_step_over_offline"] is not None]
+    if not levels:
+        return ""
+    headers = [
+        "concurrency",
+        "steps/s online / offline",
+        "output tok per step online / offline",
+        "online / offline = tok per step × steps/s",
+        "served loop per step: busy / output / GPU wait (ms)",
+    ]
+
+    def ms(value: float | None) -> str:
+        return fmt(value, 2)
+
+    rows = [
+        [
+            str(s["c"]),
+            f"{fmt(s['engine_steps_per_s'], 0)} / {fmt(s['offline_steps_per_s'], 0)}",
+            f"{fmt(s['tokens_per_step'], 1)} / {fmt(s['offline_tokens_per_step'], 1)}",
+            f"{_pct(s['tokens_per_step_over_offline'])} × {_pct(s['steps_per_s_over_offline'])}",
+            f"{ms(s['step_busy_ms'])} / {ms(s['step_output_ms'])} / {ms(s['step_gpu_wait_ms'])}",
+        ]
+        for s in levels
+    ]
     return common.markdown_table(headers, rows)
 
 

@@ -267,6 +267,15 @@ def test_online_benchmark_streams_exact_token_counts(
         assert (tmp_path / "plots" / f"{stem}-{kind}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"](plots/{stem}-{kind}.png)" in section
     assert "Platform ceiling" in section and "ITL p50 at concurrency 1" in section
+    # online / offline per engine step: both engines' steps were counted on every level.
+    assert "Online against offline per engine step" in section
+    for lv in summary["levels"]:
+        c = lv["concurrency"]
+        assert lv["offline_steps_per_s"] > 0 and lv["engine_steps_per_s"] > 0
+        assert lv["tokens_per_step"] == pytest.approx(
+            run.engine_rates[c]["tritonllm_generated_tokens_total"] / lv["engine_steps_per_s"]
+        )
+        assert 0 < lv["step_output_ms"] <= lv["step_busy_ms"]
     assert "sidecar: 2 worker process(es) on one port (--sidecar-workers)" in section
     # Per level: CPU of the sidecar and this client, and the generator's time counters.
     for load in loads.values():

@@ -130,6 +130,42 @@ def test_summary_relates_each_level_to_offline_ceiling_and_decode_step():
     assert online_report.itl_note(online_report.OnlineRun(results={1: c1})) is None
 
 
+def test_step_summary_splits_online_over_offline_into_tokens_per_step_and_steps_per_s():
+    """Per level: the served engine's steps/s and tokens per step (its counters' rates) against
+    the offline engine's, whose product is online / offline, and the loop's ms per step."""
+    c4 = LevelResult(4, [_record(0.0, [0.1, 0.2], 6)] * 4, seconds=0.5)
+    rates = {
+        "tritonllm_engine_steps_total": 180.0,
+        "tritonllm_generated_tokens_total": 540.0,  # 3 tokens a step
+        "tritonllm_engine_busy_seconds_total": 0.9,
+        "tritonllm_engine_output_seconds_total": 0.18,
+        "tritonllm_engine_gpu_wait_seconds_total": 0.36,
+    }
+    run = online_report.OnlineRun(
+        results={4: c4},
+        offline={4: 800.0},
+        offline_steps_per_s={4: 200.0},  # 4 tokens a step
+        engine_rates={4: rates},
+    )
+    s = online_report.summary(run)["levels"][0]
+    assert s["tokens_per_step"] == pytest.approx(3.0)
+    assert s["offline_tokens_per_step"] == pytest.approx(4.0)
+    assert s["tokens_per_step_over_offline"] == pytest.approx(0.75)
+    assert s["steps_per_s_over_offline"] == pytest.approx(0.9)
+    # the product is the engine's tokens/s over the offline engine's
+    assert 0.75 * 0.9 == pytest.approx(540.0 / 800.0)
+    assert s["step_busy_ms"] == pytest.approx(5.0)
+    assert s["step_output_ms"] == pytest.approx(1.0)
+    assert s["step_gpu_wait_ms"] == pytest.approx(2.0)
+    table = online_report.step_report(run)
+    assert "| 4 | 180 / 200 | 3.0 / 4.0 | 75.0% × 90.0% | 5.00 / 1.00 / 2.00 |" in table
+    # Without the offline steps or the metrics there is nothing to take apart.
+    assert online_report.step_report(online_report.OnlineRun(results={4: c4})) == ""
+    no_offline = online_report.OnlineRun(results={4: c4}, engine_rates={4: rates})
+    assert online_report.step_report(no_offline) == ""
+    assert online_report.summary(no_offline)["levels"][0]["tokens_per_step"] == 3.0
+
+
 def test_load_probe_rates_are_counter_increase_per_second():
     before = Snapshot(10.0, {}, {"tritonllm_responses_total": 100.0})
     after = Snapshot(12.0, {}, {"tritonllm_responses_total": 5_100.0, "tritonllm_new": 4.0})

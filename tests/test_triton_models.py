@@ -295,6 +295,7 @@ def test_concurrent_streams_batch_and_match_hf(triton_server, stream, tokenizer,
     assert 0 < metric(triton_server, "tritonllm_engine_cpu_seconds_total") <= busy * 1.05 + 0.01
     assert metric(triton_server, "tritonllm_engine_steps_total") >= n
     assert metric(triton_server, "tritonllm_engine_gpu_wait_seconds_total") <= busy
+    assert 0 < metric(triton_server, "tritonllm_engine_output_seconds_total") <= busy
     assert metric(triton_server, "tritonllm_responses_total") >= len(PROMPTS)
     assert (
         1

@@ -179,6 +179,16 @@ TIME_COUNTERS: tuple[tuple[MetricSpec, str, str], ...] = (
     ),
     (
         MetricSpec(
+            "tritonllm_engine_output_seconds_total",
+            "Seconds the engine loop spent delivering outputs (callbacks, or encoding and "
+            "sending step messages to the generator's stubs)",
+            "counter",
+        ),
+        "loop",
+        "callback_s",
+    ),
+    (
+        MetricSpec(
             "tritonllm_engine_steps_total", "Engine loop iterations with work (steps)", "counter"
         ),
         "loop",
