@@ -119,7 +119,11 @@ def step_summary(run: OnlineRun, c: int) -> dict[str, float | None]:
     rates over the level; offline: its engine's `step()` calls over the level's seconds and its
     output tokens/s. Per step of the served engine's loop, in ms: `busy` (the loop had work),
     `output` (encoding and sending its outputs), `gpu_wait` (waiting for a launched step).
-    None where either side was not measured.
+    And where a request's slot waits, as means over the level in ms: the clients' TTFT, the
+    generator's (`tritonllm_time_to_first_token_seconds`: its arrival to its first token's
+    response) and, of that, the engine queue (`tritonllm_request_queue_time_seconds`: arrival
+    to admission, the admission delay included); the clients' minus the generator's is the
+    path outside the generator. None where not measured.
     """
     rates = run.engine_rates.get(c, {})
     steps = rates.get("tritonllm_engine_steps_total")
@@ -133,6 +137,13 @@ def step_summary(run: OnlineRun, c: int) -> dict[str, float | None]:
         value = _ratio(rates.get(f"tritonllm_engine_{name}_seconds_total"), steps)
         return None if value is None else value * 1e3
 
+    def mean_ms(histogram: str) -> float | None:
+        name = f"tritonllm_{histogram}_seconds"
+        value = _ratio(rates.get(f"{name}_sum"), rates.get(f"{name}_count"))
+        return None if value is None else value * 1e3
+
+    ttfts = [r.ttft for r in run.results[c].ok if r.ttft is not None]
+
     return {
         "engine_steps_per_s": steps,
         "offline_steps_per_s": offline_steps,
@@ -143,6 +154,9 @@ def step_summary(run: OnlineRun, c: int) -> dict[str, float | None]:
         "step_busy_ms": ms_per_step("busy"),
         "step_output_ms": ms_per_step("output"),
         "step_gpu_wait_ms": ms_per_step("gpu_wait"),
+        "ttft_mean_ms": sum(ttfts) / len(ttfts) * 1e3 if ttfts else None,
+        "generator_ttft_mean_ms": mean_ms("time_to_first_token"),
+        "generator_queue_mean_ms": mean_ms("request_queue_time"),
     }
 
 
@@ -219,6 +233,7 @@ def step_report(run: OnlineRun) -> str:
         "output tok per step online / offline",
         "online / offline = tok per step × steps/s",
         "served loop per step: busy / output / GPU wait (ms)",
+        "TTFT mean: clients / generator (its queue) (ms)",
     ]
 
     def ms(value: float | None) -> str:
@@ -231,6 +246,8 @@ def step_report(run: OnlineRun) -> str:
             f"{fmt(s['tokens_per_step'], 1)} / {fmt(s['offline_tokens_per_step'], 1)}",
             f"{_pct(s['tokens_per_step_over_offline'])} × {_pct(s['steps_per_s_over_offline'])}",
             f"{ms(s['step_busy_ms'])} / {ms(s['step_output_ms'])} / {ms(s['step_gpu_wait_ms'])}",
+            f"{fmt(s['ttft_mean_ms'])} / {fmt(s['generator_ttft_mean_ms'])} "
+            f"({fmt(s['generator_queue_mean_ms'])})",
         ]
         for s in levels
     ]

@@ -276,6 +276,9 @@ def test_online_benchmark_streams_exact_token_counts(
             run.engine_rates[c]["tritonllm_generated_tokens_total"] / lv["engine_steps_per_s"]
         )
         assert 0 < lv["step_output_ms"] <= lv["step_busy_ms"]
+        # the generator's TTFT is part of the clients' (its engine queue part of it)
+        assert 0 <= lv["generator_queue_mean_ms"] <= lv["generator_ttft_mean_ms"]
+        assert lv["generator_ttft_mean_ms"] < lv["ttft_mean_ms"]
     assert "sidecar: 2 worker process(es) on one port (--sidecar-workers)" in section
     # Per level: CPU of the sidecar and this client, and the generator's time counters.
     for load in loads.values():

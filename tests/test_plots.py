@@ -140,6 +140,10 @@ def test_step_summary_splits_online_over_offline_into_tokens_per_step_and_steps_
         "tritonllm_engine_busy_seconds_total": 0.9,
         "tritonllm_engine_output_seconds_total": 0.18,
         "tritonllm_engine_gpu_wait_seconds_total": 0.36,
+        "tritonllm_time_to_first_token_seconds_sum": 0.2,  # 8 requests/s of 25 ms
+        "tritonllm_time_to_first_token_seconds_count": 8.0,
+        "tritonllm_request_queue_time_seconds_sum": 0.08,
+        "tritonllm_request_queue_time_seconds_count": 8.0,
     }
     run = online_report.OnlineRun(
         results={4: c4},
@@ -157,8 +161,12 @@ def test_step_summary_splits_online_over_offline_into_tokens_per_step_and_steps_
     assert s["step_busy_ms"] == pytest.approx(5.0)
     assert s["step_output_ms"] == pytest.approx(1.0)
     assert s["step_gpu_wait_ms"] == pytest.approx(2.0)
+    assert s["ttft_mean_ms"] == pytest.approx(100.0)  # the clients' first chunks at 0.1 s
+    assert s["generator_ttft_mean_ms"] == pytest.approx(25.0)
+    assert s["generator_queue_mean_ms"] == pytest.approx(10.0)
     table = online_report.step_report(run)
-    assert "| 4 | 180 / 200 | 3.0 / 4.0 | 75.0% × 90.0% | 5.00 / 1.00 / 2.00 |" in table
+    row = "| 4 | 180 / 200 | 3.0 / 4.0 | 75.0% × 90.0% | 5.00 / 1.00 / 2.00 | 100.0 / 25.0 (10.0) |"
+    assert row in table
     # Without the offline steps or the metrics there is nothing to take apart.
     assert online_report.step_report(online_report.OnlineRun(results={4: c4})) == ""
     no_offline = online_report.OnlineRun(results={4: c4}, engine_rates={4: rates})
