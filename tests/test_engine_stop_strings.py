@@ -64,6 +64,10 @@ def test_multi_token_stop_string_ends_output_before_it(engine, tokenizer, greedy
     assert stop not in out_text
     # Released ids never reach past the token where the match starts.
     assert len(released) <= 11
+    # Every generated id counts (OpenAI's and vLLM's completion tokens), also those after the
+    # match's start that are never released.
+    done = next(k for k in range(len(ids)) if stop in tokenizer.decode(ids[: k + 1]))
+    assert final.num_output_tokens == done + 1 > len(released)
     # Running pages were released (only the radix cache may keep some).
     stats = engine.stats()
     assert stats.num_running == 0

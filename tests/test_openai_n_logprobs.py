@@ -193,12 +193,31 @@ def test_completions_legacy_logprobs_format(client, sidecar, tokenizer, hf_logpr
     torch.testing.assert_close(torch.tensor(values), expected, atol=TOL, rtol=0)
 
 
+def _stop_at(tokens: list[str], inside: bool) -> tuple[str, int]:
+    """(a 3-character stop string that first occurs at the start of a token, or one character
+    into a token; how many tokens the returned text then has entries for). Searched before the
+    first token that holds part of a character (its text holds U+FFFD)."""
+    whole = next((k for k, t in enumerate(tokens) if "\ufffd" in t), len(tokens))
+    text = "".join(tokens[:whole])
+    for k in range(whole // 3, whole - 1):
+        start = sum(len(t) for t in tokens[:k]) + inside
+        stop = text[start : start + 3]
+        if len(stop) == 3 and text.find(stop) == start and len(tokens[k]) > inside:
+            return stop, k + inside
+    raise AssertionError(f"no stop string found in {tokens}")
+
+
+@pytest.mark.parametrize("inside", [False, True])
 @pytest.mark.parametrize("stream", [False, True])
-def test_logprobs_with_a_stop_string_align_with_the_tokens(client, sidecar, stream):
-    base = dict(model=sidecar.model_name, prompt=PROMPT, max_tokens=24, temperature=0)
-    text = client.completions.create(**base).choices[0].text
-    stop = text[len(text) // 2 : len(text) // 2 + 3]
-    kwargs = dict(base, stop=[stop], logprobs=1)
+def test_logprobs_end_with_the_text_a_stop_string_cut(client, sidecar, stream, inside):
+    """OpenAI's logprobs cover the returned text: with a stop string, the tokens that lie
+    wholly after the cut have no entries, a token straddling it keeps its entry; usage still
+    counts every generated token. Oracle: the same greedy request without the stop."""
+    base = dict(model=sidecar.model_name, prompt=PROMPT, max_tokens=24, temperature=0, logprobs=1)
+    full = client.completions.create(**base).choices[0]
+    stop, kept = _stop_at(full.logprobs.tokens, inside)
+    generated = next(k + 1 for k in range(24) if stop in "".join(full.logprobs.tokens[: k + 1]))
+    kwargs = dict(base, stop=[stop])
     if stream:
         tokens, out_text = [], ""
         chunks = list(
@@ -221,13 +240,36 @@ def test_logprobs_with_a_stop_string_align_with_the_tokens(client, sidecar, stre
             choice.finish_reason,
         )
     assert finish == "stop"
-    assert out_text == text[: text.index(stop)]
-    assert len(tokens) == usage.completion_tokens  # 1:1 with the released tokens
-    joined = "".join(tokens)
-    if "\ufffd" not in joined:
-        # The tokens end with the one where the stop string starts.
-        rest = joined[len(out_text) :]
-        assert joined.startswith(out_text) and (rest.startswith(stop) or stop.startswith(rest))
+    assert out_text == full.text[: full.text.index(stop)]
+    assert tokens == full.logprobs.tokens[:kept]
+    assert usage.completion_tokens == generated
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_leave_out_the_stop_token(client, sidecar, tokenizer, stream):
+    """The EOS that ended a chat choice is no part of its content: no logprobs entry (OpenAI's
+    content covers the returned text), while usage counts it. The choice may sample only EOS."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    kwargs = dict(
+        model=sidecar.model_name,
+        messages=MESSAGES,
+        max_tokens=4,
+        logprobs=True,
+        extra_body={"allowed_token_ids": [eos]},
+    )
+    if stream:
+        chunks = client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+        texts, reasons, entries, usage = _stream_choices(chunks, 1)
+        content, reason, entries = texts[0], reasons[0], entries[0]
+    else:
+        response = client.chat.completions.create(**kwargs)
+        (choice,) = response.choices
+        content, reason, entries = choice.message.content, [choice.finish_reason], None
+        entries, usage = choice.logprobs.content, response.usage
+    assert (content, reason, entries) == ("", ["stop"], [])
+    assert usage.completion_tokens == 1
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,14 @@
 Oracle: the Hugging Face tokenizer's ``decode`` of each prefix of the ids (the text known after
 each token, an incomplete trailing character removed) and ``str.find``: the request stops after
 the first token whose text contains a stop string, at the earliest position where one occurs.
-The checker's output is run through the real ``Detokenizer`` as the Triton pipeline does.
+The checker's output is run through the real ``Detokenizer`` as the Triton pipeline does, and
+through ``text_outputs`` for logprobs: OpenAI's ``logprobs.content`` covers the returned text, so
+an id keeps its entry exactly when its bytes start before the end of the returned text's bytes.
 """
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -16,6 +19,7 @@ from hypothesis import strategies as st
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tritonllm.engine.stop_strings import StopResult, StopStringChecker, apply_trim
+from tritonllm.serving.text_outputs import text_outputs
 from tritonllm.tokenization.detokenizer import Detokenizer
 
 PREFIX_WINDOW = 8  # ids of context the generator sends with each response
@@ -246,3 +250,68 @@ def test_property_random_text_and_stops(tokenizer, detok, text, stops, chunks, s
         ids.insert(pos % (len(ids) + 1), IM_END)
     check(tokenizer, detok, ids, stops, chunks)
     check(tokenizer, detok, ids, stops, [1])
+
+
+def logprob_ids(detok, ids: list[int], stops: list[str]) -> tuple[str, list[int], list[int]]:
+    """(returned text, released ids, ids with a logprobs entry) of ``ids`` fed one per step
+    through the checker and ``text_outputs``, as the generator sends each step's ids."""
+    checker = StopStringChecker(detok, stops)
+    text, released, entered = "", [], []
+
+    def respond(new: list[int], reason: str, trim: int) -> None:
+        nonlocal text
+        lps = ([-1.0] * len(new), [], [])
+        out = text_outputs(detok, new, released[-PREFIX_WINDOW:], reason, trim, logprobs=lps)
+        entries = json.loads(out.logprobs_json or "[]")
+        assert [bytes(e["bytes"]) for e in entries] == [
+            detok.logprob_token_bytes(i) for i in new[: len(entries)]
+        ]
+        text += out.text
+        released.extend(new)
+        entered.extend(new[: len(entries)])
+
+    for token in ids:
+        result = checker.process([token])
+        respond(result.release_ids, "stop" if result.stopped else "", result.trim_chars)
+        if result.stopped:
+            return text, released, entered
+    respond(checker.flush(), "length", 0)
+    return text, released, entered
+
+
+@pytest.mark.parametrize("text", [*TEXTS[:4], "ab🫠cd", "x \u2014y"])
+def test_logprobs_end_with_the_text_a_stop_string_cut(tokenizer, detok, text):
+    """Every stop string that starts at each character: the ids whose bytes start before the
+    returned text's end keep their entries (one straddling the cut too), the later ones none;
+    every released id still counts."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    straddled = dropped = 0
+    for start in range(len(text)):
+        for length in (1, 3):
+            stop = text[start : start + length]
+            out, released, entered = logprob_ids(detok, ids, [stop])
+            assert out == text[: text.index(stop)]
+            end = len(out.encode())
+            offsets = [len(detok.token_bytes(released[:k])) for k in range(len(released))]
+            before = [at < end for at in offsets]  # the id's bytes start before the cut
+            assert entered == [i for i, b in zip(released, before, strict=True) if b], stop
+            straddled += end < len(detok.token_bytes(entered))
+            dropped += len(released) - len(entered)
+    assert straddled and dropped  # both cases occur
+
+
+def test_logprobs_leave_out_a_stop_token_without_text(tokenizer, detok):
+    """The special id that stopped a choice (EOS) is no part of its text: no entry; a stop id
+    with text, and a special id that ends a choice for another reason, keep theirs."""
+    ids = tokenizer.encode("Hello.", add_special_tokens=False)
+    lps = ([-1.0] * (len(ids) + 1), [], [])
+
+    def entries(new: list[int], reason: str) -> list[bytes]:
+        out = text_outputs(detok, new, [], reason, logprobs=(lps[0][: len(new)], [], []))
+        return [bytes(e["bytes"]) for e in json.loads(out.logprobs_json)]
+
+    texts = [detok.token_bytes([i]) for i in ids]
+    assert entries([*ids, IM_END], "stop") == texts
+    assert entries(ids, "stop") == texts  # the last id ("." as a stop id) is text
+    assert entries([*ids, IM_END], "length") == [*texts, b"<|im_end|>"]
+    assert entries([IM_END], "stop") == []

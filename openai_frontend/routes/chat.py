@@ -179,7 +179,8 @@ async def _events(
     # OpenAI's chunk sequence per choice: the role first, content (or tool-call) deltas, then
     # an empty delta that carries finish_reason. Deltas are written as dicts: unset fields are
     # left out, not null. Chunks carry the logprobs of their tokens (also when a token
-    # completes no character yet and the content is "").
+    # completes no character yet and the content is ""); a response whose tokens have no
+    # entries (the stop token alone) adds no chunk.
     streams = [_ChoiceStream(mode, parser) for _ in range(gen.n)]
     for index, stream in enumerate(streams):
         yield encoder.event(index=index, delta={"role": "assistant", "content": ""})
@@ -191,7 +192,7 @@ async def _events(
         if piece.finish_reason:
             deltas += stream.finish()
         logprobs = chat_logprobs(piece.logprobs)
-        if logprobs is not None and not deltas:
+        if piece.logprobs and not deltas:
             deltas = [{"content": ""}]
         for j, delta in enumerate(deltas):
             yield encoder.event(

@@ -326,7 +326,7 @@ class LLMEngine:
         error: str | RequestError | None = None,
     ) -> RequestOutput:
         """`req`'s output releasing `tokens`; `num_output`: its known output ids (sampled and
-        filled in), of which those the stop-string checker holds or withholds do not count.
+        filled in), of which those the stop-string checker holds do not count (yet).
         A `RequestError` as `error` is the request's own fault: its code and parameter go
         with the message."""
         fault = error if isinstance(error, RequestError) else None
@@ -334,7 +334,7 @@ class LLMEngine:
         finished = req.finish_reason is not None
         request_finished = finished and self._choice_finished(req)
         if req.stop_checker is not None:
-            num_output -= req.num_withheld + req.stop_checker.num_held
+            num_output -= req.stop_checker.num_held
         # Positional (once per request per step: keyword arguments would double its cost).
         out = RequestOutput(
             req.request_id,

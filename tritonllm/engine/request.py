@@ -69,8 +69,6 @@ class Request:
     # With logprobs and stop strings: (logprob, top logprobs) of each id the stop checker holds,
     # oldest first (parallel to its held ids); released together with those ids.
     held_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
-    # Ids generated after the start of a matched stop string: never released, not counted.
-    num_withheld: int = 0
     # With `params.prompt_logprobs`: its prompt's scores, filled as it prefills.
     prompt_scores: PromptScores | None = None
     # Monotonic seconds: when it was made (`add_request`) and first admitted (the scheduler).
@@ -153,8 +151,9 @@ class RequestOutput:
         finish_reason: None while running; "stop" (EOS or a stop token, included in the ids),
             "length" (max_tokens), "abort", or "error" (see `error`).
         num_prompt_tokens, num_output_tokens: counts so far (tokens); with stop strings,
-            output ids count once released (held ids, and ids after a matched stop string's
-            start, do not), so the final count equals the number of ids reported.
+            output ids count once released (held ids do not, yet), and the final count is
+            every id generated, also those after a matched stop string's start that are never
+            released (OpenAI and vLLM count them as completion tokens).
         cached_tokens: prompt tokens served from the prefix cache at admission.
         logprobs: with `SamplingParams.logprobs`, the logprob of each new token (one per id of
             `new_token_ids`, also for ids held back by stop strings and released later).

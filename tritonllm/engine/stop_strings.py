@@ -29,7 +29,7 @@ Contract for the downstream (generator + Triton detokenizer):
    the released ids (including the U+FFFD that ``final=True`` flushes for a character left
    incomplete by the last released id); dropping ``trim_chars`` characters from its end leaves
    exactly the text before the stop string. Ids after the token where the match starts are never
-   released, so ``num_output_tokens`` counts the released ids.
+   released; ``num_output_tokens`` still counts them (every id generated).
 3. When the request ends otherwise (EOS, stop id, length, abort), send ``checker.flush()`` with
    the final response: the held ids, untrimmed.
 
@@ -71,6 +71,7 @@ class _HeldToken:
     token_id: int
     char_end: int  # characters of output text once this token is decoded (absolute)
     pending: bytes  # bytes of an incomplete character after this token
+    has_text: bool  # it completes at least one character
 
 
 def apply_trim(text: str, trim_chars: int) -> str:
@@ -132,7 +133,8 @@ class StopStringChecker:
             text = self._decoder.decode(self._detok.token_bytes((token_id,)))
             start = self._num_chars - len(self._tail)  # absolute position of _tail[0]
             self._num_chars += len(text)
-            self._held.append(_HeldToken(token_id, self._num_chars, self._decoder.getstate()[0]))
+            pending = self._decoder.getstate()[0]
+            self._held.append(_HeldToken(token_id, self._num_chars, pending, bool(text)))
             if not text:
                 continue
             searched = self._tail + text
@@ -176,11 +178,17 @@ class StopStringChecker:
 
     def _release_before(self, hold_point: int) -> list[int]:
         """Release the held ids whose text ends at or before ``hold_point``."""
+        held = self._held
         count = 0
-        while count < len(self._held) and self._held[count].char_end <= hold_point:
+        while count < len(held) and held[count].char_end <= hold_point:
             count += 1
-        released = [held.token_id for held in self._held[:count]]
-        del self._held[:count]
+        # Ids that only begin a character (no text, bytes pending) wait for the id that
+        # completes it: should that character start a stop string, they lie wholly after the
+        # cut, and such ids get no logprobs entry (serving/text_outputs.py).
+        while count and held[count - 1].pending and not held[count - 1].has_text:
+            count -= 1
+        released = [h.token_id for h in held[:count]]
+        del held[:count]
         return released
 
     def _stop_at(self, match_start: int) -> StopResult:
@@ -213,12 +221,9 @@ def check_stop_strings(
     logprobs of held ids wait in `req.held_logprobs` and are released with their ids, so
     an output's logprobs always align 1:1 with its `new_token_ids`.
     """
-    num_held = checker.num_held
     result = checker.process([token])
     released = list(result.release_ids)
-    if result.stopped:
-        req.num_withheld = num_held + 1 - len(released)
-    elif reason is not None:
+    if not result.stopped and reason is not None:
         released += checker.flush()
     if lp is not None and top is not None:  # logprobs come with their top alternatives
         # The checker releases its oldest held ids first; `token` is the newest.

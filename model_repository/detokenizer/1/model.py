@@ -86,7 +86,8 @@ class TritonPythonModel:
     def _response(self, request):
         inputs = _inputs(request)
         passed = {name: inputs[name] for name in PASS_THROUGH}
-        final = passed["finish_reason"].reshape(-1)[0] != b""
+        finish_reason = passed["finish_reason"].reshape(-1)[0].decode("utf-8")
+        final = finish_reason != ""
         index = inputs.get("index")
         self._watch_cancellation(request, inputs.get("request_key"), final and index is None)
         new_ids = _token_ids(inputs["output_ids"], "output_ids")
@@ -107,7 +108,7 @@ class TritonPythonModel:
             self.detokenizer,
             new_ids,
             _token_ids(inputs["prefix_ids"], "prefix_ids"),
-            final,
+            finish_reason,
             0 if trim is None else int(trim.reshape(-1)[0]),
             None if echo is None else _first_text(echo),
             logprobs,

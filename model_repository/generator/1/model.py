@@ -141,7 +141,7 @@ def _text_tensors(chunk, detokenizer):
         detokenizer,
         chunk.output_ids,
         chunk.prefix_ids,
-        chunk.finish_reason != "",
+        chunk.finish_reason,
         chunk.trim_chars,
         chunk.echo_text,
         None if arrays is None else tuple(a.tolist() for a in arrays),
