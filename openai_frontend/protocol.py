@@ -72,6 +72,7 @@ class SamplingFields(_Lenient):
     model: str | None = None
     max_tokens: StrictInt | None = Field(default=None, **limits.MAX_TOKENS.field_bounds())
     temperature: Number | None = Field(default=None, **limits.TEMPERATURE.field_bounds())
+    # [0, 1] as OpenAI's; 0 keeps the most likely token alone (top_k 1: SamplingParams.top_p).
     top_p: Number | None = Field(default=None, **limits.TOP_P.field_bounds())
     n: StrictInt = Field(default=1, **limits.N.field_bounds())
     seed: StrictInt | None = Field(default=None, **limits.SEED.field_bounds())

@@ -90,7 +90,7 @@ def _serve_through_the_client_interface(client: EngineClient) -> None:
     stats, times = client.stats(), client.loop_times()
     assert stats.num_running == 0 and stats.num_steps > 0 and times.loops > 0
     with pytest.raises(ValueError, match="top_p"):
-        client.submit("c-bad", prompt, SamplingParams(top_p=0), sink)
+        client.submit("c-bad", prompt, SamplingParams(top_p=1.5), sink)
 
 
 def test_engine_thread_and_engine_process_serve_one_client_interface(process):
@@ -125,7 +125,7 @@ def test_greedy_ids_of_concurrent_submissions_equal_hf(process):
 def test_invalid_submit_raises_synchronously_and_the_process_keeps_serving(process):
     sink = Collector()
     with pytest.raises(ValueError, match="top_p"):
-        process.submit("bad", [1, 2], SamplingParams(top_p=0), sink)
+        process.submit("bad", [1, 2], SamplingParams(top_p=1.5), sink)
     with pytest.raises(ValueError, match="max_model_len"):
         process.submit("long", [1] * 500, SamplingParams(max_tokens=100), sink)
     with pytest.raises(ValueError, match="token ids"):

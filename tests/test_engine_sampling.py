@@ -94,6 +94,7 @@ def test_greedy_logprobs_use_temperature_one(engine):
     [
         SamplingParams(max_tokens=10, temperature=1.0, top_k=1, ignore_eos=True),
         SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=1.5, top_p=0, seed=5, ignore_eos=True),
         SamplingParams(max_tokens=10, temperature=2.0, min_p=1.0, ignore_eos=True),
     ],
 )

@@ -81,7 +81,7 @@ def test_concurrent_submissions_from_many_threads(thread):
 def test_invalid_submit_raises_synchronously_and_thread_keeps_serving(thread):
     sink = Collector()
     with pytest.raises(ValueError, match="top_p"):
-        thread.submit("bad", [1, 2], SamplingParams(top_p=0), sink)
+        thread.submit("bad", [1, 2], SamplingParams(top_p=1.5), sink)
     with pytest.raises(ValueError, match="max_model_len"):
         thread.submit("long", [1] * 500, SamplingParams(max_tokens=100), sink)
     thread.submit("good", [1, 2, 3], GREEDY, sink)

@@ -42,6 +42,15 @@ def test_stream_concatenation_equals_non_stream(client, sidecar, sampling):
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason == "length"
 
 
+def test_top_p_zero_samples_the_most_likely_token_alone(client, sidecar):
+    """OpenAI takes top_p in [0, 1]: 0, nucleus sampling's limit p -> 0, keeps only the most
+    likely token, so hot sampling (two choices) answers what greedy decoding answers."""
+    kwargs = dict(model=sidecar.model_name, messages=MESSAGES, max_tokens=12)
+    greedy = client.chat.completions.create(temperature=0, **kwargs).choices[0].message.content
+    sampled = client.chat.completions.create(temperature=2.0, top_p=0, n=2, seed=7, **kwargs)
+    assert [c.message.content for c in sampled.choices] == [greedy, greedy]
+
+
 def test_stream_chunk_protocol(client, sidecar, tokenizer):
     """Role first, content deltas, finish_reason last, then a usage-only chunk; one id."""
     chunks, _ = _stream(

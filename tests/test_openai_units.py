@@ -215,7 +215,7 @@ def _assert_openai_error(response, status):
             {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 2.5},
             "temperature",
         ),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": -0.1}, "top_p"),
         ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({"model": "tiny"}, "messages"),
         (
@@ -376,7 +376,7 @@ def test_float_fields_take_json_integers_and_keep_their_bounds():
     ]
     assert values == [0.0, 1.0, -2.0, 2.0, 0.0, 3.0, -100.0]
     assert all(type(v) is float for v in values)
-    for field, value in (("temperature", 3), ("top_p", 0), ("presence_penalty", -3)):
+    for field, value in (("temperature", 3), ("top_p", 1.01), ("presence_penalty", -3)):
         with pytest.raises(ValidationError) as info:
             ChatCompletionRequest.model_validate({**_CHAT, field: value})
         assert info.value.errors()[0]["loc"] == (field,)

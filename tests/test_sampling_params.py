@@ -18,7 +18,6 @@ INVALID = [
     ("temperature", 2.01),  # OpenAI's range, the same in the sidecar
     ("temperature", math.nan),
     ("temperature", "hot"),
-    ("top_p", 0.0),
     ("top_p", 1.01),
     ("top_p", -0.5),
     ("top_p", math.nan),
@@ -70,6 +69,7 @@ VALID = [
     {"temperature": 2.0},
     {"top_p": 1.0},
     {"top_p": 1e-3},
+    {"top_k": 50, "top_p": 0.5},
     {"top_k": -1},
     {"top_k": 0},
     {"top_k": 1},
@@ -93,6 +93,15 @@ def test_valid_values_pass(kwargs):
     assert all(
         getattr(params, k) == (tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items()
     )
+
+
+@pytest.mark.parametrize("top_k", [-1, 0, 1, 50])
+def test_top_p_zero_is_the_most_likely_token_alone(top_k):
+    """OpenAI takes top_p in [0, 1]: 0, nucleus sampling's limit p -> 0, keeps the most likely
+    token alone, which the samplers see as top_k 1 (and no top_p cut, which would keep none)."""
+    p = SamplingParams(temperature=1.0, top_p=0, top_k=top_k)
+    assert (p.top_p, p.top_k, p.top_k_enabled) == (1.0, 1, True)
+    assert p == SamplingParams(temperature=1.0, top_k=1)
 
 
 def test_defaults_and_greedy_flag():

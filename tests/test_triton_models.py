@@ -313,10 +313,10 @@ def test_concurrent_streams_batch_and_match_hf(triton_server, stream, tokenizer,
         ({"messages": "[{not json", "max_tokens": 4}, "messages is not valid JSON"),
         ({"messages": '[{"role": "robot", "content": "x"}]'}, "role"),
         ({"text_input": "hi", "temperature": -1.0}, "temperature"),
-        ({"text_input": "hi", "top_p": 0.0}, "top_p"),
+        ({"text_input": "hi", "top_p": 1.5}, "top_p"),
         ({"text_input": "hello " * 3000, "max_tokens": 4}, "max_model_len"),
     ],
-    ids=["no-text", "bad-json", "bad-role", "negative-temperature", "zero-top-p", "too-long"],
+    ids=["no-text", "bad-json", "bad-role", "negative-temperature", "top-p-above-one", "too-long"],
 )
 def test_bad_input_fails_that_request_only(stream, inputs, message):
     stream.send("llm", inputs)

@@ -29,7 +29,9 @@ class SamplingParams:
             the context limit (the engine resolves it per request); 0: none at all, the request
             only prefills (to score its prompt with `prompt_logprobs`, or to echo it).
         temperature: in [0, 2]; 0 means greedy (argmax).
-        top_p: nucleus sampling, in (0, 1]; 1 disables it.
+        top_p: nucleus sampling, in [0, 1] (OpenAI's range); 1 disables it. 0, the limit
+            p -> 0 that keeps only the most likely token, is stored as what it means:
+            ``top_p=1.0, top_k=1`` (the samplers see top_k = 1, whatever top_k was given).
         top_k: keep the k most likely tokens; -1 (or 0) disables it, else >= 1.
         min_p: drop tokens with probability < min_p * max probability, in [0, 1]; 0 disables.
         seed: per-request seed (int64): the same seed and inputs give the same tokens
@@ -108,6 +110,9 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", words)
         self._validate()
         self._validate_constraints()
+        if self.top_p == 0:  # the nucleus of p -> 0: the most likely token alone
+            object.__setattr__(self, "top_p", 1.0)
+            object.__setattr__(self, "top_k", 1)
 
     @property
     def is_greedy(self) -> bool:

@@ -2,7 +2,7 @@
 are built from them, and the docs quote them.
 
 Sampling ranges follow OpenAI's API (temperature in [0, 2], penalties in [-2, 2], top_p in
-(0, 1]) and vLLM's extensions (top_k, min_p, repetition_penalty, min_tokens).
+[0, 1]) and vLLM's extensions (top_k, min_p, repetition_penalty, min_tokens).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _num(value: float) -> str:
 
 # --- sampling -------------------------------------------------------------------------------
 TEMPERATURE = Range(0, 2)  # 0: greedy
-TOP_P = Range(0, 1, low_open=True)  # 1: disabled
+TOP_P = Range(0, 1)  # 1: disabled; 0: the most likely token alone (SamplingParams: top_k 1)
 TOP_K = Range(-1, INT32_MAX)  # -1 or 0: disabled
 MIN_P = Range(0, 1)  # 0: disabled
 PENALTY = Range(-2, 2)  # presence_penalty, frequency_penalty
