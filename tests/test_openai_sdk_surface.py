@@ -2,8 +2,9 @@
 (the shared session fixtures): completions with list and token-id prompts, ``echo`` with the
 prompt's logprobs (checked against transformers' float32 log_softmax), ``max_tokens: 0`` (how
 lm-evaluation-harness scores), the async client, vLLM's extension fields (each honoured, or refused with a
-400 naming it), ``stream_options`` only with ``stream``, ``/tokenize`` / ``/detokenize`` /
-``/version``, the model card's ``max_model_len`` and the sidecar's ``/metrics``."""
+400 naming it), ``stream_options`` only with ``stream``, ``/tokenize`` (with tools) /
+``/detokenize`` / ``/version``, the model card's ``max_model_len`` and the sidecar's
+``/metrics``."""
 
 from __future__ import annotations
 
@@ -296,6 +297,41 @@ def test_tokenize_detokenize_version_and_model_card(http, sidecar, tokenizer, ti
     card = http.get("/v1/models").json()["data"][0]
     assert card["id"] == model and card["root"] == model
     assert card["max_model_len"] == tokens["max_model_len"] > 0
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tokenize_renders_tools_as_a_chat_completion_does(http, client, sidecar, tokenizer):
+    """vLLM's /tokenize takes tools: the ids are the prompt a chat completion with the same
+    tools feeds the model (its prompt_tokens; the tokenizer model's renderer). A tool's
+    invalid schema is refused as the chat endpoint refuses it; tools need messages."""
+    from tritonllm.tokenization.chat import encode_chat
+
+    model, messages = sidecar.model_name, [{"role": "user", "content": "Weather in Rome?"}]
+    body = {"model": model, "messages": messages, "tools": [WEATHER_TOOL]}
+    response = http.post("/tokenize", json=body)
+    assert response.status_code == 200, response.text
+    ids = response.json()["tokens"]
+    assert ids == encode_chat(tokenizer, messages, tools=[WEATHER_TOOL])
+    chat = client.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=1
+    )
+    plain = http.post("/tokenize", json={"model": model, "messages": messages}).json()["tokens"]
+    assert len(ids) == chat.usage.prompt_tokens > len(plain)
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}
+    bad = http.post("/tokenize", json={**body, "tools": [bad_tool]})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "tools[0].function.parameters"
+    with_prompt = http.post("/tokenize", json={"model": model, "prompt": "x", "tools": []})
+    assert with_prompt.status_code == 400 and with_prompt.json()["error"]["param"] == "tools"
 
 
 def test_metrics_count_requests_tokens_and_latencies(http, client, sidecar):

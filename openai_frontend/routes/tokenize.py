@@ -5,7 +5,8 @@ so that the ids are exactly those a generation would get (one tokenizer and one 
 the model directory's): a ``prompt`` is encoded as ``text_input`` (with the tokenizer's special
 tokens unless ``add_special_tokens`` is false, vLLM's default for /tokenize), ``messages`` are
 rendered as the chat endpoint renders them (``sampling.chat_inputs``, with the generation
-prompt). /detokenize sends the ids as ``input_ids`` and reads their text from ``echo_text``.
+prompt), ``tools`` included, as vLLM's /tokenize takes them. /detokenize sends the ids as
+``input_ids`` and reads their text from ``echo_text``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..extensions import check_extensions
 from ..generation import to_openai_error
 from ..protocol import ChatCompletionRequest, ChatMessage, TokenId, _Lenient
 from ..sampling import chat_inputs
+from ..tools import ToolDef
 from ..triton_client import InputValue, TritonError
 from .common import ServerState, check_model, get_state
 
@@ -32,11 +34,13 @@ TOKENIZER_MODEL = "tokenizer"
 
 
 class TokenizeRequest(_Lenient):
-    """``POST /tokenize``: exactly one of ``prompt`` (raw text) or ``messages`` (chat)."""
+    """``POST /tokenize``: exactly one of ``prompt`` (raw text) or ``messages`` (chat, with
+    the ``tools`` a chat completion would render with them)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ToolDef] | None = None
     add_special_tokens: StrictBool | None = None  # prompt: default true; messages: false only
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -80,8 +84,14 @@ async def _tokenizer(state: ServerState, inputs: Mapping[str, InputValue], param
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    """The ids a prompt (or chat) becomes. Raises: OpenAIError 404 for another model; 400 for
-    bad input or an unsupported field."""
+    """The ids a prompt (or chat, with its tools) becomes: those a completion of it would
+    feed the model.
+
+    Raises:
+        OpenAIError: 404 for another model; 400 for bad input (a tool's ``parameters`` that is
+            no JSON schema, as for a chat completion) or an unsupported field (``tools`` or
+            ``add_special_tokens`` with the other form).
+    """
     state = get_state(request)
     check_model(state, body.model)
     check_extensions(body)
@@ -90,14 +100,19 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         if body.add_special_tokens:
             raise unsupported("add_special_tokens", "add_special_tokens with messages")
         chat = ChatCompletionRequest(
-            messages=body.messages, chat_template_kwargs=body.chat_template_kwargs
+            messages=body.messages,
+            chat_template_kwargs=body.chat_template_kwargs,
+            tools=body.tools,
         )
         specs = await state.client.input_specs(TOKENIZER_MODEL)
         rendered = chat_inputs(chat, specs, False)
-        inputs = {k: v for k, v in rendered.items() if k in ("messages", "enable_thinking")}
+        prompt_inputs = ("messages", "tools", "enable_thinking")
+        inputs = {k: v for k, v in rendered.items() if k in prompt_inputs}
         param = "messages"
     else:
         assert body.prompt is not None
+        if body.tools is not None:
+            raise unsupported("tools", "tools with prompt (they are rendered with messages)")
         special = True if body.add_special_tokens is None else body.add_special_tokens
         inputs, param = {"text_input": body.prompt, "add_special_tokens": special}, "prompt"
     outputs = await _tokenizer(state, inputs, param)
