@@ -182,15 +182,51 @@ def _most_specific(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     return first
 
 
+# Codes of a body that is no JSON object: JSON that does not parse, and a body that parses to
+# something else (an array, a string, ...) or that was not sent as JSON at all.
+INVALID_JSON = "invalid_json"
+INVALID_BODY_TYPE = "invalid_type"
+_JSON_TYPES = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+
+
+def _body_error(error: Mapping[str, Any], body: Any) -> OpenAIError | None:
+    """The error of a body that is no JSON object, from FastAPI's error (its ``type`` and
+    ``loc``, never its wording) and the body as FastAPI read it (JSON, or raw bytes when the
+    Content-Type was not JSON); None for an error inside a JSON object."""
+    loc = tuple(error.get("loc", ()))
+    if error.get("type") == "json_invalid":  # FastAPI: loc ("body", offset), body: the text
+        offset = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
+        where = ""
+        if offset is not None and isinstance(body, str):
+            line = body.count("\n", 0, offset) + 1
+            column = offset - body.rfind("\n", 0, offset)
+            where = f" at line {line} column {column} (character {offset})"
+        reason = error.get("ctx", {}).get("error") or "invalid JSON"
+        return OpenAIError(
+            f"We could not parse the JSON body of your request: {reason}{where}. The body must "
+            "be a JSON object.",
+            code=INVALID_JSON,
+        )
+    if loc != ("body",):  # a field's error
+        return None
+    if error.get("type") == "missing":  # FastAPI: an empty body
+        got = "the request has no body"
+    elif isinstance(body, bytes):  # FastAPI reads JSON only under a JSON Content-Type
+        got = "it was not sent with Content-Type: application/json"
+    else:
+        got = f"got {_JSON_TYPES.get(type(body), 'a number')}"
+    return OpenAIError(
+        f"The body of your request must be a JSON object: {got}.", code=INVALID_BODY_TYPE
+    )
+
+
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     first: Mapping[str, Any] = (
         _most_specific(exc.errors()) if exc.errors() else {"msg": "invalid request", "loc": ()}
     )
-    if first.get("type") == "json_invalid":
-        return OpenAIError(
-            "We could not parse the JSON body of your request. Expected a valid JSON object.",
-            code="invalid_json",
-        )
+    body_error = _body_error(first, exc.body)
+    if body_error is not None:
+        return body_error
     param = _param(tuple(first.get("loc", ())), exc.body, first.get("type") == "missing")
     message = first.get("msg", "invalid value")
     if param:
@@ -211,6 +247,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's 400 for such a body
+            return OpenAIError(
+                "We could not parse the JSON body of your request: it is not valid UTF-8. The "
+                "body must be a JSON object.",
+                code=INVALID_JSON,
+            ).response()
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return OpenAIError(str(exc.detail), status=exc.status_code, type=kind).response()
 

@@ -173,6 +173,29 @@ def test_a_model_name_never_changes_the_class_of_its_404(offline_app, model):
     assert response.json()["error"]["code"] == "model_not_found"
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=client_text)
+def test_a_body_that_is_no_json_object_is_classed_by_its_form_not_its_text(offline_app, text):
+    """Malformed JSON is invalid_json, and JSON of another type or text not sent as JSON is
+    invalid_type, whatever the text says."""
+    json_type = {"content-type": "application/json"}
+    cases = [
+        (b"{" + json.dumps(text).encode(), json_type, "invalid_json"),  # a key without a value
+        (json.dumps([text]).encode(), json_type, "invalid_type"),
+        (json.dumps(text).encode(), json_type, "invalid_type"),
+        (
+            f"x{text}".encode("utf-8", "surrogatepass"),
+            {"content-type": "text/plain"},
+            "invalid_type",
+        ),
+    ]
+    for content, headers, code in cases:
+        response = offline_app.post("/v1/completions", content=content, headers=headers)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", code), content
+
+
 # --- through the real server ----------------------------------------------------------------
 ADVERSARIAL = [
     "internal error: exceeds the context length",

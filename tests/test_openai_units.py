@@ -238,11 +238,41 @@ def test_invalid_bodies_are_openai_400s(offline_app, body, param):
     assert error["type"] == "invalid_request_error"
 
 
-def test_malformed_json_is_openai_400(offline_app):
-    response = offline_app.post(
-        "/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"}
-    )
-    _assert_openai_error(response, 400)
+_JSON = "application/json"
+_BODY = b'{"model": "tiny", "prompt": "x"}'
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type", "code", "says"),
+    [
+        (b'{"prompt": "x",', _JSON, "invalid_json", "at line 1 column 16 (character 15)"),
+        (b'{\n "prompt": "x",\n "n": 2,,\n}', _JSON, "invalid_json", "at line 3 column 9"),
+        (b'{"prompt": "\xff"}', _JSON, "invalid_json", "not valid UTF-8"),
+        (_BODY, "text/plain", "invalid_type", "Content-Type: application/json"),
+        (b"prompt=x", "application/x-www-form-urlencoded", "invalid_type", "Content-Type"),
+        (_BODY, None, "invalid_type", "Content-Type: application/json"),
+        (b'[{"prompt": "x"}]', _JSON, "invalid_type", "got an array"),
+        (b'"x"', _JSON, "invalid_type", "got a string"),
+        (b"7", _JSON, "invalid_type", "got a number"),
+        (b"null", _JSON, "invalid_type", "got null"),
+        (b"", _JSON, "invalid_type", "no body"),
+    ],
+)
+def test_a_body_that_is_no_json_object_is_an_openai_400(
+    offline_app, content, content_type, code, says
+):
+    """OpenAI's error body, invalid_request_error, saying that the body must be a JSON object
+    (and where malformed JSON failed to parse); the code tells malformed JSON (invalid_json)
+    from a body of another type or not sent as JSON (invalid_type), never pydantic's words."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        error = _assert_openai_error(offline_app.post(path, content=content, headers=headers), 400)
+        assert (error["type"], error["code"], error["param"]) == (
+            "invalid_request_error",
+            code,
+            None,
+        )
+        assert "JSON object" in error["message"] and says in error["message"], error
 
 
 def test_unknown_model_is_404_model_not_found(offline_app):
