@@ -12,6 +12,11 @@ What each ``tool_choice`` does (OpenAI's semantics; the guarantees are vLLM's de
   finish_reason ``"tool_calls"``;
 - a named function: the output is constrained to that function's ``parameters`` schema and is
   the call's arguments; finish_reason ``"stop"`` (OpenAI's, for a forced function).
+
+An output cut short by ``max_tokens`` keeps finish_reason ``"length"`` and everything it
+generated, as OpenAI keeps a cut output: a named function's call has the arguments generated so
+far (possibly incomplete JSON); a ``required`` array that was cut is no list of calls, so its
+text is the message's content (``constrained_calls``).
 """
 
 from __future__ import annotations
@@ -211,82 +216,36 @@ def _rebase_refs(schema: Any, base: str) -> Any:
     return out
 
 
-_DECODER = json.JSONDecoder()
-_SPACE = frozenset(" \t\n\r")  # JSON's whitespace
+def constrained_calls(mode: ToolMode, text: str) -> list[ToolCall] | None:
+    """The tool calls of a ``required`` or named choice's output:
 
-
-def _skip_space(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in _SPACE:
-        pos += 1
-    return pos
-
-
-def complete_items(text: str) -> list[Any] | None:
-    """The complete items of a JSON array that may be cut short (an output that
-    ``max_tokens`` or a stop string ended): every item decoded in full, in order; the item the
-    text ends inside is dropped. Each item is decoded with ``json.JSONDecoder.raw_decode``,
-    which never accepts part of an object, array, string or literal; a number the text ends
-    on may be cut, so it is dropped too. An item that does not decode is taken as the cut one
-    (an output under the array's grammar has no other).
+    - named: the one call, its arguments the text as generated; cut short by ``max_tokens``
+      (finish_reason ``length``) they are incomplete JSON, as OpenAI returns a cut call's
+      arguments, and as they were streamed;
+    - required: a call per item of the JSON array when the output is the whole array, which
+      the grammar guarantees unless ``max_tokens`` or a stop string cut it short.
 
     Returns:
-        the items (``[]`` for an empty or whitespace-only text, or a text that ends before the
-        first item is complete); None when ``text`` is not a JSON array, nor the start of one
-        (JSON other than an array, a separator that is no ``,``, text after the ``]``).
-    """
-    pos = _skip_space(text, 0)
-    if pos == len(text):
-        return []
-    if text[pos] != "[":
-        return None
-    items: list[Any] = []
-    pos = _skip_space(text, pos + 1)
-    if text.startswith("]", pos):
-        return [] if _skip_space(text, pos + 1) == len(text) else None
-    while pos < len(text):
-        try:
-            item, pos = _DECODER.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return items  # the text ends inside this item (the grammar allows nothing else)
-        pos = _skip_space(text, pos)
-        if pos == len(text):
-            if not isinstance(item, int | float) or isinstance(item, bool):
-                items.append(item)
-            break
-        items.append(item)
-        if text[pos] == "]":
-            return items if _skip_space(text, pos + 1) == len(text) else None
-        if text[pos] != ",":
-            return None
-        pos = _skip_space(text, pos + 1)
-    return items
-
-
-def constrained_calls(mode: ToolMode, text: str) -> list[ToolCall] | None:
-    """The tool calls of a ``required`` or named choice's output, also of one cut short by
-    ``max_tokens`` (finish_reason ``length``), as vLLM parses a partial output:
-
-    - named: the one call, its arguments the text as generated (incomplete JSON when cut, as
-      OpenAI and vLLM return it, and as it was streamed);
-    - required: a call per complete item of the JSON array (``complete_items``): the item
-      the output was cut inside is dropped, so a cut array keeps the calls it completed (none,
-      when cut inside the first).
-
-    Returns None only for an output that is no array of ``{"name", "parameters"}`` calls,
-    which the grammar never lets through (the caller then returns it as content).
+        the calls; None for a ``required`` output that is no whole, non-empty array of
+        ``{"name", "parameters"}`` calls (a cut one): the caller then returns the text as
+        content, so that nothing generated is lost.
     """
     if mode.kind == "named":
         return [ToolCall(new_call_id(), mode.name or "", text)]
-    items = complete_items(text)
-    if items is None:
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
         return None
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            return None
-        arguments = json.dumps(item.get("parameters", {}), ensure_ascii=False)
-        calls.append(ToolCall(new_call_id(), item["name"], arguments))
-    return calls
+    if not isinstance(items, list) or not items:
+        return None
+    if not all(isinstance(item, dict) and isinstance(item.get("name"), str) for item in items):
+        return None
+    return [
+        ToolCall(
+            new_call_id(), item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)
+        )
+        for item in items
+    ]
 
 
 __all__ = [
@@ -296,6 +255,5 @@ __all__ = [
     "ToolFields",
     "ToolMode",
     "check_parameters",
-    "complete_items",
     "constrained_calls",
 ]

@@ -3,7 +3,8 @@ family, whole outputs and streamed in any split, OpenAI's delta order: id, type 
 then argument fragments; a block that is no valid call stays content; streamed token by token,
 the same content as the whole output, without the whitespace around calls) and the chat
 rendering of tools and tool-call history (the Qwen3 template renders them; a template without
-tools gets the Hermes-format fallback messages)."""
+tools gets the Hermes-format fallback messages); ``required`` and named outputs cut short keep
+all their text (a cut array as content, a cut call's incomplete arguments)."""
 
 from __future__ import annotations
 
@@ -301,42 +302,43 @@ REQUIRED_OUT = json.dumps(
 )
 
 
-def test_a_required_array_cut_anywhere_keeps_exactly_its_complete_calls():
-    """A ``required`` choice's output cut by max_tokens at every character: the calls whose
-    JSON item is complete (brackets and braces inside strings are no ends), the cut one
-    dropped; the whole array gives every call."""
+def test_a_required_array_is_calls_only_when_whole():
+    """A ``required`` choice's output is its calls when it is the whole array; cut anywhere
+    short of its end (max_tokens, a stop string) it is no list of calls (None: the route
+    returns the text as content)."""
     from openai_frontend.tools import ToolMode, constrained_calls
 
     mode = ToolMode("required")
     items = json.loads(REQUIRED_OUT)
-    first_end = REQUIRED_OUT.index("}}") + 2  # the first item's last character, exclusive
-    second_end = REQUIRED_OUT.rindex("}}") + 2
-    for cut in range(len(REQUIRED_OUT) + 1):
-        calls = constrained_calls(mode, REQUIRED_OUT[:cut])
-        assert calls is not None, cut
-        expected = items[: (cut >= first_end) + (cut >= second_end)]
-        assert [(c.name, json.loads(c.arguments)) for c in calls] == [
-            (i["name"], i["parameters"]) for i in expected
-        ], cut
+    calls = constrained_calls(mode, REQUIRED_OUT)
+    assert calls is not None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        (i["name"], i["parameters"]) for i in items
+    ]
+    for cut in range(len(REQUIRED_OUT)):
+        assert constrained_calls(mode, REQUIRED_OUT[:cut]) is None, cut
+    for text in ("[]", '{"name": "get_time", "parameters": {}}', '[{"parameters": {}}]'):
+        assert constrained_calls(mode, text) is None, text
 
 
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("", []),
-        ("  [ ] ", []),
-        ('[{"a": 1}, 12', [{"a": 1}]),  # a number the text ends on may be cut
-        ('[{"a": 1}, 12, true', [{"a": 1}, 12, True]),
-        ('[{"a": "x\\"', []),
-        ('{"a": 1}', None),  # no array
-        ('[{"a": 1} {"b": 2}]', None),  # no separator
-        ("[1] tail", None),
-    ],
-)
-def test_complete_items_of_cut_arrays(text, expected):
-    from openai_frontend.tools import complete_items
+@pytest.mark.parametrize("cut", [1, 20, len(REQUIRED_OUT) - 30, len(REQUIRED_OUT) - 1])
+def test_a_required_array_cut_by_max_tokens_is_content_streamed_and_not(tokenizer, cut):
+    """OpenAI keeps a cut output: a required array cut by max_tokens (finish_reason
+    "length") is returned whole as content, with no tool_calls, by the chat route's two paths
+    alike (``_choice`` whole, ``_ChoiceStream`` per delta), wherever the cut falls (inside the
+    first call, or after a complete one)."""
+    from openai_frontend.generation import Choice
+    from openai_frontend.routes.chat import _choice, _ChoiceStream
+    from openai_frontend.tools import ToolMode
 
-    assert complete_items(text) == expected
+    text, mode = REQUIRED_OUT[:cut], ToolMode("required")
+    whole = _choice(0, Choice(text, "length", None), mode, "hermes")
+    assert (whole.message.content, whole.message.tool_calls) == (text, None)
+    assert whole.finish_reason == "length"
+    stream = _ChoiceStream(mode, "hermes")
+    deltas = [d for piece in _token_pieces(tokenizer, text) for d in stream.feed(piece)]
+    deltas += stream.finish()
+    assert deltas == [{"content": text}] and not stream.called
 
 
 def test_a_cut_named_call_keeps_its_arguments_as_generated():

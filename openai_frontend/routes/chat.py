@@ -4,9 +4,10 @@ Tool calls (``tools.ToolFields``): ``auto`` outputs go through the server's tool
 streamed as OpenAI's ``delta.tool_calls`` (a call's id, type and name first, then its
 arguments' fragments); a named choice streams its arguments as they are generated; a
 ``required`` choice's JSON array is parsed once the choice finished and sent as whole calls.
-An output cut by ``max_tokens`` (finish_reason ``length``) keeps the calls it completed, as
-vLLM's partial parse does: a ``required`` array's complete items (the cut one is dropped), a
-named call's arguments as generated; its content is null, never the array's text.
+An output cut by ``max_tokens`` (finish_reason ``length``) loses nothing it generated, as
+OpenAI keeps a cut output: a named call keeps the arguments as generated (incomplete JSON), and
+a ``required`` array that was cut, no list of calls, is the content (``tools.constrained_calls``),
+streamed and not.
 """
 
 from __future__ import annotations
