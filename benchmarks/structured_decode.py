@@ -36,7 +36,9 @@ numbers would not be those of a full batch).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import faulthandler
 import gc
 import json
 import random
@@ -52,6 +54,11 @@ from benchmarks.offline import engine_config
 from tritonllm.engine.engine import LLMEngine
 from tritonllm.sampling_params import SamplingParams
 from tritonllm.structured.spec import StructuredOutputs
+
+# Most seconds an engine's grammar compile may take before the run stops with every thread's
+# stack (a compile takes milliseconds; the first in a process also loads the tokenizer). On
+# 2026-12-06 a seventh engine's compile did not return on an H100 host (BENCHMARKS.md).
+COMPILE_WAIT_S = 60.0
 
 ITEM = {
     "type": "object",
@@ -145,7 +152,14 @@ def structured_engine(
     rng = random.Random(0)
     constraint = StructuredOutputs("json", json.dumps(schema))
     # Compiled (and cached) first, so every request decodes from the first timed step on.
-    engine.constraints.compiler.submit(SamplingParams(structured_outputs=constraint)).result()
+    compiled = engine.constraints.compiler.submit(SamplingParams(structured_outputs=constraint))
+    try:
+        compiled.result(timeout=COMPILE_WAIT_S)
+    except concurrent.futures.TimeoutError:
+        faulthandler.dump_traceback(all_threads=True)  # where the compile is, on stderr
+        raise SystemExit(
+            f"the grammar did not compile within {COMPILE_WAIT_S:g} s (every thread's stack above)"
+        ) from None
     for i in range(batch_size):
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -207,6 +221,7 @@ def time_structured_step(
         host.update({name: total / steps for name, total in totals.items()})
     live = len(engine.scheduler.running)
     constrained = len(engine.constraints.live)
+    engine.shutdown()  # its grammar threads, before the next engine starts its own
     del engine
     gc.collect()
     if device.startswith("cuda"):

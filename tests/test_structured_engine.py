@@ -534,3 +534,64 @@ def test_gpu_masks_with_cuda_graphs_and_overlap(tiny_model_dir, tok):
     outs = _run(engine, constrained + plain, late)
     _check_schema_outputs(tok, outs)
     assert engine.runner.graph_runner.num_replays > 0  # constrained decode rows replayed graphs
+
+
+def test_a_compile_that_never_returns_fails_its_request_and_the_compiler_restarts(
+    tiny_model_dir, tok, monkeypatch, caplog
+):
+    """A compile stuck past `grammar_compile_timeout_s` (here the first compile blocks until
+    released): its request fails with a server error by code, the compiler's thread stack is
+    logged, a request that waited for the same compile is compiled again on fresh threads and
+    validates, and an unconstrained request beside them is untouched."""
+    import logging
+    import threading
+    import time
+
+    from tritonllm.structured.compiler import ConstraintCompiler
+
+    release = threading.Event()
+    compile_once = ConstraintCompiler._compile
+    calls = []
+
+    def stuck_first(self, params):
+        calls.append(threading.get_ident())  # the stuck thread is alive: idents differ
+        if len(calls) == 1:
+            self._load()  # the tokenizer, so that the compile after the restart is quick
+            release.wait(30)  # "never" returns within the test
+        return compile_once(self, params)
+
+    monkeypatch.setattr(ConstraintCompiler, "_compile", stuck_first)
+    engine = _engine(tiny_model_dir, grammar_compile_timeout_s=1.0)
+    schema = SCHEMAS[0]
+    constrained = SamplingParams(max_tokens=200, structured_outputs=_json(schema))
+    plain = SamplingParams(max_tokens=4)
+    ids: dict[str, list[int]] = {}
+    outs: dict[str, tuple] = {}
+    try:
+        with caplog.at_level(logging.ERROR, logger="tritonllm.structured.admission"):
+            engine.add_request("stuck", tok.encode("a"), constrained)
+            engine.add_request("plain", tok.encode("say"), plain)
+            start, late = time.monotonic(), False
+            while engine.has_unfinished() or not late:
+                if not late and time.monotonic() - start > 0.5:
+                    # waits for the same (stuck, cached) compile, with a later deadline
+                    engine.add_request("late", tok.encode("b"), constrained)
+                    late = True
+                for o in engine.step():
+                    ids.setdefault(o.request_id, []).extend(o.new_token_ids)
+                    if o.finished:
+                        outs[o.request_id] = (ids.get(o.request_id, []), o.finish_reason, o.error)
+                time.sleep(0.005)
+    finally:
+        release.set()
+        engine.shutdown()
+    ids, reason, error = outs["stuck"]
+    assert reason == "error" and ids == [], outs["stuck"]
+    assert "not compiled within 1 s" in error
+    ids, reason, error = outs["late"]
+    assert reason == "stop" and error is None, outs["late"]
+    jsonschema.validate(json.loads(tok.decode(ids, skip_special_tokens=True)), schema)
+    assert len(outs["plain"][0]) == 4 and outs["plain"][1] == "length"
+    # the stuck thread's stack was logged, and the late request compiled on a fresh thread
+    assert "in stuck_first" in caplog.text and "thread tritonllm-grammar" in caplog.text
+    assert len(calls) == 2 and calls[0] != calls[1]

@@ -145,6 +145,12 @@ class EngineConfig:
             its sampling only before the next step's uploads, its masks filling on a thread of
             their own meanwhile (`engine.model_runner`); False: the masks fill and the step
             samples as soon as its forward is enqueued.
+        grammar_compile_timeout_s: structured outputs: most seconds a request waits for its
+            constraint to compile and its matchers to be built; past it the request fails
+            with a server error and the compiler starts over on fresh threads, so that no
+            request waits forever behind a compile that does not return (SGLang bounds its
+            grammar wait the same way). A compile takes milliseconds; the first one in a
+            process loads the tokenizer (seconds).
     """
 
     model: str
@@ -174,6 +180,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     grammar_threads: int | None = None
     defer_grammar_sampling: bool = True
+    grammar_compile_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         cpu = device_type(self.device) == "cpu"
@@ -209,6 +216,10 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.grammar_threads is not None and self.grammar_threads < 1:
             raise ValueError(f"grammar_threads must be >= 1, got {self.grammar_threads}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(
+                f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}"
+            )
         if self.tensor_core_decode_min_batch < 0:
             raise ValueError(
                 "tensor_core_decode_min_batch must be >= 0, "

@@ -364,6 +364,13 @@ class LLMEngine:
         del self._choices[req.request_id]
         return True
 
+    def shutdown(self) -> None:
+        """Stop the threads this engine started for structured outputs (the constraint
+        compiler's and the mask fill's; what they are running finishes first). Requests in
+        flight get no further outputs; the engine is not used afterwards."""
+        self.constraints.shutdown()
+        self.runner.sampler.masks.shutdown()
+
     # ---- introspection and offline use ---------------------------------------------------------
     def stats(self) -> EngineStats:
         cache, sched = self.cache, self.scheduler

@@ -145,6 +145,7 @@ def engine_main(
     except (EOFError, OSError):
         pass  # the parent closed its end or is gone: nobody is left to serve
     finally:
+        engine.shutdown()
         if profiler is not None and dump_profile is not None:
             profiler.disable()
             dump_profile()

@@ -197,6 +197,7 @@ class EngineThread(EngineClient):
                 ):
                     self._cv.wait()
                 if self._stop:
+                    engine.shutdown()
                     return
                 submissions, self._submissions = list(self._submissions), deque()
                 aborts, self._aborts = list(self._aborts), deque()

@@ -17,6 +17,11 @@ token ids, bad words).
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import sys
+import threading
+import time
+import traceback
 from concurrent.futures import Future
 
 from tritonllm.config import EngineConfig
@@ -25,6 +30,11 @@ from tritonllm.engine.request import Request, RequestStatus
 from tritonllm.structured.compiler import ConstraintCompiler
 from tritonllm.structured.constraint import TokenConstraint
 from tritonllm.structured.spec import short_reason
+
+logger = logging.getLogger(__name__)
+
+# The compiler's threads, by name prefix (`ConstraintCompiler`): whose stacks a timeout logs.
+_COMPILER_THREADS = ("tritonllm-grammar", "tritonllm-matchers")
 
 
 class ConstraintAdmission:
@@ -37,7 +47,8 @@ class ConstraintAdmission:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._compiler: ConstraintCompiler | None = None
-        self._compiling: list[tuple[Future[list[TokenConstraint]], list[Request]]] = []
+        # (its matchers' future, the request's choices, the monotonic deadline of its wait)
+        self._compiling: list[tuple[Future[list[TokenConstraint]], list[Request], float]] = []
         self.live: set[Request] = set()  # admitted, not finished
 
     @property
@@ -58,25 +69,38 @@ class ConstraintAdmission:
         future = self.compiler.instantiate(choices[0].params, len(choices))
         for req in choices:
             req.status = RequestStatus.COMPILING
-        self._compiling.append((future, choices))
+        deadline = time.monotonic() + self.config.grammar_compile_timeout_s
+        self._compiling.append((future, choices, deadline))
 
     def ready(self, timeout_s: float = 0.0) -> list[tuple[Request, BaseException | None]]:
         """The requests whose compile is done, in arrival order, each with its compile error
         (None: it got its `TokenConstraint`, status WAITING, to be queued by the caller).
         Requests aborted meanwhile are dropped. With ``timeout_s`` it first waits up to that
-        long for one compile to finish (when none is done)."""
+        long for one compile to finish (when none is done).
+
+        A request still compiling past `EngineConfig.grammar_compile_timeout_s` comes back
+        with a `TimeoutError`; the compiler's thread stacks are logged and it restarts on fresh
+        threads (`ConstraintCompiler.restart`)."""
         if not self._compiling:
             return []
-        if timeout_s > 0 and not any(f.done() for f, _ in self._compiling):
-            futures = [f for f, _ in self._compiling]
+        if timeout_s > 0 and not any(f.done() for f, _, _ in self._compiling):
+            futures = [f for f, _, _ in self._compiling]
             concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
+        now = time.monotonic()
         done: list[tuple[Request, BaseException | None]] = []
         pending = []
-        for future, choices in self._compiling:
-            if not future.done():
-                pending.append((future, choices))
+        expired = False
+        for future, choices, deadline in self._compiling:
+            error: BaseException | None
+            if future.done():
+                error = future.exception()
+            elif now < deadline:
+                pending.append((future, choices, deadline))
                 continue
-            error = future.exception()
+            else:
+                expired = True
+                limit = self.config.grammar_compile_timeout_s
+                error = TimeoutError(f"not compiled within {limit:g} s")
             constraints = [None] * len(choices) if error is not None else future.result()
             for req, constraint in zip(choices, constraints, strict=True):
                 if req.status != RequestStatus.COMPILING:
@@ -87,7 +111,32 @@ class ConstraintAdmission:
                     self.live.add(req)
                 done.append((req, error))
         self._compiling = pending
+        if expired:
+            self._restart_compiler()
         return done
+
+    def _restart_compiler(self) -> None:
+        """Log where the compiler's threads are, then restart it (its waiting requests go on
+        with fresh threads, their own wait unchanged)."""
+        frames = sys._current_frames()
+        stacks = [
+            f"thread {t.name}:\n" + "".join(traceback.format_stack(frames[t.ident]))
+            for t in threading.enumerate()
+            if t.name.startswith(_COMPILER_THREADS) and t.ident in frames
+        ]
+        logger.error(
+            "a constraint compile passed %g s; restarting the compiler on fresh threads. "
+            "Its threads:\n%s",
+            self.config.grammar_compile_timeout_s,
+            "\n".join(stacks) or "(none running)",
+        )
+        assert self._compiler is not None
+        self._compiler.restart()
+        # Requests still waiting had their compile cancelled or abandoned with the old threads.
+        self._compiling = [
+            (self._compiler.instantiate(choices[0].params, len(choices)), choices, deadline)
+            for _, choices, deadline in self._compiling
+        ]
 
     def rejected(self, req: Request, token: int) -> str | RequestError:
         """A constraint of ``req`` refused its sampled ``token``: the error. A matcher in error
@@ -132,6 +181,7 @@ class ConstraintAdmission:
         )
 
     def shutdown(self) -> None:
+        """Stop the compiler's threads (what they are running finishes first)."""
         if self._compiler is not None:
             self._compiler.shutdown()
 

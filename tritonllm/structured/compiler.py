@@ -90,6 +90,20 @@ class ConstraintCompiler:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._builders.shutdown(wait=False, cancel_futures=True)
 
+    def restart(self) -> None:
+        """Leave the worker threads to whatever they are stuck in and go on with fresh ones:
+        queued compiles and builds are cancelled, unfinished compiles leave the cache, so the
+        next `submit` compiles on a new thread (done ones stay cached). A thread that never
+        returns stays behind (Python cannot stop it)."""
+        with self._lock:
+            self.shutdown()
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="tritonllm-grammar")
+            self._builders = ThreadPoolExecutor(
+                BUILD_THREADS, thread_name_prefix="tritonllm-matchers"
+            )
+            for key in [k for k, f in self._cache.items() if not f.done()]:
+                del self._cache[key]
+
     # ---- worker thread ------------------------------------------------------------------------
     def _load(self) -> None:
         if self._ll_tokenizer is not None:

@@ -185,6 +185,13 @@ class TokenMaskBuffers:
         else:
             apply_token_bitmask_torch(logits, fill.host, fill.rows)
 
+    def shutdown(self) -> None:
+        """Stop the fill thread (a fill in progress finishes first); a later `start` with
+        ``background`` makes a new one."""
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
+            self._filler = None
+
     def apply(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
         """`start` and `finish` at once: mask rows ``rows`` of ``logits`` (``[B, vocab]``)
         by the constraints of ``reqs`` (row ``rows[i]`` is ``reqs[i]``'s). No host sync."""
