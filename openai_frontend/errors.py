@@ -207,7 +207,7 @@ def _body_error(error: Mapping[str, Any], body: Any) -> OpenAIError | None:
             "be a JSON object.",
             code=INVALID_JSON,
         )
-    if loc != ("body",):  # a field's error
+    if loc != ("body",) or isinstance(body, dict):  # a field's error, or the object's own
         return None
     if error.get("type") == "missing":  # FastAPI: an empty body
         got = "the request has no body"
@@ -251,6 +251,12 @@ def install_error_handlers(app: FastAPI) -> None:
             return OpenAIError(
                 "We could not parse the JSON body of your request: it is not valid UTF-8. The "
                 "body must be a JSON object.",
+                code=INVALID_JSON,
+            ).response()
+        if isinstance(exc.__cause__, RecursionError):  # json.loads of very deep nesting
+            return OpenAIError(
+                "We could not parse the JSON body of your request: it is nested too deeply. "
+                "The body must be a JSON object.",
                 code=INVALID_JSON,
             ).response()
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"

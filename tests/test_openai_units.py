@@ -248,6 +248,7 @@ _BODY = b'{"model": "tiny", "prompt": "x"}'
         (b'{"prompt": "x",', _JSON, "invalid_json", "at line 1 column 16 (character 15)"),
         (b'{\n "prompt": "x",\n "n": 2,,\n}', _JSON, "invalid_json", "at line 3 column 9"),
         (b'{"prompt": "\xff"}', _JSON, "invalid_json", "not valid UTF-8"),
+        (b"[" * 100_000 + b"]" * 100_000, _JSON, "invalid_json", "nested too deeply"),
         (_BODY, "text/plain", "invalid_type", "Content-Type: application/json"),
         (b"prompt=x", "application/x-www-form-urlencoded", "invalid_type", "Content-Type"),
         (_BODY, None, "invalid_type", "Content-Type: application/json"),
@@ -273,6 +274,17 @@ def test_a_body_that_is_no_json_object_is_an_openai_400(
             None,
         )
         assert "JSON object" in error["message"] and says in error["message"], error
+
+
+@pytest.mark.parametrize(
+    "body", [{}, {"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}]
+)
+def test_tokenize_needs_exactly_one_of_prompt_and_messages(offline_app, body):
+    """QA: a JSON object that breaks /tokenize's rule was called "no JSON object, got a
+    number"; it is the rule's own 400."""
+    error = _assert_openai_error(offline_app.post("/tokenize", json=body), 400)
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_value")
+    assert "exactly one of prompt or messages" in error["message"], error
 
 
 def test_unknown_model_is_404_model_not_found(offline_app):

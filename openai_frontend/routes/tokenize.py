@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import Field, StrictBool, model_validator
+from pydantic_core import PydanticCustomError
 
 import tritonllm
 
@@ -47,7 +48,10 @@ class TokenizeRequest(_Lenient):
     @model_validator(mode="after")
     def _one_prompt(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            # A code of its own (the error's class), the words for people.
+            raise PydanticCustomError(
+                "invalid_value", "give exactly one of prompt or messages, not both or neither"
+            )
         return self
 
 
