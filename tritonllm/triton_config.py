@@ -67,6 +67,10 @@ is a field of ``EngineConfig``; each can be set by the environment variable
 ``TRITONLLM_DEFER_GRAMMAR_SAMPLING``   ``true``/``false``: a grammar step's masks fill while
                                        the engine builds the next step (default true;
                                        ``engine/model_runner.py``)
+``TRITONLLM_GRAMMAR_COMPILE_TIMEOUT_S``
+                                       structured outputs: most seconds a request waits for
+                                       its grammar to compile; then it fails and the
+                                       compiler restarts (default 60)
 ``TRITONLLM_ENGINE_PROFILE``           diagnostics: a file path; the engine process runs its
                                        loop under cProfile and writes the stats there every
                                        10 s and at exit (``engine/engine_process.py``)
