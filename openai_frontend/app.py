@@ -423,4 +423,11 @@ def main(argv: list[str] | None = None) -> None:
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, http=protocol
     )
-    server_class()(config, app).run(sockets=sockets or None)
+    try:
+        server_class()(config, app).run(sockets=sockets or None)
+    except KeyboardInterrupt:
+        # uvicorn re-raises the SIGINT it stopped on, after its shutdown. Python then exits by
+        # that signal as before (the exit status a worker pool expects), without printing the
+        # traceback of a stop that was asked for.
+        sys.excepthook = lambda *_: None
+        raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 import types
 from pathlib import Path
 
@@ -120,3 +121,40 @@ def test_sigint_with_streams_in_flight_aborts_them_before_the_server_exits():
     again.server.handle_exit(signal.SIGINT, None)
     again.server.handle_exit(signal.SIGINT, None)
     assert again.server.should_exit
+
+
+def test_sigint_stops_the_sidecar_by_that_signal_without_a_traceback(tmp_path):
+    """QA: Ctrl-C printed uvicorn's re-raised KeyboardInterrupt as a traceback. The sidecar
+    (its Triton endpoint unreachable: it serves anyway) still exits by SIGINT, silently."""
+    import socket
+    import subprocess
+    import sys
+
+    from tritonllm.triton_server import free_port
+
+    port = free_port()
+    log = tmp_path / "sidecar.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "openai_frontend", "--port", str(port)]
+            + ["--triton-url", f"127.0.0.1:{free_port()}", "--model-name", "tiny"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # serving: its port takes connections
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == -signal.SIGINT
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
