@@ -595,3 +595,36 @@ def test_a_compile_that_never_returns_fails_its_request_and_the_compiler_restart
     # the stuck thread's stack was logged, and the late request compiled on a fresh thread
     assert "in stuck_first" in caplog.text and "thread tritonllm-grammar" in caplog.text
     assert len(calls) == 2 and calls[0] != calls[1]
+
+
+def test_a_compiler_restart_drops_the_compiles_it_cancelled(tiny_model_dir, monkeypatch):
+    """A compile queued behind a stuck one is cancelled by the restart; asking for the same
+    constraint afterwards compiles it again instead of failing on the cancelled future."""
+    import threading
+
+    from tritonllm.structured.compiler import ConstraintCompiler
+
+    release = threading.Event()
+    compile_once = ConstraintCompiler._compile
+    engine = _engine(tiny_model_dir)
+    compiler = engine.constraints.compiler
+    compiler._load()
+    first = SamplingParams(structured_outputs=StructuredOutputs("regex", "a+"))
+    queued = SamplingParams(structured_outputs=StructuredOutputs("regex", "b+"))
+
+    def stuck_on_first(self, params):
+        if params is first:
+            release.wait(30)
+        return compile_once(self, params)
+
+    monkeypatch.setattr(ConstraintCompiler, "_compile", stuck_on_first)
+    try:
+        compiler.submit(first)
+        cancelled = compiler.submit(queued)  # waits behind the stuck compile
+        compiler.restart()
+        assert cancelled.cancelled()
+        again = compiler.submit(queued)
+        assert again is not cancelled and again.result(timeout=30).grammar is not None
+    finally:
+        release.set()
+        engine.shutdown()

@@ -93,7 +93,7 @@ class ConstraintCompiler:
     def restart(self) -> None:
         """Leave the worker threads to whatever they are stuck in and go on with fresh ones:
         queued compiles and builds are cancelled, unfinished compiles leave the cache, so the
-        next `submit` compiles on a new thread (done ones stay cached). A thread that never
+        next `submit` compiles on a new thread (finished ones stay cached). A thread that never
         returns stays behind (Python cannot stop it)."""
         with self._lock:
             self.shutdown()
@@ -101,7 +101,9 @@ class ConstraintCompiler:
             self._builders = ThreadPoolExecutor(
                 BUILD_THREADS, thread_name_prefix="tritonllm-matchers"
             )
-            for key in [k for k, f in self._cache.items() if not f.done()]:
+            # Unfinished compiles, and queued ones the shutdown cancelled (a cancelled future
+            # is done but has no exception to ask for), are compiled again when asked.
+            for key in [k for k, f in self._cache.items() if not f.done() or f.cancelled()]:
                 del self._cache[key]
 
     # ---- worker thread ------------------------------------------------------------------------
