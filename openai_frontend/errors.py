@@ -189,6 +189,22 @@ INVALID_BODY_TYPE = "invalid_type"
 _JSON_TYPES = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
 
 
+def _unparsed_body(reason: str) -> OpenAIError:
+    """The 400 ``invalid_json`` of a body that does not parse as JSON, saying why."""
+    return OpenAIError(
+        f"We could not parse the JSON body of your request: {reason}. The body must be a JSON "
+        "object.",
+        code=INVALID_JSON,
+    )
+
+
+# What FastAPI's 400 for a body it could not decode was caused by, and how to say it.
+_UNPARSED_CAUSES = {
+    UnicodeDecodeError: "it is not valid UTF-8",
+    RecursionError: "it is nested too deeply",  # json.loads of very deep nesting
+}
+
+
 def _body_error(error: Mapping[str, Any], body: Any) -> OpenAIError | None:
     """The error of a body that is no JSON object, from FastAPI's error (its ``type`` and
     ``loc``, never its wording) and the body as FastAPI read it (JSON, or raw bytes when the
@@ -201,12 +217,7 @@ def _body_error(error: Mapping[str, Any], body: Any) -> OpenAIError | None:
             line = body.count("\n", 0, offset) + 1
             column = offset - body.rfind("\n", 0, offset)
             where = f" at line {line} column {column} (character {offset})"
-        reason = error.get("ctx", {}).get("error") or "invalid JSON"
-        return OpenAIError(
-            f"We could not parse the JSON body of your request: {reason}{where}. The body must "
-            "be a JSON object.",
-            code=INVALID_JSON,
-        )
+        return _unparsed_body((error.get("ctx", {}).get("error") or "invalid JSON") + where)
     if loc != ("body",) or isinstance(body, dict):  # a field's error, or the object's own
         return None
     if error.get("type") == "missing":  # FastAPI: an empty body
@@ -247,18 +258,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's 400 for such a body
-            return OpenAIError(
-                "We could not parse the JSON body of your request: it is not valid UTF-8. The "
-                "body must be a JSON object.",
-                code=INVALID_JSON,
-            ).response()
-        if isinstance(exc.__cause__, RecursionError):  # json.loads of very deep nesting
-            return OpenAIError(
-                "We could not parse the JSON body of your request: it is nested too deeply. "
-                "The body must be a JSON object.",
-                code=INVALID_JSON,
-            ).response()
+        for cause, reason in _UNPARSED_CAUSES.items():
+            if isinstance(exc.__cause__, cause):
+                return _unparsed_body(reason).response()
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return OpenAIError(str(exc.detail), status=exc.status_code, type=kind).response()
 

@@ -14,9 +14,10 @@ budget):
   SGLang's `mixed_with_decode_tokens` and vLLM's `max_num_batched_tokens` count them): the
   prompt chunks get `max_prefill_tokens - decode rows`, but never less than half the budget
   (`prefill_budget`). So the budget holds whenever the decode rows take at most half of it
-  (always at the defaults, 512 (CPU) / 16,384 (CUDA) tokens against at most 256 decode rows), and where
-  they take more, prefill still advances at least at the average rate of the alternation
-  below (a full budget every other step) instead of being starved by decoding requests.
+  (always at the defaults, 512 (CPU) / 16,384 (CUDA) tokens against at most 256 decode
+  rows), and where they take more, prefill still advances at least at the average rate of
+  the alternation below (a full budget every other step) instead of being starved by
+  decoding requests.
 - Admission delay (`prefill_delay_steps`, 0 = off): while requests decode, new requests may
   wait up to that many decode steps so that arrivals batch into fewer prefill steps. An eager
   forward costs about the same host time whatever its size (`benchmarks/prefill_host.py`), and
