@@ -299,11 +299,11 @@ class ToolCall(BaseModel):
 
 class AssistantMessage(BaseModel):
     """The generated message of a non-streamed chat completion (``content`` null when it is
-    only tool calls)."""
+    only tool calls). A message without tool calls has no ``tool_calls`` key, as OpenAI's."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda calls: calls is None)
 
 
 class ChatChoice(BaseModel):

@@ -90,6 +90,17 @@ def test_non_stream_usage_and_length(client, sidecar, tokenizer):
     assert usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
 
 
+def test_a_message_without_tool_calls_has_no_tool_calls_key(client, sidecar):
+    """OpenAI leaves ``tool_calls`` out of a message that has none (not ``null``), so strict
+    clients that read it as an array never see a null; QA found ``"tool_calls": null``."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=sidecar.model_name, messages=MESSAGES, max_tokens=4, temperature=0
+    )
+    message = raw.http_response.json()["choices"][0]["message"]
+    assert message["role"] == "assistant" and isinstance(message["content"], str)
+    assert "tool_calls" not in message, message
+
+
 def test_repeated_prompt_reports_cached_tokens(client, sidecar):
     messages = [{"role": "user", "content": "Tell me about the history of paged attention. " * 4}]
     for _ in range(2):

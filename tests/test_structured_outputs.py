@@ -256,7 +256,7 @@ def test_forced_tool_choices_validate_non_streamed(client, sidecar, choice):
     tool_choice = (
         {"type": "function", "function": {"name": "get_time"}} if choice == "named" else "required"
     )
-    response = client.chat.completions.create(
+    raw = client.chat.completions.with_raw_response.create(
         model=sidecar.model_name,
         messages=USER,
         tools=TOOLS,
@@ -267,6 +267,9 @@ def test_forced_tool_choices_validate_non_streamed(client, sidecar, choice):
         seed=3,
         n=2,
     )
+    response = raw.parse()
+    for wire in raw.http_response.json()["choices"]:  # content null, the calls present
+        assert wire["message"]["content"] is None and len(wire["message"]["tool_calls"]) == 1
     for c in response.choices:
         _check_calls(c.message.tool_calls, parallel=False)
         assert c.message.content is None
