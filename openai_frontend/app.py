@@ -50,9 +50,12 @@ DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
-class BodySizeLimit:
+class BodyLimits:
     """ASGI middleware: a request body larger than ``max_bytes`` gets a 413 OpenAI error
-    (``code`` ``request_too_large``) without being read to its end.
+    (``code`` ``request_too_large``) without being read to its end, and a body sent with a
+    ``Content-Encoding`` other than ``identity`` (gzip, ...) a 415 (``code``
+    ``unsupported_content_encoding``) naming it: the sidecar decodes no compressed bodies,
+    as OpenAI's API takes none, and would otherwise call one "not valid UTF-8".
 
     Two checks, because a client need not announce the size: a ``Content-Length`` over the limit
     is refused before the app runs; otherwise (``Transfer-Encoding: chunked``) the bytes the app
@@ -79,7 +82,17 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length", b"")
+        headers = dict(scope["headers"])
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if encoding not in (b"", b"identity"):
+            await OpenAIError(
+                f"Content-Encoding {encoding.decode('latin-1')!r} is not supported: send the "
+                "request body uncompressed",
+                status=415,
+                code="unsupported_content_encoding",
+            ).response()(scope, receive, send)
+            return
+        length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
             await self._too_large(f" of {int(length)} bytes")(scope, receive, send)
             return
@@ -206,7 +219,7 @@ def create_app(
     install_openapi(app)
 
     app.state.drain = DrainState(timeout_s=drain_timeout_s)
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    app.add_middleware(BodyLimits, max_bytes=max_request_bytes)
     if api_keys:  # before the body is read; after CORS, so a browser can read a 401
         app.add_middleware(ApiKeyAuth, api_keys=api_keys)
     if cors_origins:  # answers preflights (which carry no key) itself

@@ -43,6 +43,7 @@ _DESCRIPTIONS = {
     401: "missing or wrong API key (when the server has API keys)",
     404: "unknown model",
     413: "request body over the size limit",
+    415: "a compressed request body (Content-Encoding other than identity)",
     429: "the server's queue is full; retry after Retry-After seconds",
     500: "internal error",
     503: "the backend is unavailable, or the server is draining",
@@ -53,7 +54,7 @@ _DESCRIPTIONS = {
 def _error_statuses(path: str, has_body: bool) -> tuple[int, ...]:
     statuses = [401, 413, 500, 503]
     if has_body:
-        statuses += [400, 404, 429]
+        statuses += [400, 404, 415, 429]
     if path.startswith("/v1/models/"):
         statuses.append(404)
     if path in SSE_PATHS:

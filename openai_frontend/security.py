@@ -119,7 +119,7 @@ def header_timeout_protocol(timeout_s: float) -> Any:
     """uvicorn's ``H11Protocol`` closing a connection that has not sent complete request
     headers ``timeout_s`` seconds after it opened or after its last response ended (an idle
     connection, or a half-sent request: slowloris). A request whose headers arrived is not
-    timed here (its body and the response are the app's: ``BodySizeLimit``, the stream idle
+    timed here (its body and the response are the app's: ``BodyLimits``, the stream idle
     timeout). Pass it as ``uvicorn.Config(http=...)``. Imported lazily: uvicorn and h11 are
     needed only to run the server."""
     import h11

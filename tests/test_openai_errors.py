@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import select
 import socket
@@ -144,6 +145,31 @@ def test_oversized_body_is_413_without_reading_it(client, sidecar):
         )
     assert info.value.status_code == 413
     assert _error_body(info.value)["code"] == "request_too_large"
+    _assert_still_serving(client, sidecar.model_name)
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br"])
+def test_a_compressed_body_is_415_naming_its_encoding(client, sidecar, encoding):
+    """QA found a gzip body called "not valid UTF-8". The sidecar decodes no compressed bodies
+    (neither does OpenAI's API): any Content-Encoding but identity is a 415 naming it, and an
+    explicit identity is served."""
+    body = json.dumps({"model": sidecar.model_name, "prompt": "hi", "max_tokens": 1}).encode()
+    sent = gzip.compress(body) if encoding == "gzip" else body
+    url = f"{sidecar.base_url}/completions"
+    response = httpx.post(
+        url,
+        content=sent,
+        headers={"content-encoding": encoding, "content-type": "application/json"},
+    )
+    assert response.status_code == 415, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unsupported_content_encoding" and encoding in error["message"]
+    plain = httpx.post(
+        url,
+        content=body,
+        headers={"content-encoding": "identity", "content-type": "application/json"},
+    )
+    assert plain.status_code == 200, plain.text
     _assert_still_serving(client, sidecar.model_name)
 
 

@@ -540,7 +540,7 @@ def test_openapi_lists_the_real_statuses_and_the_event_stream(service):
     document = httpx.get(f"{root}/openapi.json", headers=_auth(), timeout=10).json()
     chat = document["paths"]["/v1/chat/completions"]["post"]["responses"]
     assert "422" not in chat
-    for status in ("400", "401", "404", "413", "429", "500", "503", "504"):
+    for status in ("400", "401", "404", "413", "415", "429", "500", "503", "504"):
         schema = chat[status]["content"]["application/json"]["schema"]
         assert schema == {"$ref": "#/components/schemas/ErrorResponse"}
     assert "text/event-stream" in chat["200"]["content"]
