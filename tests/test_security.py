@@ -25,7 +25,6 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 from conftest import SERVER_ENV
 from frontend_fixtures import start_sidecar, stop_process
 from tritonclient.utils import InferenceServerException
@@ -129,6 +128,8 @@ def _error_code(error) -> str | None:
 def test_triton_admin_apis_need_the_admin_key(service):
     """Hole: any client of Triton's ports could register a Python-backend region as system
     shared memory and read another request's prompt from it, or raise the log verbosity."""
+    import tritonclient.http as httpclient  # here: the GPU image's tritonclient has no HTTP client
+
     server, _, _ = service
     http = httpclient.InferenceServerClient(server.http_url)
     grpc = grpcclient.InferenceServerClient(server.grpc_url)
