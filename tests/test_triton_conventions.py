@@ -322,6 +322,18 @@ def test_trtllm_http_generate_takes_the_batch_dimension(triton_server, tokenizer
     assert r.json()["text_output"] == greedy_text(tokenizer, hf_greedy, prompt, 5)
 
 
+def test_trtllm_quickstart_request_gets_one_whole_response(triton_server, tokenizer, hf_greedy):
+    """TensorRT-LLM's quickstart body, unchanged: no ``stream`` (TensorRT-LLM's default is not
+    to stream; ``llm`` streams by default, so HTTP generate refused it) and empty
+    ``bad_words`` / ``stop_words``. QA found it refused."""
+    prompt = PROMPTS[1]
+    body = {"text_input": prompt, "max_tokens": 5, "bad_words": "", "stop_words": ""}
+    body["temperature"] = 0.0
+    r = requests.post(f"http://{triton_server.http_url}/v2/models/ensemble/generate", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["text_output"] == greedy_text(tokenizer, hf_greedy, prompt, 5)
+
+
 # --- the translation alone ------------------------------------------------------------------
 def test_trtllm_translation_maps_names_and_refuses_what_it_cannot_honour():
     from tritonllm.contract.errors import ErrorCode
@@ -347,6 +359,7 @@ def test_trtllm_translation_maps_names_and_refuses_what_it_cannot_honour():
         "stop": [b"\n\n"],
         "stop_token_ids": [7],
         "ignore_eos": [True],
+        "stream": [False],  # absent: TensorRT-LLM's default, not llm's
     }
     too_big = {**batch, "seed": np.array([[2**63]], np.uint64)}
     for bad, code, param in [

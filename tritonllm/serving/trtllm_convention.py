@@ -9,7 +9,8 @@ TensorRT-LLM's output names and shapes. Mapping (ARCHITECTURE.md, "TensorRT-LLM 
 ==========================================  =================================================
 TensorRT-LLM input                          ``llm`` input
 ==========================================  =================================================
-``text_input``, ``max_tokens``, ``stream``,  the same
+``text_input``, ``max_tokens``, ``stream``,  the same (absent ``stream``: false, as in
+                                             TensorRT-LLM, where ``llm`` streams)
 ``temperature``, ``top_k``, ``top_p``,
 ``repetition_penalty``, ``presence_penalty``,
 ``frequency_penalty``, ``exclude_input_in_output``
@@ -113,6 +114,9 @@ def llm_inputs(inputs: Mapping[str, np.ndarray | None]) -> Translation:
     for name in SAME_NAME:
         if name in given:
             out.inputs[name] = np.asarray(given[name]).reshape(-1)
+    # TensorRT-LLM streams only when asked: absent, one response with the whole text (what
+    # Triton's HTTP generate needs), where `llm` streams by default.
+    out.inputs.setdefault("stream", np.array([False]))
     for name, target in RENAMED.items():
         if name in given:
             value = np.asarray(given[name], dtype=np.int32).reshape(-1)
