@@ -79,16 +79,19 @@ class HealthStatus:
 
     Attributes:
         ok: the service can serve a generation now.
-        reason: ``"ok"`` or why not (shown in the /health body).
+        reason: ``"ok"`` or why not, in the service's own words (shown in the /health body,
+            which needs no API key, and in the error of generations failed for it).
         backend_failed: Triton answered a generation with an error (a dead or failing stub),
             as opposed to being slow, not ready or unreachable.
         checked_at: ``time.monotonic()`` of the check.
+        detail: Triton's error message behind ``reason`` (model and stub names): logged only.
     """
 
     ok: bool
     reason: str
     backend_failed: bool = False
     checked_at: float = 0.0
+    detail: str = ""
 
 
 class HealthMonitor:
@@ -161,8 +164,8 @@ class HealthMonitor:
             failure = await self._generate_one()
         now = time.monotonic()
         if failure is not None:
-            reason, backend_failed = failure
-            status = HealthStatus(False, reason, backend_failed, now)
+            reason, backend_failed, detail = failure
+            status = HealthStatus(False, reason, backend_failed, now, detail)
             if backend_failed:
                 self._failed, self._passed_in_row = status, 0
             return self._record(status)
@@ -173,9 +176,9 @@ class HealthMonitor:
         self._failed = None
         return self._record(HealthStatus(True, "ok", checked_at=now))
 
-    async def _ask_generator(self) -> tuple[str, bool] | None:
+    async def _ask_generator(self) -> tuple[str, bool, str] | None:
         """The generator's own health probe: None when it answers, else ``(reason,
-        backend_failed)``. With several generator instances it fails on every one of them
+        backend_failed, Triton's message)``. With several generator instances it fails on every one of them
         while one is gone, which the generation alone (landing on a live one every other time)
         would not show for good."""
         try:
@@ -183,21 +186,19 @@ class HealthMonitor:
         except TritonError as exc:
             if _overloaded(exc):
                 return None
-            return f"generator: {exc.message}", not exc.unavailable
+            return "generator failed", not exc.unavailable, exc.message
         return None
 
-    async def _generate_one(self) -> tuple[str, bool] | None:
+    async def _generate_one(self) -> tuple[str, bool, str] | None:
         """Send the probe generation: None when it finished, else ``(reason,
-        backend_failed)``. A probe that timed out is aborted; it fails the check, but it is
+        backend_failed, Triton's message)``. A probe that timed out is aborted; it fails the check, but it is
         not ``backend_failed`` (slow is not dead)."""
         request_id = f"{PROBE_ID_PREFIX}{uuid.uuid4().hex}"
         try:
             stream = await self.client.stream(request_id, PROBE_INPUTS, PROBE_MODEL)
         except TritonError as exc:
             return (
-                None
-                if _overloaded(exc)
-                else (f"probe not sent: {exc.message}", not exc.unavailable)
+                None if _overloaded(exc) else ("probe not sent", not exc.unavailable, exc.message)
             )
 
         async def read_all() -> None:
@@ -209,15 +210,16 @@ class HealthMonitor:
         except TritonError as exc:
             if _overloaded(exc):  # the whole pipeline answered: busy, not broken
                 return None
-            return f"generation failed: {exc.message}", not exc.unavailable
+            return "generation failed", not exc.unavailable, exc.message
         except asyncio.TimeoutError:
             self.client.close_soon(stream, request_id)
-            return f"no generation within {self.probe_timeout_s:g} s", False
+            return f"no generation within {self.probe_timeout_s:g} s", False, ""
         return None
 
     def _record(self, status: HealthStatus) -> HealthStatus:
         if not status.ok and (self._last is None or self._last.reason != status.reason):
-            log.warning("unhealthy: %s", status.reason)
+            detail = f" ({status.detail})" if status.detail else ""
+            log.warning("unhealthy: %s%s", status.reason, detail)
         self._last = status
         return status
 

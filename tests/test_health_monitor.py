@@ -7,7 +7,7 @@ import asyncio
 import time
 import types
 
-from openai_frontend.health import RECOVERY_PROBES, HealthMonitor
+from openai_frontend.health import RECOVERY_PROBES, BackendWatch, HealthMonitor
 from openai_frontend.triton_client import TritonError
 
 
@@ -127,3 +127,35 @@ def test_health_says_backend_failed_for_an_error_answer_only():
         "status": "triton not ready",
         "backend_failed": False,
     }
+
+
+class _Failing:
+    """A generation in flight, silent for long, that records the error it is failed with."""
+
+    def __init__(self) -> None:
+        self.last_response_at, self.started_at, self.error = None, 0.0, None
+
+    def fail(self, error) -> bool:
+        self.error = error
+        return True
+
+
+def test_unhealthy_reasons_name_no_internals_and_the_log_keeps_them(caplog):
+    """/health needs no API key and its reason becomes the error of the generations it fails:
+    Triton's message (stub and model names) goes to the log only. QA found "the backend
+    failed: generator: Stub process 'generator_0_0' is not healthy." in error bodies."""
+    for client, reason in [
+        (_Client([False]), "generation failed"),
+        (_Client([True], generator_fails=True), "generator failed"),
+    ]:
+        monitor = HealthMonitor(client, set(), interval_s=0.0)
+        with caplog.at_level("WARNING", logger="openai_frontend.health"):
+            status = asyncio.run(monitor.check())
+        assert (status.ok, status.reason) == (False, reason)
+        assert "generator_0_0" in caplog.text or "instances" in caplog.text
+        caplog.clear()
+        watch = BackendWatch(monitor, interval_s=60.0, silence_s=0.0)
+        gen = _Failing()
+        monitor.live.add(gen)
+        assert watch.fail_silent(status.reason) == 1
+        assert gen.error.message == f"the backend failed: {reason}", gen.error.message
