@@ -2,19 +2,24 @@
 
 Oracles: the same conversation sent to the OpenAI API at temperature 0 (the streamed reply must
 be its answer, so the history really is sent), tritonserver's ``tritonllm_*`` gauges (Ctrl-C
-aborts the generation and frees its KV pages), and the processes left (none).
+aborts the generation and frees its KV pages), the processes left (none), and a service that
+requires an API key (the chat sends the right one, or says in one line how to give it).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import openai
 import pytest
+from frontend_fixtures import Sidecar, start_sidecar, stop_process
 from openai_helpers import engine_gauges, engine_idle, wait_for_gauges
 
+from tritonllm.chat import ApiKey, refusal, resolve_api_key, service_env
 from tritonllm.triton_server import free_port
 
 pexpect = pytest.importorskip("pexpect")  # a dev dependency; GPU hosts may lack it
@@ -25,9 +30,17 @@ PROMPT = "> "
 # Greedy SmolLM2 keeps writing this story far past 2,000 tokens (it loops), so the reply is
 # still being generated when the test presses Ctrl-C.
 LONG_PROMPT = "Write a very long story about a dragon, at least 2000 words."
+# The keyed service's API keys (TRITONLLM_API_KEY's comma-separated form).
+KEYS = "k-chat-one,k-chat-two"
 
 
-def spawn_chat(*args: str, timeout: float = 180) -> pexpect.spawn:
+def chat_env(**variables: str) -> dict[str, str]:
+    """This environment without API keys, plus ``variables``."""
+    keys = ("TRITONLLM_API_KEY", "OPENAI_API_KEY")
+    return {**{k: v for k, v in os.environ.items() if k not in keys}, **variables}
+
+
+def spawn_chat(*args: str, timeout: float = 180, env: dict[str, str] | None = None):
     return pexpect.spawn(
         sys.executable,
         ["-m", "tritonllm.chat", *args],
@@ -35,7 +48,38 @@ def spawn_chat(*args: str, timeout: float = 180) -> pexpect.spawn:
         encoding="utf-8",
         timeout=timeout,
         dimensions=(50, 200),
+        env=env or chat_env(),
     )
+
+
+def run_chat_once(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The chat run to its end without a terminal (it ends at once on an error)."""
+    command = [sys.executable, "-m", "tritonllm.chat", "--no-start", *args]
+    return subprocess.run(
+        command,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.fixture(scope="module")
+def keyed_service(triton_server, tiny_model_dir, tmp_path_factory):
+    """The sidecar in front of the tiny model's tritonserver, requiring one of ``KEYS``."""
+    log = tmp_path_factory.mktemp("keyed-sidecar") / "sidecar.log"
+    name = Path(tiny_model_dir).name
+    process, base_url = start_sidecar(
+        triton_server.grpc_url,
+        name,
+        log,
+        control_secret=triton_server.control_secret,
+        env={"TRITONLLM_API_KEY": KEYS},
+    )
+    yield Sidecar(process, base_url, name, triton_server.metrics_url, log)
+    stop_process(process)
 
 
 def say(child: pexpect.spawn, text: str) -> tuple[str, re.Match]:
@@ -136,6 +180,9 @@ def test_ctrl_c_aborts_the_reply_frees_its_kv_and_keeps_the_chat(smollm2_service
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux /proc")
 def test_chat_starts_a_service_when_none_runs_and_stops_it(tiny_model_dir):
+    """The service it starts requires the key the chat sends: the first of
+    ``TRITONLLM_API_KEY``'s, not ``OPENAI_API_KEY`` (it was sent to a service requiring
+    ``TRITONLLM_API_KEY``'s keys: a 401)."""
     port = free_port()
     ports = " ".join(f"--{kind}-port={free_port()}" for kind in ("grpc", "http", "metrics"))
     child = spawn_chat(
@@ -144,6 +191,7 @@ def test_chat_starts_a_service_when_none_runs_and_stops_it(tiny_model_dir):
         f"--serve-args={ports}",
         "--max-tokens=4",
         timeout=300,
+        env=chat_env(TRITONLLM_API_KEY="k-own,k-other", OPENAI_API_KEY="sk-elsewhere"),
     )
     try:
         child.expect(r"no service at \S+: starting one \(log: (\S+)\)")
@@ -151,6 +199,10 @@ def test_chat_starts_a_service_when_none_runs_and_stops_it(tiny_model_dir):
         child.expect(r"chatting with tiny-qwen3")
         _, stats = say(child, "Hello")
         assert stats.group(1) == "4" and stats.group(4) == "length"
+        url = f"http://127.0.0.1:{port}/v1"
+        for key in ("none", "k-other"):
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=url, api_key=key, max_retries=0).models.list()
         pids = [
             re.search(rf"{name} pid (\d+)", log.read_text())[1]
             for name in ("tritonserver", "sidecar")
@@ -166,3 +218,63 @@ def test_chat_starts_a_service_when_none_runs_and_stops_it(tiny_model_dir):
         openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
         ).models.list()
+
+
+def test_the_api_key_is_the_flag_then_tritonllm_api_key_then_openai_api_key():
+    """``--api-key`` wins; else the first of ``TRITONLLM_API_KEY``'s keys (the service's own
+    variable) before the generic ``OPENAI_API_KEY``; a service the chat starts gets that key
+    alone (none: no key, whatever the environment held)."""
+    both = {"TRITONLLM_API_KEY": " k1 , k2", "OPENAI_API_KEY": "sk-elsewhere", "HOME": "/h"}
+    assert resolve_api_key("flag", both) == ApiKey("flag", "--api-key")
+    assert resolve_api_key(None, both) == ApiKey("k1", "TRITONLLM_API_KEY")
+    assert resolve_api_key(None, {"TRITONLLM_API_KEY": " ,", "OPENAI_API_KEY": "sk"}) == ApiKey(
+        "sk", "OPENAI_API_KEY"
+    )
+    assert resolve_api_key(None, {}) == ApiKey()
+    assert service_env(ApiKey("flag", "--api-key"), both)["TRITONLLM_API_KEY"] == "flag"
+    assert service_env(ApiKey(), {"TRITONLLM_API_KEY": ",", "HOME": "/h"}) == {"HOME": "/h"}
+    assert "k1" not in repr(resolve_api_key(None, both))
+
+
+def test_refusals_other_than_401_name_the_status_and_the_reason():
+    message = refusal("http://h:9/v1", 503, "the server is shutting down", ApiKey())
+    assert message == (
+        "error: the service at http://h:9/v1 answered 503 to GET models: "
+        "the server is shutting down"
+    )
+
+
+def test_a_service_that_needs_a_key_gets_one_line_of_advice_not_a_traceback(keyed_service):
+    """Without a key, with a wrong one, or at a wrong URL: one line on stderr that says what to
+    do, exit status 1 (it was openai.AuthenticationError's traceback)."""
+    url = keyed_service.base_url
+    cases = {
+        (f"--url={url}",): "needs an API key (401): pass --api-key KEY or set TRITONLLM_API_KEY",
+        (f"--url={url}", "--api-key=wrong"): "refused the API key from --api-key (401)",
+        (f"--url={url.removesuffix('/v1')}/v2", "--api-key=k-chat-two"): "answered 404",
+    }
+    for args, advice in cases.items():
+        run = run_chat_once(*args, env=chat_env())
+        assert run.returncode == 1 and run.stdout == "", run
+        assert run.stderr.startswith("error: ") and run.stderr.count("\n") == 1, run.stderr
+        assert advice in run.stderr
+    # The key the chat was told to use is refused: the error names where it came from.
+    run = run_chat_once(f"--url={url}", env=chat_env(TRITONLLM_API_KEY="stale"))
+    assert run.returncode == 1 and "refused the API key from TRITONLLM_API_KEY" in run.stderr
+
+
+def test_the_chat_sends_the_first_key_of_tritonllm_api_key(keyed_service):
+    """``TRITONLLM_API_KEY`` (two keys) set and ``OPENAI_API_KEY`` another service's: the chat
+    sends the first of the two and chats."""
+    env = chat_env(TRITONLLM_API_KEY=KEYS, OPENAI_API_KEY="sk-elsewhere")
+    child = spawn_chat(f"--url={keyed_service.base_url}", "--no-start", "--max-tokens=2", env=env)
+    try:
+        child.expect(r"chatting with tiny-qwen3")
+        _, stats = say(child, "Hello")
+        assert stats.group(1) == "2" and stats.group(4) == "length"
+        child.expect_exact(PROMPT)
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0

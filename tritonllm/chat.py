@@ -10,6 +10,12 @@ it on exit. Each reply streams as it is generated (``/v1/chat/completions`` with
 conversation is kept and sent with every turn, and after each reply one line reports its tokens,
 tokens/s (the decode rate after the first token) and the time to the first token (TTFT).
 
+API key (sent as ``Authorization: Bearer``): ``--api-key``, else the first of
+``TRITONLLM_API_KEY``'s comma-separated keys (the variable ``make serve`` and the launcher read),
+else ``OPENAI_API_KEY``, else none. A service the chat starts requires that same key (none: no
+key). A service that refuses the request (401 without the right key, 503 while it drains, ...)
+ends the chat with a one-line error and exit status 1.
+
 Commands: ``/reset`` forgets the conversation (not the system prompt), ``/system <text>`` sets
 the system prompt (``/system`` alone clears it) and starts over, ``/exit`` quits (so does
 Ctrl-D). Ctrl-C during a reply stops it: the HTTP stream is closed, which makes the sidecar
@@ -27,6 +33,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +50,8 @@ from tritonllm.triton_server import (
 )
 
 DEFAULT_URL = "http://127.0.0.1:9000/v1"
+# The service's API keys, comma-separated (the launcher's and the sidecar's variable).
+API_KEY_ENV = "TRITONLLM_API_KEY"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 HELP = "/reset, /system <text>, /exit; Ctrl-C stops a reply, Ctrl-D exits"
 
@@ -213,17 +222,85 @@ def run_chat(
         print(f"\n{stats.summary()}", file=out, flush=True)
 
 
-def _service_alive(client: openai.OpenAI) -> str | None:
-    """The served model's name, or None when nothing answers at the client's URL."""
+@dataclass(frozen=True)
+class ApiKey:
+    """The API key the chat sends, and where it came from.
+
+    Attributes:
+        value: the key (None: none; the client then sends a placeholder, which only a
+            service without keys accepts).
+        source: ``--api-key``, ``TRITONLLM_API_KEY`` or ``OPENAI_API_KEY`` (None without a key).
+    """
+
+    value: str | None = field(default=None, repr=False)
+    source: str | None = None
+
+
+def resolve_api_key(flag: str | None, environ: Mapping[str, str]) -> ApiKey:
+    """The key to send: ``--api-key``, else the first of ``TRITONLLM_API_KEY``'s comma-separated
+    keys, else ``OPENAI_API_KEY``, else none. ``TRITONLLM_API_KEY`` comes before the generic
+    ``OPENAI_API_KEY`` (often a key of api.openai.com): it is the one this project's service
+    requires, a service ``make serve`` or the chat started from the same shell included."""
+    if flag:
+        return ApiKey(flag, "--api-key")
+    first = next((k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip()), None)
+    if first:
+        return ApiKey(first, API_KEY_ENV)
+    if environ.get("OPENAI_API_KEY"):
+        return ApiKey(environ["OPENAI_API_KEY"], "OPENAI_API_KEY")
+    return ApiKey()
+
+
+def refusal(url: str, status: int, detail: str, key: ApiKey) -> str:
+    """The one-line error for a service at ``url`` that answered ``GET models`` with HTTP
+    ``status`` (an error; ``detail``: its message): a 401 says how to give the key, a 404 that
+    ``--url`` is the OpenAI base URL."""
+    if status == 401 and key.value is None:
+        return (
+            f"error: the service at {url} needs an API key (401): pass --api-key KEY or set "
+            f"{API_KEY_ENV}"
+        )
+    if status == 401:
+        return (
+            f"error: the service at {url} refused the API key from {key.source} (401): pass the "
+            f"right one with --api-key KEY or {API_KEY_ENV}"
+        )
+    hint = " (is --url its OpenAI base URL, ending in /v1?)" if status == 404 else ""
+    return f"error: the service at {url} answered {status} to GET models: {detail}{hint}"
+
+
+def _service_alive(client: openai.OpenAI, key: ApiKey) -> str | None:
+    """The served model's name, or None when nothing answers at the client's URL.
+
+    Raises:
+        SystemExit: the service answered with an error status (``refusal``'s message).
+    """
     try:
         return client.with_options(timeout=5.0).models.list().data[0].id
     except openai.APIConnectionError:
         return None
+    except openai.APIStatusError as exc:
+        # An OpenAI error body is {"error": {"message": ...}}; anything else: the status' reason.
+        error = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else None
+        detail = error.get("message") if isinstance(error, dict) else None
+        detail = detail if isinstance(detail, str) and detail else exc.response.reason_phrase
+        url = str(client.base_url).rstrip("/")
+        raise SystemExit(refusal(url, exc.status_code, detail, key)) from None
+
+
+def service_env(key: ApiKey, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a service the chat starts: ``environ`` with ``TRITONLLM_API_KEY``
+    set to the key the chat sends (removed without one), so the service requires that key."""
+    env = {k: v for k, v in environ.items() if k != API_KEY_ENV}
+    return {**env, API_KEY_ENV: key.value} if key.value is not None else env
 
 
 @contextmanager
-def local_service(url: str, model: str | None, serve_args: list[str], timeout_s: float):
-    """Start ``python -m tritonllm.launch`` serving at ``url``'s port; stop it on exit.
+def local_service(
+    url: str, model: str | None, serve_args: list[str], timeout_s: float, env: dict[str, str]
+):
+    """Start ``python -m tritonllm.launch`` serving at ``url``'s port, in environment ``env``
+    (``service_env``'s); stop it on exit.
 
     Raises:
         SystemExit: the URL is not on this machine, or the service did not come up.
@@ -242,7 +319,7 @@ def local_service(url: str, model: str | None, serve_args: list[str], timeout_s:
     command = [sys.executable, "-m", "tritonllm.launch", f"--model={model}", f"--port={port}"]
     log = Path(tempfile.mkstemp(prefix="tritonllm-chat-serve-", suffix=".log")[1])
     print(f"no service at {url}: starting one (log: {log}) ...", flush=True)
-    process = start_process_group(command + serve_args, log, dict(os.environ), REPO_ROOT)
+    process = start_process_group(command + serve_args, log, env, REPO_ROOT)
     try:
         health = f"{parsed.scheme}://{parsed.hostname}:{port}/health"
         try:
@@ -262,7 +339,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--url", default=DEFAULT_URL, help="the service's OpenAI base URL")
     p.add_argument("--model", default=None, help="model directory to serve if none runs")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "none"))
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"the service's API key (default: the first of ${API_KEY_ENV}'s comma-separated "
+        "keys, else $OPENAI_API_KEY, else none); a service the chat starts requires it",
+    )
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--max-tokens", type=int, default=None, help="per reply (default: no limit)")
@@ -287,15 +369,19 @@ def main(argv: list[str] | None = None) -> None:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    client = openai.OpenAI(base_url=args.url, api_key=args.api_key, max_retries=0)
+    key = resolve_api_key(args.api_key, os.environ)
+    # The client needs some key: without one, a placeholder only a keyless service accepts.
+    client = openai.OpenAI(base_url=args.url, api_key=key.value or "none", max_retries=0)
     sampling = Sampling(args.temperature, args.top_p, args.max_tokens)
-    name = _service_alive(client)
+    name = _service_alive(client, key)
     if name is not None:
         sys.exit(run_chat(client, name, sampling, args.system))
     if args.no_start:
         sys.exit(f"error: no service answers at {args.url}")
-    with local_service(args.url, args.model, shlex.split(args.serve_args), args.startup_timeout):
-        name = _service_alive(client)
+    serve_args = shlex.split(args.serve_args)
+    env = service_env(key, os.environ)
+    with local_service(args.url, args.model, serve_args, args.startup_timeout, env):
+        name = _service_alive(client, key)
         if name is None:
             sys.exit(f"error: the service at {args.url} does not answer /v1/models")
         status = run_chat(client, name, sampling, args.system)
