@@ -17,6 +17,8 @@ SERVE_ARGS ?=
 # The OpenAI API's key(s) for `make serve` (comma-separated for several tenants; empty: none).
 # Passed in the launcher's environment (TRITONLLM_API_KEY), never on its command line; an exported
 # TRITONLLM_API_KEY works too and keeps the key out of make's own command line.
+# TRITONLLM_API_KEY_FROM_MAKE tells the launcher the key is not in the user's shell, so its
+# startup hint says to export it before pasting its curl command.
 API_KEY ?=
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test` (each file on one worker; 0 runs it in this process).
@@ -40,7 +42,7 @@ setup: $(VENV)/.installed
 # `exec`: the launcher replaces the recipe's shell, so the SIGTERM that make forwards to its child
 # (from `kill`, `timeout`, a supervisor) reaches the launcher, which stops both servers.
 serve: setup
-	$(if $(API_KEY),TRITONLLM_API_KEY="$(API_KEY)",) PATH=$(CURDIR)/$(VENV)/bin:$$PATH exec $(PY) -m tritonllm.launch $(if $(MODEL),--model "$(MODEL)",) $(SERVE_ARGS)
+	$(if $(API_KEY),TRITONLLM_API_KEY="$(API_KEY)" TRITONLLM_API_KEY_FROM_MAKE=1,) PATH=$(CURDIR)/$(VENV)/bin:$$PATH exec $(PY) -m tritonllm.launch $(if $(MODEL),--model "$(MODEL)",) $(SERVE_ARGS)
 
 # A terminal chat with the service at CHAT_ARGS' --url (default http://127.0.0.1:9000/v1);
 # when none answers there, it starts one (MODEL, or the default model) and stops it on exit.

@@ -380,15 +380,18 @@ def test_failed_model_load_reports_the_reason_and_the_log(tiny_model_dir):
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 def test_sigterm_to_make_serve_stops_everything(tiny_model_dir):
     """``kill <make's pid>`` (what ``timeout make serve`` and supervisors do) stops the launcher,
-    tritonserver with its stubs and the sidecar: make forwards SIGTERM only to its own child."""
+    tritonserver with its stubs and the sidecar: make forwards SIGTERM only to its own child.
+    With ``API_KEY=...`` the startup hint's curl command, pasted into a shell after the
+    ``export`` it asks for, gets its completion (it got a 401: the key was not in that shell)."""
     env, entry = _marked_env()
+    env.pop("TRITONLLM_API_KEY", None)
     venv = os.path.relpath(sys.prefix, REPO_ROOT)
     ports = f"--port={free_port()}" + "".join(
         f" --{kind}-port={free_port()}" for kind in ("grpc", "http", "metrics")
     )
     cmd = ["make", "--no-print-directory", "serve", f"VENV={venv}", f"MODEL={tiny_model_dir}"]
     # -o: the virtualenv is the one running this test; never reinstall it from here.
-    cmd += ["-o", f"{venv}/.installed", f"SERVE_ARGS={ports}"]
+    cmd += ["-o", f"{venv}/.installed", f"SERVE_ARGS={ports}", "API_KEY=k-make-one,k-make-two"]
     make = subprocess.Popen(
         cmd,
         cwd=REPO_ROOT,
@@ -403,6 +406,16 @@ def test_sigterm_to_make_serve_stops_everything(tiny_model_dir):
     output: list[str] = []
     try:
         assert _read_until(lines, output, "Ctrl-C", 300), "".join(output)
+        banner = "".join(output)
+        assert "`export TRITONLLM_API_KEY=<your API key>`" in banner
+        hint = re.search(r"^try: (curl .*)$", banner, re.MULTILINE)[1]
+        pasted = subprocess.run(
+            ["bash", "-c", f"export TRITONLLM_API_KEY=k-make-one,k-make-two; {hint}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert '"object":"chat.completion"' in pasted.stdout, pasted
         assert len(_marked_processes(entry)) >= 3  # make, launcher, servers (and stubs)
         make.send_signal(signal.SIGTERM)
         make.wait(60)
@@ -605,3 +618,44 @@ def test_a_second_stop_signal_does_not_interrupt_the_first():
     finally:
         signal.signal(signal.SIGTERM, saved[0])
         signal.signal(signal.SIGINT, saved[1])
+
+
+def _shell_expanded(command: str, env: dict[str, str]) -> str:
+    """The arguments of ``command`` (a curl command line) as bash expands them with ``env``,
+    one a line, instead of running curl."""
+    assert command.startswith("curl ")
+    words = "printf '%s\\n' " + command.removeprefix("curl ")
+    return subprocess.run(["bash", "-c", words], env=env, capture_output=True, text=True).stdout
+
+
+def test_startup_hint_reads_the_key_from_the_shell_it_is_pasted_into(monkeypatch):
+    """The banner's curl command sends the first of ``$TRITONLLM_API_KEY``'s keys as the shell
+    it is pasted into expands it, and no key is printed. When the key came from ``--api-key``
+    or ``make serve API_KEY=...`` that shell lacks the variable (the pasted command got a 401):
+    a line before it says to export it. Without keys, no Authorization header."""
+    from tritonllm.launch import API_KEY_ENV, API_KEY_FROM_MAKE_ENV, _banner
+
+    export = f"`export {API_KEY_ENV}=<your API key>`"
+    pasted_into = {"PATH": os.environ["PATH"], API_KEY_ENV: "k-one,k-two"}
+    cases = [
+        ([], {API_KEY_ENV: "k-one,k-two"}, False),
+        (["--api-key=k-flag"], {}, True),
+        (["--api-key=k-flag"], {API_KEY_ENV: "k-env"}, True),
+        ([], {API_KEY_ENV: "k-make", API_KEY_FROM_MAKE_ENV: "1"}, True),
+    ]
+    for argv, env, says_export in cases:
+        for name in (API_KEY_ENV, API_KEY_FROM_MAKE_ENV):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        text = _banner(parse_args(argv), "m")
+        assert not re.search(r"k-(one|flag|env|make)", text), text
+        assert (export in text) == says_export, (argv, env, text)
+        curl = re.search(r"^try: (curl .*)$", text, re.MULTILINE)[1]
+        assert "Authorization: Bearer k-one\n" in _shell_expanded(curl, pasted_into)
+        if says_export:
+            assert text.index(export) < text.index(curl)
+
+    monkeypatch.delenv(API_KEY_ENV)
+    monkeypatch.delenv(API_KEY_FROM_MAKE_ENV)
+    assert "Authorization" not in _banner(parse_args([]), "m")

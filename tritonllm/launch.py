@@ -65,6 +65,9 @@ DEFAULT_MODEL_BUILDER = ("-m", "tritonllm.default_model")
 # The sidecar's API keys (comma-separated), read by the launcher and passed on in the
 # sidecar's environment (openai_frontend.security.API_KEY_ENV).
 API_KEY_ENV = "TRITONLLM_API_KEY"
+# Set by ``make serve API_KEY=...`` beside TRITONLLM_API_KEY: that key was given to make, so
+# the user's shell does not have the variable the startup hint's curl command reads.
+API_KEY_FROM_MAKE_ENV = "TRITONLLM_API_KEY_FROM_MAKE"
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ class LaunchConfig:
             ``NAME.1.log``, ``NAME.2.log``, ... beside it.
         policy: failure handling, health checks and the drain (``SupervisePolicy``).
         api_keys: the OpenAI API's keys (none: no authentication).
+        api_keys_in_shell: the keys came from ``TRITONLLM_API_KEY`` as the user's shell
+            exported it (not ``--api-key``, not ``make serve API_KEY=...``), so a command pasted
+            into that shell can read it.
         cache_salt_from_api_key: a prefix cache of its own per API key.
         cors_origins: browser origins allowed to call the OpenAI API (none: CORS off).
         tensor_parallel_size: ranks the engine splits the model across
@@ -103,6 +109,7 @@ class LaunchConfig:
     triton_log: Path | None = None
     policy: SupervisePolicy = SupervisePolicy()
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_keys_in_shell: bool = False
     cache_salt_from_api_key: bool = False
     cors_origins: tuple[str, ...] = ()
     tensor_parallel_size: int | None = None
@@ -301,10 +308,21 @@ def serve(cfg: LaunchConfig) -> int:
 
 
 def _banner(cfg: LaunchConfig, model_name: str) -> str:
-    # The first of the comma-separated keys (QA: with several, "$TRITONLLM_API_KEY" got a 401).
-    auth = '-H "Authorization: Bearer ${TRITONLLM_API_KEY%%,*}" ' if cfg.api_keys else ""
+    # The curl command reads the key from the shell it is pasted into, never printed (logs keep
+    # the banner): the first of the comma-separated keys (QA: with several, "$TRITONLLM_API_KEY"
+    # got a 401). A key from --api-key or make's API_KEY is not in that shell (QA: the pasted
+    # command got a 401): the line before says to export it.
+    auth, export = "", ""
+    if cfg.api_keys:
+        auth = f'-H "Authorization: Bearer ${{{API_KEY_ENV}%%,*}}" '
+    if cfg.api_keys and not cfg.api_keys_in_shell:
+        export = (
+            f"the API key was given with --api-key (or make's API_KEY): first run `export "
+            f"{API_KEY_ENV}=<your API key>` in the shell you paste into (make chat reads it too)\n"
+        )
     return (
         f"OpenAI base URL: {cfg.base_url}\n"
+        f"{export}"
         f"try: curl {cfg.base_url}/chat/completions -H 'Content-Type: application/json' {auth}"
         f'-d \'{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hello"}}], '
         f'"max_tokens": 32}}\'\n'
@@ -444,6 +462,9 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         triton_log=a.triton_log,
         policy=policy,
         api_keys=api_keys,
+        api_keys_in_shell=bool(api_keys)
+        and not a.api_key
+        and not os.environ.get(API_KEY_FROM_MAKE_ENV),
         cache_salt_from_api_key=a.cache_salt_from_api_key,
         cors_origins=tuple(a.cors_allow_origin),
         tensor_parallel_size=a.tensor_parallel_size,
