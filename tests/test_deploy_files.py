@@ -52,6 +52,7 @@ LAUNCHER_ENV = {
     "TRITONLLM_HOST",
     "TRITONLLM_TRITON_HOST",
     "TRITONLLM_ON_FAILURE",
+    launch.TOOL_CALL_PARSER_ENV,
 }
 
 
@@ -78,6 +79,8 @@ def check_launcher(args: list[str], env: dict[str, str]) -> launch.LaunchConfig:
     assert cfg.triton_host == "0.0.0.0", "the metrics port must be reachable by Prometheus"
     assert cfg.policy.on_failure == "exit", "in a container the orchestrator restarts"
     assert set(env) <= documented_variables(), set(env) - documented_variables()
+    parser = env.get(launch.TOOL_CALL_PARSER_ENV) or None  # empty: the sidecar's default
+    assert parser in (None, *launch.TOOL_CALL_PARSERS), parser
     model = env.get("TRITONLLM_MODEL") or cfg.model or str(launch.DEFAULT_MODEL_DIR)
     supervisor = launch.build_supervisor(cfg, model, cfg.model_name or launch.served_name(model))
     sidecar = supervisor.sidecar_command

@@ -497,6 +497,40 @@ def test_sidecar_workers_flag_reaches_the_sidecar_command_line(tmp_path):
         parse_args(["--sidecar-workers", "0"])
 
 
+def test_tool_call_parser_flag_reaches_the_sidecar_command_line(tmp_path, monkeypatch, capsys):
+    """``--tool-call-parser llama3_json``, or ``TRITONLLM_TOOL_CALL_PARSER`` (the flag wins),
+    runs the sidecar with that parser, as the sidecar's own argument parser reads its command
+    line (the launcher rejected the flag: Llama 3 models were stuck with hermes); without either
+    (or with the variable empty) the command has no such flag: the sidecar's default, hermes.
+    An unknown parser, flag or variable, is a usage error; the choices are the sidecar's."""
+    from openai_frontend.app import parse_args as sidecar_args
+    from openai_frontend.tool_parsers import TOOL_PARSERS
+    from tritonllm.launch import TOOL_CALL_PARSER_ENV, TOOL_CALL_PARSERS, build_supervisor
+
+    assert sorted(TOOL_CALL_PARSERS) == sorted(TOOL_PARSERS)
+
+    def sidecar_parser(argv: list[str]) -> str:
+        command = build_supervisor(parse_args(argv), str(tmp_path), "m").sidecar_command
+        assert command[1:3] == ["-m", "openai_frontend"]
+        if "--tool-call-parser" not in argv and not os.environ.get(TOOL_CALL_PARSER_ENV):
+            assert not any(arg.startswith("--tool-call-parser") for arg in command)
+        return sidecar_args(command[3:]).tool_call_parser
+
+    monkeypatch.delenv(TOOL_CALL_PARSER_ENV, raising=False)
+    assert sidecar_parser(["--tool-call-parser", "llama3_json"]) == "llama3_json"
+    assert sidecar_parser([]) == "hermes"
+    monkeypatch.setenv(TOOL_CALL_PARSER_ENV, "llama3_json")
+    assert sidecar_parser([]) == "llama3_json"
+    assert sidecar_parser(["--tool-call-parser", "hermes"]) == "hermes"
+    monkeypatch.setenv(TOOL_CALL_PARSER_ENV, "")
+    assert sidecar_parser([]) == "hermes"
+    for argv, variable in ((["--tool-call-parser", "mistral"], ""), ([], "mistral")):
+        monkeypatch.setenv(TOOL_CALL_PARSER_ENV, variable)
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(argv)
+        assert exit_.value.code == 2 and "mistral" in capsys.readouterr().err
+
+
 def test_generator_instances_flag_reaches_every_tritonserver(tmp_path, capsys):
     """``--generator-instances 4`` makes every tritonserver the supervisor starts, restarts
     included, serve 4 generator instances; without it, 1; below 1 or no integer is a usage

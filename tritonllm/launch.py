@@ -3,7 +3,7 @@
 ``python -m tritonllm.launch [--model PATH|HUB_ID] [--host 127.0.0.1] [--port 9000]
 [--triton-host 127.0.0.1] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
 [--on-failure restart|exit] [--drain-timeout 30] [--sidecar-workers 1]
-[--generator-instances 1]``
+[--generator-instances 1] [--tool-call-parser hermes|llama3_json]``
 
 Without ``--model`` (or ``TRITONLLM_MODEL``) the built-in default, SmolLM2-135M-Instruct, is
 served from ``models/smollm2-135m-instruct`` (converted once, on first use, by
@@ -25,6 +25,10 @@ transformers. ``--sidecar-workers N`` runs the sidecar as N processes on its one
 when one of its workers dies. ``--generator-instances N`` serves the generator model as N
 Triton instances (its instance_group count, set in a copy of the repository:
 ``triton_server.repository_with_instances``) sharing one engine process.
+
+``--tool-call-parser`` (or ``TRITONLLM_TOOL_CALL_PARSER``) is the sidecar's: the served model's
+tool-call syntax, parsed for ``tool_choice`` ``auto`` (``hermes``, its default, or
+``llama3_json`` for Llama 3.x).
 
 Ports and addresses: the OpenAI API on ``--host``:``--port`` (default 127.0.0.1:9000);
 tritonserver's HTTP, gRPC and metrics endpoints on ``--triton-host`` (default 127.0.0.1) at
@@ -68,6 +72,11 @@ API_KEY_ENV = "TRITONLLM_API_KEY"
 # Set by ``make serve API_KEY=...`` beside TRITONLLM_API_KEY: that key was given to make, so
 # the user's shell does not have the variable the startup hint's curl command reads.
 API_KEY_FROM_MAKE_ENV = "TRITONLLM_API_KEY_FROM_MAKE"
+# The sidecar's --tool-call-parser choices (openai_frontend.tool_parsers.TOOL_PARSERS, held equal
+# by a test: importing the sidecar here would load its whole app), and the variable that
+# chooses one where the launcher's flags are fixed (a container's CMD).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSER_ENV = "TRITONLLM_TOOL_CALL_PARSER"
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,8 @@ class LaunchConfig:
         tensor_parallel_size: ranks the engine splits the model across
             (``TRITONLLM_TENSOR_PARALLEL_SIZE``; None: the repository's setting, 1).
         sidecar_workers: the sidecar's worker processes (its ``--workers``).
+        tool_call_parser: the sidecar's ``--tool-call-parser`` (``TOOL_CALL_PARSERS``; None:
+            the sidecar's default, hermes).
         generator_instances: the generator model's Triton instances (``TritonServer``'s
             ``generator_instances``).
     """
@@ -114,6 +125,7 @@ class LaunchConfig:
     cors_origins: tuple[str, ...] = ()
     tensor_parallel_size: int | None = None
     sidecar_workers: int = 1
+    tool_call_parser: str | None = None
     generator_instances: int = 1
 
     @property
@@ -162,12 +174,14 @@ def sidecar_command(
     cors_origins: tuple[str, ...] = (),
     triton_model: str | None = None,
     workers: int = 1,
+    tool_call_parser: str | None = None,
 ) -> list[str]:
     """The command line of the OpenAI sidecar (``python -m openai_frontend``): it calls the
     tritonserver gRPC endpoint ``grpc_url`` (``HOST:PORT``) and listens on ``host`` / ``port``;
-    ``model_name`` / ``drain_timeout_s`` / ``triton_model`` (the ensemble it streams from)
-    None leave the sidecar's defaults; ``workers`` > 1 adds ``--workers`` (processes serving
-    the port). Secrets (API keys, the control secret) are never on it: ``sidecar_env``."""
+    ``model_name`` / ``drain_timeout_s`` / ``triton_model`` (the ensemble it streams from) /
+    ``tool_call_parser`` None leave the sidecar's defaults; ``workers`` > 1 adds ``--workers``
+    (processes serving the port). Secrets (API keys, the control secret) are never on it:
+    ``sidecar_env``."""
     command = [sys.executable, "-m", "openai_frontend", f"--triton-url={grpc_url}"]
     if triton_model is not None:
         command.append(f"--triton-model={triton_model}")
@@ -180,6 +194,8 @@ def sidecar_command(
     command += [f"--cors-allow-origin={origin}" for origin in cors_origins]
     if workers != 1:
         command.append(f"--workers={workers}")
+    if tool_call_parser is not None:
+        command.append(f"--tool-call-parser={tool_call_parser}")
     return command + [f"--host={host}", f"--port={port}"]
 
 
@@ -254,6 +270,7 @@ def build_supervisor(cfg: LaunchConfig, model: str, model_name: str) -> Supervis
         cfg.cache_salt_from_api_key,
         cfg.cors_origins,
         workers=cfg.sidecar_workers,
+        tool_call_parser=cfg.tool_call_parser,
     )
     health = cfg.base_url.removesuffix("/v1") + "/health"
     control_secret = os.environ.get(CONTROL_SECRET_ENV, "").strip() or secrets.token_hex(32)
@@ -427,9 +444,22 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         "responses are sent from N Python stubs at once; needs the engine in its own process "
         "(the default on CUDA); default 1",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=os.environ.get(TOOL_CALL_PARSER_ENV) or None,
+        help="the served model's tool-call syntax, parsed for tool_choice auto: hermes "
+        "(Qwen2.5/Qwen3/Hermes <tool_call> blocks) or llama3_json (Llama 3.x); the sidecar's "
+        f"flag (default: ${TOOL_CALL_PARSER_ENV}, else the sidecar's default, hermes)",
+    )
     a = p.parse_args(argv)
     if a.sidecar_workers < 1:
         p.error(f"--sidecar-workers must be at least 1, got {a.sidecar_workers}")
+    if a.tool_call_parser not in (None, *TOOL_CALL_PARSERS):  # argparse skips a default's check
+        p.error(
+            f"{TOOL_CALL_PARSER_ENV}={a.tool_call_parser}: not one of "
+            f"{', '.join(TOOL_CALL_PARSERS)}"
+        )
     if a.generator_instances < 1:
         p.error(f"--generator-instances must be at least 1, got {a.generator_instances}")
     engine_process = os.environ.get("TRITONLLM_ENGINE_PROCESS", "").strip().lower()
@@ -469,6 +499,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         cors_origins=tuple(a.cors_allow_origin),
         tensor_parallel_size=a.tensor_parallel_size,
         sidecar_workers=a.sidecar_workers,
+        tool_call_parser=a.tool_call_parser,
         generator_instances=a.generator_instances,
     )
 
