@@ -92,6 +92,14 @@ def say(child: pexpect.spawn, text: str) -> tuple[str, re.Match]:
     return reply, child.match
 
 
+def leave(child: pexpect.spawn, timeout: float = -1) -> None:
+    """At the next prompt, type ``/exit`` and wait for the chat to end (``timeout`` seconds;
+    -1: the child's own)."""
+    child.expect_exact(PROMPT)
+    child.sendline("/exit")
+    child.expect(pexpect.EOF, timeout=timeout)
+
+
 def api_answer(service, messages: list[dict[str, str]]) -> str:
     client = openai.OpenAI(base_url=service.base_url, api_key="unused", max_retries=0)
     response = client.chat.completions.create(
@@ -134,9 +142,7 @@ def test_chat_streams_keeps_the_conversation_and_obeys_commands(smollm2_service)
         )
         assert reply == expected
 
-        child.expect_exact(PROMPT)
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
+        leave(child)
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
@@ -207,9 +213,7 @@ def test_chat_starts_a_service_when_none_runs_and_stops_it(tiny_model_dir):
             re.search(rf"{name} pid (\d+)", log.read_text())[1]
             for name in ("tritonserver", "sidecar")
         ]
-        child.expect_exact(PROMPT)
-        child.sendline("/exit")
-        child.expect(pexpect.EOF, timeout=120)
+        leave(child, timeout=120)
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
@@ -272,9 +276,7 @@ def test_the_chat_sends_the_first_key_of_tritonllm_api_key(keyed_service):
         child.expect(r"chatting with tiny-qwen3")
         _, stats = say(child, "Hello")
         assert stats.group(1) == "2" and stats.group(4) == "length"
-        child.expect_exact(PROMPT)
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
+        leave(child)
     finally:
         child.close(force=True)
     assert child.exitstatus == 0

@@ -7,6 +7,7 @@ the child's lifetime, and a real tritonserver for the generator's process mode.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -363,6 +364,65 @@ def test_child_exits_when_its_parent_is_sigkilled():
     finally:
         parent.kill()
         parent.wait()
+
+
+# A Triton stub in miniature, started by SERVER_SCRIPT (tritonserver's part): its engine is told
+# the server's pid, it runs the stub's own orphan watch, then its main thread blocks for good
+# holding the GIL (PyDLL keeps it), as a pb_utils call into a dead server can.
+STUB_SCRIPT = """
+import ctypes, os, sys
+from tritonllm.config import EngineConfig
+from tritonllm.engine import EngineProcess
+from tritonllm.serving.orphan_watch import exit_when_orphaned
+
+if __name__ == "__main__":
+    server = os.getppid()
+    exit_when_orphaned(server)
+    config = EngineConfig(model=sys.argv[1], page_size=4, num_pages=64)
+    ep = EngineProcess(config, server_pid=None if sys.argv[2] == "off" else server)
+    print(os.getpid(), ep.pid, flush=True)
+    ctypes.PyDLL(None).pause()
+"""
+SERVER_SCRIPT = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]])
+time.sleep(600)
+"""
+
+
+def _stub_under_a_server(watch: str) -> tuple[subprocess.Popen, int, int]:
+    """(the server process, its stub's pid, the stub's engine's pid)."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER_SCRIPT, STUB_SCRIPT, checkpoint("qwen3"), watch],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    line = server.stdout.readline()
+    assert len(line.split()) == 2, f"the stub printed {line!r}"
+    stub, engine = map(int, line.split())
+    return server, stub, engine
+
+
+@pytest.mark.parametrize("watch", ["on", "off"])
+def test_the_engine_ends_a_stub_that_outlives_its_server_holding_the_gil(watch):
+    """SIGKILL of the server while its stub's thread holds the GIL for good: the stub's own
+    orphan watch cannot run, and the engine (whose parent the stub is) kills the stub and
+    exits (``server_pid``). Without the engine's watch ("off") both outlive the server, as
+    the ranks of the CI run of 2026-12-06 outlived a SIGKILLed tritonserver by 15 s."""
+    from tritonllm.engine.engine_child import ORPHANED_PARENT_GRACE_S
+
+    server, stub, engine = _stub_under_a_server(watch)
+    try:
+        server.kill()
+        server.wait()
+        timeout = ORPHANED_PARENT_GRACE_S + 10.0
+        gone = [_wait_gone(pid, timeout=timeout) for pid in (stub, engine)]
+        assert gone == ([True, True] if watch == "on" else [False, False]), gone
+    finally:
+        for pid in (stub, engine):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 # ---- the generator in process mode on a real tritonserver -------------------------------------

@@ -12,6 +12,13 @@ With tensor parallelism (`EngineConfig.tensor_parallel_size` > 1) that child is 
 joins the process group, and its engine's model runner sends every forward to the other ranks
 (`RankLink.pipes`). Ranks 1..N-1 run `worker_main`: the same binding to the parent, then a
 `ModelRunner` over their shard, running each forward rank 0 sends until end-of-file.
+
+Given the pid of the server its parent serves (`EngineProcess(server_pid=...)`: a Triton stub's
+tritonserver), the engine also watches that parent: once the parent is orphaned (the server
+died) and still lives `ORPHANED_PARENT_GRACE_S` later, the engine SIGKILLs it and exits, and
+the ranks follow the parent. A stub whose thread is stuck inside a pb_utils call that never
+returns and holds the GIL cannot run its own orphan watch (`serving.orphan_watch`); seen as
+ranks that outlived a SIGKILLed tritonserver by 15 s on the 2-core CI box, 2026-12-06.
 """
 
 from __future__ import annotations
@@ -78,6 +85,10 @@ IDLE_CLIENT_STATS_S = 0.25
 CLIENT_BACKLOG_LIMIT = 64 << 20
 # How long the idle loop waits between two attempts to write a client's backlog, in seconds.
 BACKLOG_RETRY_S = 0.01
+# With a `server_pid`: seconds between two looks at the parent's parent, and seconds an orphaned
+# parent gets to exit by itself (its own watch allows 2 s) before the engine kills it.
+ORPHAN_POLL_S = 0.5
+ORPHANED_PARENT_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -117,10 +128,19 @@ def engine_main(
     parent_pid: int,
     link: RankLink | None = None,
     listen: ListenAddress | None = None,
+    server_pid: int | None = None,
 ) -> None:
     """The child's entry point: build the engine (as rank 0 of `link`'s group when given),
-    report ready (or the error), serve (with `listen`, also the clients that connect there)."""
+    report ready (or the error), serve (with `listen`, also the clients that connect there).
+    With `server_pid`, the parent is killed once orphaned (module docstring)."""
     _start_child(parent_pid)
+    if server_pid is not None:
+        threading.Thread(
+            target=_end_orphaned_parent,
+            args=(parent_pid, server_pid),
+            name="tritonllm-parent-watch",
+            daemon=True,
+        ).start()
     try:
         engine = _build_engine(config, link)
     except BaseException as exc:
@@ -184,6 +204,31 @@ def _start_child(parent_pid: int) -> None:
     # while the server drains them, and exits when its parent stops it or dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of process `pid` (Linux `/proc`), or None once it is gone or a zombie."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[1])
+
+
+def _end_orphaned_parent(parent_pid: int, server_pid: int) -> None:
+    """The parent watch (module docstring): poll until `parent_pid`'s parent is no longer
+    `server_pid`, give it `ORPHANED_PARENT_GRACE_S`, SIGKILL it if it still lives (its other
+    children, the ranks, follow by `PR_SET_PDEATHSIG`), and end this process."""
+    while _parent_of(parent_pid) == server_pid:
+        time.sleep(ORPHAN_POLL_S)
+    time.sleep(ORPHANED_PARENT_GRACE_S)
+    if _parent_of(parent_pid) is not None:
+        logger.error(
+            "the server %d is gone and its stub %d still runs: killing it", server_pid, parent_pid
+        )
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(parent_pid, signal.SIGKILL)
+    os._exit(1)
 
 
 def _bind_to_parent(parent_pid: int, name: str) -> None:

@@ -324,6 +324,10 @@ class EngineProcess(_EngineFront, EngineClient):
         listen: share the engine: the child also serves every `EngineConnection` made to
             `self.listen_address` (Linux: an abstract `AF_UNIX` address, authenticated with a
             random key), e.g. the other instances of a generator (`serving.shared_engine`).
+        server_pid: the pid of the server this process serves (a Triton stub: tritonserver,
+            its parent). Once this process is orphaned (the server died) and has not exited
+            `engine_child.ORPHANED_PARENT_GRACE_S` later, the child kills it, and so ends the
+            engine and its ranks. None: no such watch.
     Raises:
         RuntimeError: the engine could not be built (the message carries the child's error
             and traceback), the child died or was not ready within `start_timeout`.
@@ -336,6 +340,7 @@ class EngineProcess(_EngineFront, EngineClient):
         start_timeout: float | None = None,
         stall_timeout_s: float | None = 300.0,
         listen: bool = False,
+        server_pid: int | None = None,
     ) -> None:
         super().__init__(stall_timeout_s)
         self.config = config
@@ -352,7 +357,15 @@ class EngineProcess(_EngineFront, EngineClient):
         rank0 = self._ranks.rank0 if self._ranks else None
         self._process = ctx.Process(
             target=engine_main,
-            args=(config, child_commands, child_results, os.getpid(), rank0, self.listen_address),
+            args=(
+                config,
+                child_commands,
+                child_results,
+                os.getpid(),
+                rank0,
+                self.listen_address,
+                server_pid,
+            ),
             name=name,
             daemon=True,
         )

@@ -100,6 +100,7 @@ def open_shared_engine(
     key: str,
     directory: Path | None = None,
     start_timeout: float | None = None,
+    server_pid: int | None = None,
 ) -> SharedEngineOwner | EngineConnection:
     """The engine front of one instance: the engine itself for the first instance to get here
     (a ``SharedEngineOwner``), a connection to it for the others.
@@ -111,6 +112,7 @@ def open_shared_engine(
         directory: where the lock and rendezvous files live (default: the temp directory).
         start_timeout: most seconds to wait for the engine, built here or by another
             instance (None: no limit).
+        server_pid: the owner's ``EngineProcess`` ``server_pid`` (tritonserver's pid).
     Raises:
         RuntimeError: the engine could not be built (``EngineProcess``'s error), or it was not
             ready within ``start_timeout``.
@@ -129,7 +131,7 @@ def open_shared_engine(
                 if connection is not None:
                     return connection
             else:
-                owner = _start_owner(config, fd, rendezvous, start_timeout)
+                owner = _start_owner(config, fd, rendezvous, start_timeout, server_pid)
                 owner.lock_path, fd = lock_path, -1  # the owner holds it now
                 return owner
             if deadline is not None and time.monotonic() > deadline:
@@ -141,12 +143,18 @@ def open_shared_engine(
 
 
 def _start_owner(
-    config: EngineConfig, fd: int, rendezvous: Path, start_timeout: float | None
+    config: EngineConfig,
+    fd: int,
+    rendezvous: Path,
+    start_timeout: float | None,
+    server_pid: int | None,
 ) -> SharedEngineOwner:
     """Start the engine (the lock ``fd`` is held) and publish its address."""
     rendezvous.unlink(missing_ok=True)  # a dead owner's, if any: its engine is gone
     sweep_stale(rendezvous.parent)
-    owner = SharedEngineOwner(config, start_timeout=start_timeout, listen=True)
+    owner = SharedEngineOwner(
+        config, start_timeout=start_timeout, listen=True, server_pid=server_pid
+    )
     listen = owner.listen_address
     assert listen is not None
     text = json.dumps({"address": listen.address, "authkey": listen.authkey.hex()})

@@ -275,10 +275,12 @@ class TritonPythonModel:
         owner = True
         if instances > 1:  # one engine for every instance (serving/shared_engine.py)
             key = engine_key(parent_pid, f"{args['model_name']}-{args['model_version']}")
-            engine = open_shared_engine(config, key)  # RuntimeError fails the load
+            engine = open_shared_engine(config, key, server_pid=parent_pid)  # fails the load
             owner = isinstance(engine, SharedEngineOwner)
         elif own_process:
-            engine = EngineProcess(config)  # RuntimeError with the reason fails the load
+            # RuntimeError with the reason fails the load. The engine kills this stub should it
+            # outlive tritonserver (its own watch needs the GIL a stuck pb_utils call may hold).
+            engine = EngineProcess(config, server_pid=parent_pid)
         else:
             engine = EngineThread(LLMEngine(config))
         self.core = GeneratorCore(
