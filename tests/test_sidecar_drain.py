@@ -140,6 +140,9 @@ def test_sigint_stops_the_sidecar_by_that_signal_without_a_traceback(tmp_path):
             + ["--triton-url", f"127.0.0.1:{free_port()}", "--model-name", "tiny"],
             stdout=out,
             stderr=subprocess.STDOUT,
+            # SIGINT's default action, whatever this test inherited: a runner started in the
+            # background without job control ignores SIGINT, and so would the sidecar's Python.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     try:
         deadline = time.monotonic() + 60
