@@ -425,6 +425,34 @@ def test_the_engine_ends_a_stub_that_outlives_its_server_holding_the_gil(watch):
                 os.kill(pid, signal.SIGKILL)
 
 
+WRONG_SERVER_SCRIPT = """
+import os, sys, time
+from tritonllm.config import EngineConfig
+from tritonllm.engine import EngineProcess
+from tritonllm.engine.engine_child import ORPHANED_PARENT_GRACE_S
+
+if __name__ == "__main__":
+    config = EngineConfig(model=sys.argv[1], page_size=4, num_pages=64)
+    ep = EngineProcess(config, server_pid=os.getpid())  # not this process' parent
+    time.sleep(ORPHANED_PARENT_GRACE_S + 2.0)
+    print("alive", ep.is_alive(), flush=True)
+    ep.shutdown()
+"""
+
+
+def test_a_server_pid_that_is_not_the_parents_parent_is_not_watched():
+    """A ``server_pid`` that is not the parent's parent (a wrong pid, or no ``/proc`` to see
+    it) must not read as an orphaned parent: the engine would kill a healthy parent."""
+    done = subprocess.run(
+        [sys.executable, "-c", WRONG_SERVER_SCRIPT, checkpoint("qwen3")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "alive True"), done.stderr[-2000:]
+
+
 # ---- the generator in process mode on a real tritonserver -------------------------------------
 
 

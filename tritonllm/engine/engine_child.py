@@ -134,7 +134,9 @@ def engine_main(
     report ready (or the error), serve (with `listen`, also the clients that connect there).
     With `server_pid`, the parent is killed once orphaned (module docstring)."""
     _start_child(parent_pid)
-    if server_pid is not None:
+    # Only a relation this process can see now (Linux `/proc`, the server still the parent's
+    # parent) is watched: a wrong pid or no `/proc` must not look like an orphaned parent.
+    if server_pid is not None and _parent_of(parent_pid) == server_pid:
         threading.Thread(
             target=_end_orphaned_parent,
             args=(parent_pid, server_pid),
@@ -209,7 +211,8 @@ def _start_child(parent_pid: int) -> None:
 def _parent_of(pid: int) -> int | None:
     """The parent pid of process `pid` (Linux `/proc`), or None once it is gone or a zombie."""
     try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/stat") as stat_file:
+            fields = stat_file.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
     return None if fields[0] == "Z" else int(fields[1])
