@@ -92,16 +92,29 @@ def child_pids(pid: int) -> list[int]:
     return sorted(child for child, ppid, _ in _live_processes() if ppid == pid)
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent pid of process ``pid`` (Linux ``/proc``), or None when it is gone, a zombie,
+    or ``/proc`` is not there."""
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    return None if fields is None else int(fields[1])
+
+
+def _stat_fields(stat: Path) -> list[str] | None:
+    """The fields of a live (non-zombie) process' /proc/PID/stat after its command name: state
+    (3), ppid (4), pgid (5), ...; None for a zombie or one that cannot be read (gone)."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields
+
+
 def _live_processes() -> Iterator[tuple[int, int, int]]:
     """(pid, ppid, pgid) of every live (non-zombie) process in Linux ``/proc`` (none
-    elsewhere). Fields of /proc/PID/stat after the command name: state (3), ppid (4), pgid (5).
-    """
+    elsewhere)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z":
+        fields = _stat_fields(stat)
+        if fields is not None:
             yield int(stat.parent.name), int(fields[1]), int(fields[2])
 
 

@@ -68,6 +68,7 @@ from tritonllm.engine.process_messages import (
 from tritonllm.engine.request import RequestOutput
 from tritonllm.engine.request_limits import RequestLimits
 from tritonllm.engine.stats import EngineStats
+from tritonllm.processes import parent_of
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def engine_main(
     _start_child(parent_pid)
     # Only a relation this process can see now (Linux `/proc`, the server still the parent's
     # parent) is watched: a wrong pid or no `/proc` must not look like an orphaned parent.
-    if server_pid is not None and _parent_of(parent_pid) == server_pid:
+    if server_pid is not None and parent_of(parent_pid) == server_pid:
         threading.Thread(
             target=_end_orphaned_parent,
             args=(parent_pid, server_pid),
@@ -208,24 +209,14 @@ def _start_child(parent_pid: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _parent_of(pid: int) -> int | None:
-    """The parent pid of process `pid` (Linux `/proc`), or None once it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat_file:
-            fields = stat_file.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else int(fields[1])
-
-
 def _end_orphaned_parent(parent_pid: int, server_pid: int) -> None:
     """The parent watch (module docstring): poll until `parent_pid`'s parent is no longer
     `server_pid`, give it `ORPHANED_PARENT_GRACE_S`, SIGKILL it if it still lives (its other
     children, the ranks, follow by `PR_SET_PDEATHSIG`), and end this process."""
-    while _parent_of(parent_pid) == server_pid:
+    while parent_of(parent_pid) == server_pid:
         time.sleep(ORPHAN_POLL_S)
     time.sleep(ORPHANED_PARENT_GRACE_S)
-    if _parent_of(parent_pid) is not None:
+    if parent_of(parent_pid) is not None:
         logger.error(
             "the server %d is gone and its stub %d still runs: killing it", server_pid, parent_pid
         )

@@ -39,6 +39,15 @@ def constraint_key(params: SamplingParams) -> ConstraintKey | None:
     return (params.structured_outputs, params.allowed_token_ids, params.bad_words)
 
 
+def _worker_pools() -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+    """The compile thread and the `BUILD_THREADS` matcher-build threads of a compiler (their
+    names are what `ConstraintAdmission` looks for when it logs a stuck compile's stacks)."""
+    return (
+        ThreadPoolExecutor(1, thread_name_prefix="tritonllm-grammar"),
+        ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="tritonllm-matchers"),
+    )
+
+
 class ConstraintCompiler:
     """Compiles and caches `CompiledConstraint`s on a worker thread.
 
@@ -53,8 +62,7 @@ class ConstraintCompiler:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tritonllm-grammar")
-        self._builders = ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="tritonllm-matchers")
+        self._executor, self._builders = _worker_pools()
         self._lock = threading.Lock()
         self._cache: OrderedDict[ConstraintKey, Future[CompiledConstraint]] = OrderedDict()
         self._tokenizer: Any = None  # the Hugging Face tokenizer (bad words)
@@ -97,10 +105,7 @@ class ConstraintCompiler:
         returns stays behind (Python cannot stop it)."""
         with self._lock:
             self.shutdown()
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="tritonllm-grammar")
-            self._builders = ThreadPoolExecutor(
-                BUILD_THREADS, thread_name_prefix="tritonllm-matchers"
-            )
+            self._executor, self._builders = _worker_pools()
             # Unfinished compiles, and queued ones the shutdown cancelled (a cancelled future
             # is done but has no exception to ask for), are compiled again when asked.
             for key in [k for k, f in self._cache.items() if not f.done() or f.cancelled()]:
