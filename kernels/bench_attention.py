@@ -21,6 +21,7 @@ import math
 import torch
 
 from kernels.decode_attention import decode_attention, decode_workspace, default_num_kv_splits
+from tritonllm.attention.flashinfer_backend import PrefillAsDecode
 
 HEAD_DIM, PAGE = 128, 16
 # (query heads, KV heads) of each model shape
@@ -61,8 +62,8 @@ def bench_case(
     FlashInfer runs four ways: CUDA-core or tensor-core kernels (`-tc`), each planned by a
     plain wrapper or by a `use_cuda_graph=True` wrapper (`-graph`, what the engine's CUDA-graph
     decode replays; its plan may split KV differently); on Hopper also its paged prefill wrapper
-    with the FA3 backend (`fa3`, one query row per sequence, not causal). `heads`: (query heads,
-    KV heads). Bandwidth = K/V bytes of all `lens` tokens over the kernel time.
+    with the FA3 backend (`fa3`: the engine's `PrefillAsDecode`, one query row per sequence, not
+    causal). `heads`: (query heads, KV heads). Bandwidth = K/V bytes of all `lens` tokens over the kernel time.
     """
     hq, hkv = heads
     dev = torch.device("cuda")
@@ -98,6 +99,7 @@ def bench_case(
     indptr_t = torch.tensor(indptr, dtype=torch.int32)
     indices = torch.cat([table[b, :n] for b, n in enumerate(num_seq_pages)])
     last = torch.tensor([(n - 1) % page + 1 for n in lens], dtype=torch.int32)
+    wrappers = []
     for tensor_cores in (False, True):
         for graph in (False, True):
             workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
@@ -115,30 +117,14 @@ def bench_case(
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 workspace, "NHD", use_tensor_cores=tensor_cores, **extra
             )
-            wrapper.plan(
-                indptr_t,
-                indices,
-                last,
-                hq,
-                hkv,
-                HEAD_DIM,
-                page,
-                q_data_type=torch.bfloat16,
-                kv_data_type=torch.bfloat16,
-            )
-
-            def flashinfer_decode(wrapper=wrapper):
-                return wrapper.run(q, (k_cache, v_cache))
-
-            torch.testing.assert_close(flashinfer_decode(), out, atol=2e-2, rtol=2e-2)
-            t = _time(flashinfer_decode)
             name = "flashinfer" + ("-tc" if tensor_cores else "") + ("-graph" if graph else "")
-            line += f"  {name} {kv_bytes / t / 1e12:5.2f} TB/s ({kv_bytes / t / copy_bw:4.0%})"
+            wrappers.append((name, wrapper))
     if torch.cuda.get_device_capability(dev)[0] == 9:
         workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
         fa3 = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa3")
-        fa3.plan(
-            torch.arange(batch + 1, dtype=torch.int32),
+        wrappers.append(("fa3", PrefillAsDecode(fa3)))  # the engine's FA3 decode
+    for name, wrapper in wrappers:
+        wrapper.plan(
             indptr_t,
             indices,
             last,
@@ -146,17 +132,17 @@ def bench_case(
             hkv,
             HEAD_DIM,
             page,
-            causal=False,
+            sm_scale=HEAD_DIM**-0.5,
             q_data_type=torch.bfloat16,
             kv_data_type=torch.bfloat16,
         )
 
-        def fa3_decode():
-            return fa3.run(q, (k_cache, v_cache))
+        def flashinfer_decode(wrapper=wrapper):
+            return wrapper.run(q, (k_cache, v_cache))
 
-        torch.testing.assert_close(fa3_decode(), out, atol=2e-2, rtol=2e-2)
-        t = _time(fa3_decode)
-        line += f"  fa3 {kv_bytes / t / 1e12:5.2f} TB/s ({kv_bytes / t / copy_bw:4.0%})"
+        torch.testing.assert_close(flashinfer_decode(), out, atol=2e-2, rtol=2e-2)
+        t = _time(flashinfer_decode)
+        line += f"  {name} {kv_bytes / t / 1e12:5.2f} TB/s ({kv_bytes / t / copy_bw:4.0%})"
     return line
 
 

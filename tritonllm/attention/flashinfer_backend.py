@@ -36,7 +36,7 @@ the attention slower than with split-KV on (BENCHMARKS.md, "Session 6 diagnostic
 FA3 decode (`AttentionOptions.flashinfer_decode_kernel = "fa3"`, Hopper only): the tensor-core
 decode batches, eager and in graphs, run FlashInfer's paged prefill wrapper on its FA3 backend
 (`BatchPrefillWithPagedKVCacheWrapper(backend="fa3")`) with one query row per sequence and no
-causal mask (`_PrefillAsDecode`), the kernel family SGLang decodes with on Hopper. Its graph
+causal mask (`PrefillAsDecode`), the kernel family SGLang decodes with on Hopper. Its graph
 wrappers keep FlashInfer's own plan (the unsplit-plan handling above is FA2's).
 """
 
@@ -138,7 +138,7 @@ class _GraphBuffers:
     out_cache_loc: torch.Tensor  # [max_bs] int64
 
 
-class _PrefillAsDecode:
+class PrefillAsDecode:
     """A FlashInfer paged prefill wrapper used as a decode wrapper: `plan` takes the decode
     wrapper's arguments and plans one query row per sequence, not causal (a decode row attends to
     its whole context); `run` is the wrapper's.
@@ -260,7 +260,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._max_batch_if_split = 2 * num_sms // self.num_kv_heads
 
     def _tensor_core_decode(self, bs: int | None = None):
-        """A new tensor-core decode wrapper (FA2's or `_PrefillAsDecode` on FA3); with `bs`, a
+        """A new tensor-core decode wrapper (FA2's or `PrefillAsDecode` on FA3); with `bs`, a
         CUDA-graph one for `bs` sequences over slices of the graph buffers."""
         graph = {}
         if bs is not None:
@@ -289,7 +289,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 wrapper._vector_sparse_indices_buffer,
                 wrapper._vector_sparse_indptr_buffer,
             ) = self._fa3_offsets
-            return _PrefillAsDecode(wrapper)
+            return PrefillAsDecode(wrapper)
         # FlashInfer's decode wrapper names its graph buffers `..._buffer`.
         graph = {k.replace("_buf", "_buffer"): v for k, v in graph.items()}
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
