@@ -150,6 +150,7 @@ class PrefillAsDecode:
 
     def __init__(self, wrapper) -> None:
         self.wrapper = wrapper
+        self._rows = torch.arange(1, dtype=torch.int32)  # host qo_indptr 0..B, grown as needed
 
     def plan(
         self,
@@ -166,12 +167,19 @@ class PrefillAsDecode:
         kv_data_type: torch.dtype,
         disable_split_kv: bool = False,
     ) -> None:
-        """Plan a decode batch (`kv_last_page_len` `[B]` int32: one row per sequence).
-        `disable_split_kv` must be False (FA3 plans its own split)."""
+        """Plan a decode batch of B sequences, with the decode wrapper's page list: `kv_indptr`
+        `[B + 1]`, `kv_indices` `[pages]`, `kv_last_page_len` `[B]`, int32 on the host (see
+        `paged_kv_args`). `disable_split_kv` must be False (FA3 plans its own split).
+
+        Raises:
+            ValueError: FlashInfer's, e.g. a CUDA-graph wrapper planned for another B.
+        """
         assert not disable_split_kv, "the FA3 decode keeps FlashInfer's plan"
         bs = kv_last_page_len.shape[0]
+        if self._rows.shape[0] <= bs:
+            self._rows = torch.arange(bs + 1, dtype=torch.int32)
         self.wrapper.plan(
-            torch.arange(bs + 1, dtype=torch.int32),
+            self._rows[: bs + 1],
             kv_indptr,
             kv_indices,
             kv_last_page_len,
@@ -232,14 +240,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise ValueError("flashinfer_decode_kernel 'fa3' needs a Hopper GPU (sm_90); use 'fa2'")
         # "Must be initialized to 0 for its first use" (FlashInfer docs).
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._decode = (
-            self._tensor_core_decode()
-            if self.use_tensor_cores
-            else flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
-        )
+        self._decode = self._decode_wrapper(self.use_tensor_cores)
         self._decode_large = self._decode  # decode batches >= tensor_core_min_batch
         if not self.use_tensor_cores:
-            self._decode_large = self._tensor_core_decode()
+            self._decode_large = self._decode_wrapper(tensor_cores=True)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._wrapper = self._decode
         # This forward's K/V slots (the batch's, or the graph buffer's); empty until `prepare`.
@@ -259,9 +263,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         # FlashInfer's max_batch_size_if_split for its tensor-core decode plan (2 CTAs per SM)
         self._max_batch_if_split = 2 * num_sms // self.num_kv_heads
 
-    def _tensor_core_decode(self, bs: int | None = None):
-        """A new tensor-core decode wrapper (FA2's or `PrefillAsDecode` on FA3); with `bs`, a
-        CUDA-graph one for `bs` sequences over slices of the graph buffers."""
+    def _decode_wrapper(self, tensor_cores: bool, bs: int | None = None):
+        """A new decode wrapper: FlashInfer's decode wrapper on CUDA cores or tensor cores, or
+        for tensor cores with `fa3_decode` a `PrefillAsDecode` on FA3; with `bs`, a CUDA-graph
+        one for `bs` sequences over slices of the graph buffers."""
+        fa3 = tensor_cores and self.fa3_decode
         graph = {}
         if bs is not None:
             g = self._graph
@@ -272,9 +278,9 @@ class FlashInferAttentionBackend(AttentionBackend):
                 paged_kv_indices_buf=g.kv_indices,
                 paged_kv_last_page_len_buf=g.kv_last_page_len[:bs],
             )
-            if self.fa3_decode:
+            if fa3:
                 graph["qo_indptr_buf"] = g.qo_indptr[: bs + 1]
-        if self.fa3_decode:
+        if fa3:
             wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 self._workspace, "NHD", backend="fa3", **graph
             )
@@ -293,7 +299,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         # FlashInfer's decode wrapper names its graph buffers `..._buffer`.
         graph = {k.replace("_buf", "_buffer"): v for k, v in graph.items()}
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=True, **graph
+            self._workspace, "NHD", use_tensor_cores=tensor_cores, **graph
         )
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -403,17 +409,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         wrapper = self._graph_wrappers.get(bs)
         if wrapper is None:
             tensor_cores = self.use_tensor_cores or bs >= self.tensor_core_min_batch
-            if tensor_cores:
-                wrapper = self._tensor_core_decode(bs)
-            else:
-                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace,
-                    "NHD",
-                    use_cuda_graph=True,
-                    paged_kv_indptr_buffer=g.kv_indptr[: bs + 1],
-                    paged_kv_indices_buffer=g.kv_indices,
-                    paged_kv_last_page_len_buffer=g.kv_last_page_len[:bs],
-                )
+            wrapper = self._decode_wrapper(tensor_cores, bs)
             # FlashInfer 0.5's private pinned plan-staging buffer (module docstring): a version
             # without it keeps FlashInfer's split-KV plan rather than fail at capture.
             staging = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)
