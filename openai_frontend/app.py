@@ -201,7 +201,7 @@ def create_app(
             cache_salt_from_api_key=cache_salt_from_api_key,
             tool_call_parser=tool_call_parser,
         )
-        app.state.health = monitor = health.HealthMonitor(client, state.live)
+        app.state.health = monitor = health.HealthMonitor(client, state.live, state.progress)
         state.backend_ok = monitor.ok
         watch = health.BackendWatch(app.state.health)
         watch.start()

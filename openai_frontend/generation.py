@@ -121,6 +121,21 @@ class Choice:
     prompt_logprobs: list[dict[str, Any]] | None = None
 
 
+@dataclass
+class BackendProgress:
+    """When the backend last answered any generation of this sidecar process.
+
+    ``health.py``'s evidence that the pipeline moves: a generation that has finished since
+    counts too (a non-streamed request gets one response, its last, and is no longer in flight
+    afterwards, so its own ``last_response_at`` would leave the evidence with it).
+
+    Attributes:
+        last_response_at: ``time.monotonic()`` of the latest response (None before the first).
+    """
+
+    last_response_at: float | None = None
+
+
 async def _read_within(stream: ResponseStream, timeout_s: float | None) -> LLMChunk | None:
     """``stream.read()``, raising ``asyncio.TimeoutError`` after ``timeout_s`` seconds (None:
     no limit). A timed-out read is cancelled safely: the stream keeps its gRPC read (see
@@ -150,6 +165,8 @@ class Generation:
             which Triton never reports for requests in flight). None: wait forever.
         backend_ok: the sidecar's health check (True: healthy), which classifies Triton's
             own errors (``backend_error``); None: they are 500s.
+        progress: the process-wide record of the backend's latest response, updated by every
+            response this generation reads (``BackendProgress``).
 
     Attributes:
         started_at: ``time.monotonic()`` at construction; ``last_response_at``: of the latest
@@ -167,8 +184,10 @@ class Generation:
         registry: set[Generation] | None = None,
         idle_timeout_s: float | None = None,
         backend_ok: Callable[[], Awaitable[bool]] | None = None,
+        progress: BackendProgress | None = None,
     ) -> None:
         self.client, self.request_id, self.inputs = client, request_id, inputs
+        self._progress = progress
         self._backend_ok = backend_ok
         self.prompt_param = prompt_param
         self.n, self.logprobs = n, logprobs
@@ -225,6 +244,8 @@ class Generation:
         if self._failure is not None:
             raise self._failure
         self.last_response_at = time.monotonic()
+        if self._progress is not None:
+            self._progress.last_response_at = self.last_response_at
         if chunk is not None:
             if not 0 <= chunk.index < self.n:
                 raise OpenAIError(

@@ -12,11 +12,17 @@ engine however often it is asked:
 - a check asks whether tritonserver is ready, then the generator's own health probe
   (``health_probe``, a control request, no generation), which every generator instance fails
   while one of them is gone (``GeneratorCore``, "instances");
-- then a 1-token greedy generation, unless a response that a generation in flight received
-  within the last ``interval_s`` seconds is proof enough that the pipeline makes progress: a
-  busy server runs no probe generation at all. (Progress alone is not proof of health: with one
-  of two generator instances dead, the live one keeps streaming while every other new request
-  fails, which is why the generator's probe is always asked.)
+- then a 1-token greedy generation, unless a response the backend sent any generation (in
+  flight or finished since: ``generation.BackendProgress``) within the last ``interval_s``
+  seconds is proof enough that the pipeline makes progress: a busy server runs no probe
+  generation at all. A probe generation passes as soon as any other generation gets a response
+  while it waits, and fails the check only if it outlasts ``probe_timeout_s`` with none: under
+  a burst the probe queues behind hundreds of requests, and a non-streamed request's only
+  response is its last one, so responses can be seconds apart on a loaded server that is doing
+  its work (QA: a server restarted for that dropped every request it had admitted). Progress
+  alone is not proof of health: with one of two generator instances dead, the live one keeps
+  streaming while every other new request fails, which is why the generator's probe is always
+  asked, and why progress counts for nothing while a failure is held.
 
 A probe that gets an *error response* (not merely a slow one) means a part of the pipeline is
 broken, and Triton never repairs a dead stub. Such a failure is held for ``failure_hold_s``
@@ -50,7 +56,7 @@ from fastapi.responses import JSONResponse
 from tritonllm.contract.errors import ErrorCode, decode_error
 
 from .errors import OpenAIError
-from .generation import Generation
+from .generation import BackendProgress, Generation
 from .triton_client import InputValue, TritonClient, TritonError
 
 log = logging.getLogger(__name__)
@@ -63,6 +69,8 @@ PROBE_ID_PREFIX = "health-"
 PROBE_MODEL = "llm"
 # Probes in a row that must go through to clear a held failure before its hold ends.
 RECOVERY_PROBES = 3
+# Seconds between two looks, while a probe generation waits, for other generations' responses.
+PROGRESS_POLL_S = 0.1
 
 
 def _overloaded(exc: TritonError) -> bool:
@@ -99,8 +107,9 @@ class HealthMonitor:
 
     Args:
         client: the shared Triton client.
-        live: the generations in flight (``ServerState.live``); their last responses are the
-            passive evidence of progress.
+        live: the generations in flight (``ServerState.live``).
+        progress: the backend's latest response to any generation (``ServerState.progress``):
+            the passive evidence of progress (None: a record of this monitor's own).
         interval_s: seconds a result (or a response of a live generation) stays valid.
         probe_timeout_s: seconds a probe generation may take before the check fails.
         failure_hold_s: seconds a probe's error response keeps the status failed.
@@ -110,11 +119,13 @@ class HealthMonitor:
         self,
         client: TritonClient,
         live: set[Generation],
+        progress: BackendProgress | None = None,
         interval_s: float = 1.0,
         probe_timeout_s: float = 10.0,
         failure_hold_s: float = 60.0,
     ) -> None:
         self.client, self.live = client, live
+        self.progress = progress if progress is not None else BackendProgress()
         self.interval_s, self.probe_timeout_s = interval_s, probe_timeout_s
         self.failure_hold_s = failure_hold_s
         self._last: HealthStatus | None = None
@@ -128,13 +139,18 @@ class HealthMonitor:
         return held if held is not None and now - held.checked_at < self.failure_hold_s else None
 
     def _progress_is_proof(self, now: float) -> bool:
-        """Whether a live generation's recent response stands in for the probe generation:
+        """Whether a recent response to some generation stands in for the probe generation:
         one came within ``interval_s``, and no failure is held (a held failure clears only
         by probes that went through)."""
         if self._held(now) is not None:
             return False
-        times = (gen.last_response_at for gen in self.live)
-        return any(t is not None and now - t < self.interval_s for t in times)
+        last = self.progress.last_response_at
+        return last is not None and now - last < self.interval_s
+
+    def _progressed_since(self, since: float) -> bool:
+        """Whether some generation got a response after ``since`` (``time.monotonic()``)."""
+        last = self.progress.last_response_at
+        return last is not None and last > since
 
     async def check(self) -> HealthStatus:
         """The current status: cached, evidenced by live generations, or probed (one probe at
@@ -190,10 +206,13 @@ class HealthMonitor:
         return None
 
     async def _generate_one(self) -> tuple[str, bool, str] | None:
-        """Send the probe generation: None when it finished, else ``(reason,
-        backend_failed, Triton's message)``. A probe that timed out is aborted; it fails the check, but it is
+        """Send the probe generation: None when it finished, else ``(reason, backend_failed,
+        Triton's message)``. It passes as soon as another generation gets a response while it
+        waits, unless a failure is held (busy, not stuck: the module docstring); it is then
+        aborted, as is a probe that outlasts ``probe_timeout_s``, which fails the check but is
         not ``backend_failed`` (slow is not dead)."""
         request_id = f"{PROBE_ID_PREFIX}{uuid.uuid4().hex}"
+        sent_at = time.monotonic()
         try:
             stream = await self.client.stream(request_id, PROBE_INPUTS, PROBE_MODEL)
         except TritonError as exc:
@@ -205,16 +224,28 @@ class HealthMonitor:
             while await stream.read() is not None:
                 pass
 
+        reader = asyncio.ensure_future(read_all())
+        deadline = sent_at + self.probe_timeout_s
+        progress_counts = self._held(sent_at) is None
         try:
-            await asyncio.wait_for(read_all(), self.probe_timeout_s)
+            while not reader.done():
+                left = deadline - time.monotonic()
+                if left <= 0 or (progress_counts and self._progressed_since(sent_at)):
+                    break
+                await asyncio.wait({reader}, timeout=min(PROGRESS_POLL_S, left))
+            if reader.done():
+                reader.result()
+                return None
         except TritonError as exc:
             if _overloaded(exc):  # the whole pipeline answered: busy, not broken
                 return None
             return "generation failed", not exc.unavailable, exc.message
-        except asyncio.TimeoutError:
-            self.client.close_soon(stream, request_id)
-            return f"no generation within {self.probe_timeout_s:g} s", False, ""
-        return None
+        finally:
+            reader.cancel()  # (a no-op once it is done)
+        self.client.close_soon(stream, request_id)
+        if progress_counts and self._progressed_since(sent_at):
+            return None
+        return f"no generation within {self.probe_timeout_s:g} s", False, ""
 
     def _record(self, status: HealthStatus) -> HealthStatus:
         if not status.ok and (self._last is None or self._last.reason != status.reason):

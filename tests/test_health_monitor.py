@@ -7,8 +7,9 @@ import asyncio
 import time
 import types
 
+from openai_frontend.generation import BackendProgress, Generation
 from openai_frontend.health import RECOVERY_PROBES, BackendWatch, HealthMonitor
-from openai_frontend.triton_client import TritonError
+from openai_frontend.triton_client import LLMChunk, TritonError
 
 
 class _Stream:
@@ -77,16 +78,14 @@ def test_a_lost_generator_instance_fails_every_check_even_when_generations_pass(
     assert _statuses([True] * 6, generator_fails=True) == [False] * 6
 
 
-class _Busy:
-    """A generation in flight that has just had a response."""
-
-    def __init__(self) -> None:
-        self.last_response_at = time.monotonic()
+def _just_answered() -> BackendProgress:
+    """The record of a backend that has just sent some generation a response."""
+    return BackendProgress(time.monotonic())
 
 
 def test_a_busy_server_is_ok_without_a_probe_generation():
     client = _Client([])  # any probe generation would pop from an empty list and fail the test
-    monitor = HealthMonitor(client, {_Busy()}, interval_s=60.0)
+    monitor = HealthMonitor(client, set(), _just_answered(), interval_s=60.0)
     assert asyncio.run(monitor.check()).ok
 
 
@@ -94,9 +93,145 @@ def test_a_lost_generator_instance_fails_the_check_of_a_busy_server():
     """Under load the live instance keeps streaming, which used to stand in for the whole
     check; the generator's own probe is still asked, so the dead instance is seen."""
     client = _Client([], generator_fails=True)
-    monitor = HealthMonitor(client, {_Busy()}, interval_s=60.0)
+    monitor = HealthMonitor(client, set(), _just_answered(), interval_s=60.0)
     status = asyncio.run(monitor.check())
     assert not status.ok and status.backend_failed
+
+
+class _QueuedProbe:
+    """A probe generation stuck behind a burst: no response until it is aborted."""
+
+    async def read(self):
+        await asyncio.sleep(3600)
+
+
+class _BurstClient(_Client):
+    """A Triton client whose probe generation queues behind a burst of requests."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.aborted: list[str] = []
+
+    async def stream(self, request_id, inputs, model=None):
+        return _QueuedProbe()
+
+    def close_soon(self, stream, request_id) -> None:
+        self.aborted.append(request_id)
+
+
+def _probe_behind_a_burst(others_answered: bool, probe_timeout_s: float):
+    """A check whose probe never gets its response; meanwhile, with ``others_answered``, a
+    non-streamed request of the burst gets its one (final) response. The check must answer
+    within 10 s."""
+    client = _BurstClient()
+    progress = BackendProgress()
+    monitor = HealthMonitor(
+        client, set(), progress, interval_s=0.0, probe_timeout_s=probe_timeout_s
+    )
+
+    async def run():
+        async def finish_one():
+            await asyncio.sleep(0.05)
+            progress.last_response_at = time.monotonic()
+
+        task = asyncio.ensure_future(finish_one()) if others_answered else None
+        status = await asyncio.wait_for(monitor.check(), 10.0)
+        if task is not None:
+            await task
+        return status
+
+    status = asyncio.run(run())
+    assert len(client.aborted) == 1  # the timed-out probe is aborted either way
+    return status
+
+
+def test_a_probe_queued_behind_a_burst_passes_while_other_requests_finish():
+    """QA: 600 non-streamed chats at once; /health said "no generation within 10 s" for 34 s
+    while requests kept finishing, and supervision restarted a server doing its work. The
+    check now passes as soon as another request gets a response, well within the
+    supervisor's wait for an answer."""
+    status = _probe_behind_a_burst(others_answered=True, probe_timeout_s=3600.0)
+    assert status.ok, status.reason  # at once, not after the probe's timeout
+
+
+def test_a_probe_that_times_out_with_no_response_anywhere_fails_as_slow_not_failed():
+    status = _probe_behind_a_burst(others_answered=False, probe_timeout_s=0.2)
+    assert not status.ok and not status.backend_failed
+    assert status.reason.startswith("no generation within")
+
+
+class _FailsThenQueues(_BurstClient):
+    """The first probe gets an error answer (a dead stub); later ones queue behind a burst."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.probes = 0
+
+    async def stream(self, request_id, inputs, model=None):
+        self.probes += 1
+        return _Stream(fail=True) if self.probes == 1 else _QueuedProbe()
+
+
+def test_other_requests_responses_do_not_clear_a_held_failure():
+    """With one of two generator instances dead, the live one keeps answering its requests:
+    while a failure is held, only probes that went through clear it, not others' progress."""
+    client = _FailsThenQueues()
+    progress = BackendProgress()
+    monitor = HealthMonitor(
+        client, set(), progress, interval_s=0.0, probe_timeout_s=0.3, failure_hold_s=600.0
+    )
+
+    async def run():
+        first = await monitor.check()
+        progress.last_response_at = time.monotonic()  # the live instance streams on
+        task = asyncio.ensure_future(monitor.check())
+        await asyncio.sleep(0.1)
+        progress.last_response_at = time.monotonic()
+        return first, await task
+
+    first, second = asyncio.run(run())
+    assert first.backend_failed and not second.ok
+
+
+class _OneResponse:
+    """The stream of a non-streamed request: its one response, then the end."""
+
+    def __init__(self) -> None:
+        self.responses = [LLMChunk("Paris.", "stop", 7, 2, 0), None]
+        self.done = False
+
+    async def read(self):
+        chunk = self.responses.pop(0)
+        self.done = chunk is None
+        return chunk
+
+
+class _OneResponseClient:
+    async def stream(self, request_id, inputs, model=None):
+        return _OneResponse()
+
+
+def test_a_finished_non_streamed_generation_remains_evidence_of_progress():
+    """A non-streamed request leaves the generations in flight with its only response; the
+    process-wide record keeps that response as evidence (the per-generation time left with
+    it, which is how a burst of non-streamed requests looked like a stuck server)."""
+    live: set = set()
+    progress = BackendProgress()
+
+    async def run():
+        gen = Generation(_OneResponseClient(), "cmpl-1", {}, registry=live, progress=progress)
+        await gen.start()
+        choices = await gen.collect()
+        gen.close()
+        return choices
+
+    before = time.monotonic()
+    choices = asyncio.run(run())
+    assert [c.text for c in choices] == ["Paris."]
+    assert not live
+    assert progress.last_response_at is not None and progress.last_response_at >= before
+    monitor = HealthMonitor(_Client([]), live, progress, interval_s=60.0)
+    assert asyncio.run(monitor.check()).ok  # no probe generation: _Client([]) would fail it
 
 
 def test_health_says_backend_failed_for_an_error_answer_only():
@@ -159,3 +294,14 @@ def test_unhealthy_reasons_name_no_internals_and_the_log_keeps_them(caplog):
         monitor.live.add(gen)
         assert watch.fail_silent(status.reason) == 1
         assert gen.error.message == f"the backend failed: {reason}", gen.error.message
+
+
+def test_the_supervisor_waits_longer_for_health_than_a_probe_may_take():
+    """A /health still waiting for its probe generation is a slow backend; the supervisor
+    used to give up after 5 s of the probe's 10 and restart the sidecar as wedged."""
+    import inspect
+
+    from tritonllm.supervisor import SupervisePolicy
+
+    probe_s = inspect.signature(HealthMonitor).parameters["probe_timeout_s"].default
+    assert SupervisePolicy().health_answer_timeout_s > probe_s

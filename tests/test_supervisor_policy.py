@@ -67,7 +67,12 @@ def supervised(tmp_path):
     def make(**policy) -> tuple[Supervisor, Path]:
         port, status = free_port(), tmp_path / f"status-{len(made)}"
         command = [sys.executable, "-c", FAKE_SIDECAR, str(port), str(status)]
-        defaults = dict(backoff_initial_s=0.2, health_interval_s=0.1, unhealthy_timeout_s=0.5)
+        defaults = dict(
+            backoff_initial_s=0.2,
+            health_interval_s=0.1,
+            unhealthy_timeout_s=0.5,
+            health_answer_timeout_s=5.0,
+        )
         supervisor = Supervisor(
             FakeTriton,
             command,

@@ -65,6 +65,11 @@ class SupervisePolicy:
             clear first: the sidecar holds it until 3 probes in a row pass, about 6 s at the
             2 s health interval.
         drain_timeout_s: seconds a graceful stop lets the requests in flight finish.
+        health_answer_timeout_s: seconds to wait for ``/health`` to answer; past it the
+            sidecar counts as not answering (wedged). Longer than the sidecar's probe
+            generation may take (``HealthMonitor.probe_timeout_s``, 10 s): a ``/health``
+            still waiting for its probe is a slow backend, and cutting it short (5 s before)
+            blamed the sidecar for it.
     """
 
     on_failure: str = "restart"
@@ -75,6 +80,7 @@ class SupervisePolicy:
     unhealthy_timeout_s: float = 30.0
     failed_timeout_s: float = 10.0
     drain_timeout_s: float = 30.0
+    health_answer_timeout_s: float = 15.0
 
     def __post_init__(self) -> None:
         if self.on_failure not in FAILURE_POLICIES:
@@ -244,7 +250,7 @@ class Supervisor:
             failure = self._dead_process()
             if failure is None and now >= next_check:
                 next_check = now + policy.health_interval_s
-                answer = check_health(self.health_url, max(policy.health_interval_s, 5.0))
+                answer = check_health(self.health_url, policy.health_answer_timeout_s)
                 if answer.backend_failed:
                     failed_since, failed_at = failed_since or now, now
                 elif now - failed_at >= policy.failed_timeout_s:

@@ -14,7 +14,7 @@ from typing import TypeVar
 from fastapi import Request
 
 from ..errors import OpenAIError, unsupported
-from ..generation import Choice, Generation, to_openai_error
+from ..generation import BackendProgress, Choice, Generation, to_openai_error
 from ..protocol import SamplingFields
 from ..security import request_cache_salt, tenant_of
 from ..triton_client import InputSpec, InputValue, TritonClient, TritonError
@@ -42,6 +42,8 @@ class ServerState:
     stream_idle_timeout_s: float | None = None
     cache_salt_from_api_key: bool = False
     live: set[Generation] = field(default_factory=set)
+    # The backend's latest response to any generation (health's evidence of progress).
+    progress: BackendProgress = field(default_factory=BackendProgress)
     tool_call_parser: str = "hermes"  # tool_parsers.TOOL_PARSERS
     max_prompt_chars: int | None = None  # the tokenizer's limit, once fetched
     max_model_len: int | None = None  # the engine's context limit, once asked (tokens)
@@ -207,6 +209,7 @@ async def start_generation(
         registry=state.live,
         idle_timeout_s=state.stream_idle_timeout_s,
         backend_ok=state.backend_ok,
+        progress=state.progress,
     )
     try:
         await unless_disconnected(request, gen.start())
