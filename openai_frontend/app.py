@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -149,6 +150,7 @@ def create_app(
     tool_call_parser: str = "hermes",
     heartbeat_fd: int | None = None,
     generator_lease: str | None = None,
+    created: int | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app in front of the Triton ensemble at ``triton_url`` (gRPC).
 
@@ -173,6 +175,8 @@ def create_app(
             while the app runs (``workers.send_heartbeats``); None: no heartbeat.
         generator_lease: the generator lease id to hold (None: a random one;
             ``TritonClient``).
+        created: the model card's ``created`` (Unix seconds; None: now, when this app is
+            made), so that ``GET /v1/models`` answers the same time every call.
     Raises:
         ValueError: ``cache_salt_from_api_key`` without ``api_keys``, or an unknown
             ``tool_call_parser``.
@@ -181,6 +185,7 @@ def create_app(
         raise ValueError("cache_salt_from_api_key needs API keys")
     if tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {tool_call_parser!r}")
+    started = int(time.time()) if created is None else created
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -197,6 +202,7 @@ def create_app(
         app.state.server = state = ServerState(
             client=client,
             model_name=model_name,
+            created=started,
             stream_idle_timeout_s=stream_idle_timeout_s,
             cache_salt_from_api_key=cache_salt_from_api_key,
             tool_call_parser=tool_call_parser,
@@ -322,6 +328,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the generator lease id to hold (what --workers gives each worker, so as to end "
         "the lease of one it killed; default: a random one)",
     )
+    p.add_argument(
+        "--created",
+        type=int,
+        default=None,
+        help="the model card's created, Unix seconds (what --workers gives each worker, so "
+        "that all answer the same; default: when this process starts serving)",
+    )
     p.add_argument("--log-level", default="warning")
     p.add_argument(
         "--max-request-bytes",
@@ -414,9 +427,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("error: --cache-salt-from-api-key needs --api-key")
     control_secret = os.environ.get(CONTROL_SECRET_ENV, "").strip() or None
     sockets = _sockets(args)
+    created = int(time.time()) if args.created is None else args.created
     if args.workers > 1:
         end_lease = functools.partial(workers.end_lease, args.triton_url, control_secret)
-        sys.exit(workers.serve(argv, sockets, args.worker_timeout, end_lease))
+        worker_argv = [*argv, f"--created={created}"]
+        sys.exit(workers.serve(worker_argv, sockets, args.worker_timeout, end_lease))
     app = create_app(
         args.triton_url,
         name,
@@ -431,6 +446,7 @@ def main(argv: list[str] | None = None) -> None:
         tool_call_parser=args.tool_call_parser,
         heartbeat_fd=args.heartbeat_fd,
         generator_lease=args.generator_lease,
+        created=created,
     )
     protocol = header_timeout_protocol(args.header_timeout)
     config = uvicorn.Config(

@@ -99,12 +99,27 @@ class _AsciiJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def unsupported(param: str, what: str | None = None) -> OpenAIError:
-    """A 400 for a request field this server does not implement."""
+def unsupported(param: str, what: str | None = None, reason: str | None = None) -> OpenAIError:
+    """A 400 ``unsupported_parameter`` for a request field this server does not implement
+    (``what``: the message's subject, default the field; ``reason``: why, or what to use
+    instead)."""
+    message = f"{what or param} is not supported by this server"
     return OpenAIError(
-        f"{what or param} is not supported by this server",
+        f"{message}: {reason}" if reason else message,
         param=param,
         code="unsupported_parameter",
+    )
+
+
+def unsupported_value(param: str, value: object, reason: str) -> OpenAIError:
+    """A 400 ``unsupported_value``: the field ``param`` is served, but not at ``value`` (quoted
+    as JSON, cut to 80 characters); ``reason`` says which values are."""
+    shown = json.dumps(value, ensure_ascii=False)
+    shown = shown if len(shown) <= 80 else f"{shown[:77]}..."
+    return OpenAIError(
+        f"{param} {shown} is not supported by this server: {reason}",
+        param=param,
+        code="unsupported_value",
     )
 
 

@@ -1,18 +1,26 @@
-"""vLLM's extension fields of the OpenAI requests: each one is honoured or refused, none ignored.
+"""Request fields beyond what the request models declare: vLLM's extension fields and OpenAI's
+own unserved ones. Each is honoured or refused, none ignored.
 
 OpenAI clients send vLLM's extra fields through ``extra_body``, and the request models accept
 unknown fields (``extra="allow"``). A vLLM field that this server does not implement would then
 change nothing without a word, so every such field is listed here with the value at which it
 changes nothing (vLLM's default); a request that gives another value gets a 400 naming the field,
-and so does a field that is neither declared nor vLLM's.
+and so does a field that is neither declared nor vLLM's nor OpenAI's.
 A field that a request model declares (``top_k``, ``min_p``, ``add_special_tokens`` of
 completions, ``cache_salt``, the structured-output fields of ``structured.py``, ...) is honoured
 by it and never refused here, so declaring a field is all it takes to serve one of these; the
 table keeps such fields (marked honoured below) so that it stays the whole list of vLLM's
 names, each honoured or refused.
 
+OpenAI's own request fields that no model declares (``OPENAI_FIELDS``: audio output, predicted
+outputs, reasoning effort, the deprecated ``functions`` / ``function_call``, ...) are refused by
+name with the reason, unless null (OpenAI's "not set"). OpenAI's service options that can be
+honoured at some values (``store``, ``metadata``, ``service_tier``, ``modalities``) are declared
+by ``protocol.ChatCompletionRequest`` instead.
+
 The names are those of vLLM's ``ChatCompletionRequest`` and ``CompletionRequest``
-(``vllm/entrypoints/openai/protocol.py``, v0.6-v0.10).
+(``vllm/entrypoints/openai/protocol.py``, v0.6-v0.10) and of OpenAI's API reference for
+``/v1/chat/completions``.
 """
 
 from __future__ import annotations
@@ -67,6 +75,20 @@ VLLM_FIELDS: dict[str, Any] = {
 }
 
 
+# OpenAI's chat request fields that this server does not serve (no request model declares
+# them) → why, or what to use instead.
+OPENAI_FIELDS: dict[str, str] = {
+    "audio": "it generates text only (no audio output)",
+    "prediction": "predicted outputs are not implemented",
+    "reasoning_effort": "the served models take no reasoning effort (Qwen3's thinking is "
+    "chat_template_kwargs.enable_thinking)",
+    "verbosity": "the served models take no verbosity setting",
+    "web_search_options": "it has no web search",
+    "functions": "deprecated by OpenAI; give tools instead",
+    "function_call": "deprecated by OpenAI; give tool_choice instead",
+}
+
+
 def _same(value: Any, noop: Any) -> bool:
     # JSON 1 is no `true`: a boolean no-op takes only a boolean.
     return value == noop and (type(noop) is not bool or type(value) is bool)
@@ -74,11 +96,13 @@ def _same(value: Any, noop: Any) -> bool:
 
 def check_extensions(request: BaseModel) -> None:
     """Refuse every vLLM field of ``request`` that it does not declare and that is given with
-    a value other than its no-op one, and every field that is neither declared nor vLLM's (as
+    a value other than its no-op one, every undeclared OpenAI field given a value
+    (``OPENAI_FIELDS``; null is OpenAI's "not set"), and every field that is none of these (as
     OpenAI does: "Unrecognized request argument").
 
     Raises:
-        OpenAIError: 400 ``unsupported_parameter`` naming the first such field.
+        OpenAIError: 400 ``unsupported_parameter`` naming the first such field (an OpenAI
+            field's message says why, or what to use instead).
     """
     extra = request.model_extra or {}
     for name, noop in VLLM_FIELDS.items():
@@ -88,6 +112,9 @@ def check_extensions(request: BaseModel) -> None:
         if value is None or (noop is not _ANY and _same(value, noop)):
             continue
         raise unsupported(name)
-    for name in extra:  # neither declared nor vLLM's: a field no OpenAI-style server knows
-        if name not in VLLM_FIELDS:
+    for name, value in extra.items():
+        if name in OPENAI_FIELDS:
+            if value is not None:
+                raise unsupported(name, reason=OPENAI_FIELDS[name])
+        elif name not in VLLM_FIELDS:  # unrecognized: neither vLLM's nor OpenAI's
             raise unsupported(name)

@@ -2,20 +2,25 @@
 
 Requests follow the OpenAI API reference for ``/v1/chat/completions`` and ``/v1/completions``,
 plus the vLLM-style extension fields (``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``,
-``repetition_penalty``, ``min_tokens``, ``chat_template_kwargs``). Unknown fields are accepted and
-ignored, as OpenAI-compatible servers commonly do, except vLLM's other extension fields, which
-are refused with a 400 unless given their no-op value (``extensions.py``). Range checks live here
-so that invalid values become 400 errors before anything reaches Triton.
+``repetition_penalty``, ``min_tokens``, ``chat_template_kwargs``). Fields a model does not declare
+are kept (``extra="allow"``) for ``extensions.check_extensions``, which refuses each by name
+(vLLM's unless given their no-op value, OpenAI's unserved ones unless null, and any other).
+Range checks live here so that invalid values become 400 errors before anything reaches Triton.
 
 Boolean, integer and number fields are strict, field by field, as OpenAI's API is: a JSON value of
 the wrong type is a 400, never coerced (``"stream": "yes"``, ``"max_tokens": true``, ``"n": 2.0``
 are refused). Numbers (``Number``) still take JSON integers (``"temperature": 1`` reads as
 1.0) but neither strings, booleans, NaN nor infinities. The models themselves stay lax: FastAPI validates nested
 models and enums from Python dicts, which whole-model strict mode would refuse.
+
+JSON ``null`` for an optional field is its default, as OpenAI's API reference marks these fields
+nullable and OpenAI and vLLM read them (``"n": null`` is 1, ``"stream": null`` false):
+``_NullIsDefault``. A required field (``messages``, ``prompt``) stays required.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Annotated, Any, Literal
 
@@ -29,7 +34,9 @@ from pydantic import (
     StrictInt,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from tritonllm.contract import limits
 
@@ -52,18 +59,48 @@ def _now() -> int:
     return int(time.time())
 
 
-class _Lenient(BaseModel):
+class _NullIsDefault(BaseModel):
+    """A request model whose optional fields read JSON ``null`` as their default (OpenAI's
+    nullable fields: ``"n": null`` is ``n`` 1). Fields whose default is None take null as
+    themselves; this covers the others (``n``, ``stream``, ``echo``, ...), whose values are
+    then never None. A required field given null is still a 400."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = _keys_with_defaults(cls)
+        if not any(data.get(key, 0) is None for key in defaulted):
+            return data
+        return {k: v for k, v in data.items() if not (k in defaulted and v is None)}
+
+
+@functools.cache
+def _keys_with_defaults(model: type[BaseModel]) -> frozenset[str]:
+    """The JSON keys of ``model``'s optional fields whose default is not None."""
+    return frozenset(
+        field.alias or name
+        for name, field in model.model_fields.items()
+        if not field.is_required() and field.get_default(call_default_factory=True) is not None
+    )
+
+
+class _Lenient(_NullIsDefault):
     model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a usage-only chunk before ``[DONE]``. Any
-    other key is a 400 naming it (``stream_options.<key>``): vLLM's ``continuous_usage_stats``,
-    OpenAI's ``include_obfuscation``, a typo; none is silently ignored."""
+class StreamOptions(_NullIsDefault):
+    """``stream_options``: ``include_usage`` adds a usage-only chunk before ``[DONE]``.
+    ``include_obfuscation`` (OpenAI's random padding of stream events, against network side
+    channels) may be false or null: this server adds none; true is refused by
+    ``sampling.sampling_inputs``. Any other key is a 400 naming it (``stream_options.<key>``):
+    vLLM's ``continuous_usage_stats``, a typo; none is silently ignored."""
 
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = None
 
 
 class SamplingFields(_Lenient):
@@ -98,6 +135,21 @@ class SamplingFields(_Lenient):
         default=None, min_length=1, max_length=limits.MAX_CACHE_SALT_CHARS
     )
 
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_in_bounds(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        # The contract's bounds (the engine's own check), here so that an empty string is a
+        # 400 rather than a stop condition nobody can meet; the count is the engine's check.
+        stops = [stop] if isinstance(stop, str) else stop or []
+        most = limits.MAX_STOP_STRING_CHARS
+        if not all(0 < len(s) <= most for s in stops):
+            raise PydanticCustomError(
+                "invalid_value",
+                "stop strings must have 1..{most} characters each",
+                {"most": most},
+            )
+        return stop
+
     @property
     def include_usage(self) -> bool:
         """``stream_options.include_usage`` (False when ``stream_options`` is absent)."""
@@ -110,11 +162,10 @@ class SamplingFields(_Lenient):
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
-        """``stop`` as a tuple of non-empty strings (OpenAI ignores empty ones)."""
+        """``stop`` as a tuple of strings (each 1..``MAX_STOP_STRING_CHARS`` characters)."""
         if self.stop is None:
             return ()
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        return tuple(s for s in stops if s)
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
 class ContentPart(_Lenient):
@@ -154,10 +205,21 @@ class ChatMessage(_Lenient):
         return call_id
 
 
+# OpenAI's ``metadata``: at most 16 pairs, keys of at most 64 characters, values of at most 512.
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
+
+
 class ChatCompletionRequest(SamplingFields, ToolFields, StructuredOutputFields):
     """The body of ``POST /v1/chat/completions``; ``max_completion_tokens`` (tokens) wins over
     ``max_tokens``. Tools: ``tools.ToolFields``; structured outputs and token masks:
-    ``structured.StructuredOutputFields``."""
+    ``structured.StructuredOutputFields``.
+
+    OpenAI's service options, declared so that each is served at the values this server
+    honours and refused (``sampling.check_service_options``) at the others: ``store`` (false:
+    nothing is stored), ``metadata`` (empty: it only annotates stored completions),
+    ``service_tier`` (``auto`` / ``default``: the one tier), ``modalities`` (``["text"]``).
+    """
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(
@@ -166,6 +228,10 @@ class ChatCompletionRequest(SamplingFields, ToolFields, StructuredOutputFields):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, **limits.LOGPROBS.field_bounds())
     chat_template_kwargs: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
+    service_tier: str | None = None
+    modalities: list[str] | None = Field(default=None, min_length=1)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -379,11 +445,12 @@ class Completion(_Response):
 class ModelCard(BaseModel):
     """The served model, as ``GET /v1/models`` lists it (vLLM's fields: ``root`` the model's
     name, ``max_model_len`` its context limit in tokens, prompt plus output; null while the
-    backend is unreachable)."""
+    backend is unreachable). ``created`` (Unix seconds) is when the sidecar started serving
+    (``ServerState.created``), the same in every answer."""
 
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
+    created: int
     owned_by: str = "tritonllm"
     root: str | None = None
     parent: str | None = None

@@ -14,7 +14,7 @@ from typing import Any
 
 from tritonllm.contract import limits
 
-from .errors import OpenAIError, unsupported
+from .errors import OpenAIError, unsupported, unsupported_value
 from .extensions import check_extensions
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from .structured import constraint_inputs
@@ -59,8 +59,9 @@ def sampling_inputs(
         backend_stream: whether the ensemble should answer token by token (else one response).
     Raises:
         OpenAIError: 400 for a field the backend cannot honour (e.g. ``n > 1`` on a backend
-            without an ``n`` input, a vLLM extension this server does not implement:
-            ``extensions.py``), or ``stream_options`` without ``stream`` (as OpenAI answers).
+            without an ``n`` input, a vLLM or OpenAI field this server does not implement:
+            ``extensions.py``, ``stream_options.include_obfuscation`` true), or
+            ``stream_options`` without ``stream`` (as OpenAI answers).
     """
     check_extensions(req)
     if req.stream_options is not None and not req.stream:
@@ -68,6 +69,12 @@ def sampling_inputs(
             "stream_options is only allowed when stream is true",
             param="stream_options",
             code="invalid_value",
+        )
+    if req.stream_options is not None and req.stream_options.include_obfuscation:
+        raise unsupported_value(
+            "stream_options.include_obfuscation",
+            True,
+            "its stream events carry no obfuscation padding (give false or leave it out)",
         )
     if req.logit_bias:  # would change sampling: refused rather than silently ignored
         raise unsupported("logit_bias")
@@ -81,6 +88,34 @@ def sampling_inputs(
     if "stream" in specs:
         inputs["stream"] = backend_stream
     return inputs
+
+
+def check_service_options(req: ChatCompletionRequest) -> None:
+    """Refuse OpenAI's service options (``protocol.ChatCompletionRequest``) at the values this
+    server cannot honour; the others change nothing here, as they change no output at OpenAI.
+
+    ``metadata`` only annotates a stored completion (OpenAI answers it without ``store`` true
+    with a 400), and this server stores none, so a non-empty one is refused rather than
+    dropped.
+
+    Raises:
+        OpenAIError: 400 naming the field (and the value): ``store`` true, a ``service_tier``
+            other than ``auto`` / ``default``, ``modalities`` other than text
+            (``unsupported_value``); a non-empty ``metadata`` (``unsupported_parameter``).
+    """
+    if req.store:
+        raise unsupported_value("store", True, "it stores no completions (give false or null)")
+    if req.metadata:
+        raise unsupported(
+            "metadata",
+            reason="metadata only annotates stored completions, and none are stored here",
+        )
+    if req.service_tier not in (None, "auto", "default"):
+        raise unsupported_value(
+            "service_tier", req.service_tier, 'it has one tier (give "auto" or "default")'
+        )
+    if req.modalities is not None and set(req.modalities) != {"text"}:
+        raise unsupported_value("modalities", req.modalities, 'it generates text only (["text"])')
 
 
 def _message_text(index: int, message: ChatMessage) -> str:
@@ -126,14 +161,15 @@ def chat_inputs(
     ``developer`` messages are sent as ``system`` (OpenAI treats them alike for chat models).
 
     Raises:
-        OpenAIError: 400 for unsupported features (non-text content, ...), an invalid tool
-            choice or constraint, or ``top_logprobs`` without ``logprobs: true`` (as OpenAI
-            answers).
+        OpenAIError: 400 for unsupported features (non-text content, a service option at a
+            value ``check_service_options`` refuses, ...), an invalid tool choice or
+            constraint, or ``top_logprobs`` without ``logprobs: true`` (as OpenAI answers).
     """
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError(
             "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value"
         )
+    check_service_options(req)
     mode = req.tool_mode()
     messages = [_message(i, m) for i, m in enumerate(req.messages)]
     # Chat without a limit runs until EOS, a stop or the context limit (OpenAI semantics): the

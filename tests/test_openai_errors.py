@@ -53,6 +53,7 @@ CASES = {
         400,
         "messages.0.content.0.text",
     ),
+    "an empty stop string": (lambda m: _chat(m, stop=["\n", ""]), 400, "stop"),
     "stop token id past the vocabulary (engine check)": (
         lambda m: _chat(m, extra_body={"stop_token_ids": [2, 10_000_000]}),
         400,

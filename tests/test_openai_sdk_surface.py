@@ -251,7 +251,7 @@ def test_every_served_vllm_extension_is_honoured(http, sidecar, tokenizer, field
         assert (error["param"], error["code"]) == expected, (path, error)
 
 
-@pytest.mark.parametrize("field", ["frobnicate", "store", "logit_bias_v2"])
+@pytest.mark.parametrize("field", ["frobnicate", "max_output_tokens", "logit_bias_v2"])
 def test_a_field_nobody_declares_is_refused_by_name(http, sidecar, field):
     """A field that is neither a request model's nor vLLM's is a 400 naming it, as OpenAI's
     "Unrecognized request argument" (never silently ignored); the service answers after it."""
@@ -290,6 +290,7 @@ def test_tokenize_detokenize_version_and_model_card(http, sidecar, tokenizer, ti
     assert back == {"prompt": tokenizer.decode(tokens["tokens"])}
     bad = http.post("/detokenize", json={"model": model, "tokens": [len(tokenizer) + 5]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert http.post("/detokenize", json={"model": model, "tokens": []}).json() == {"prompt": ""}
     assert http.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
     import tritonllm
 
@@ -297,6 +298,8 @@ def test_tokenize_detokenize_version_and_model_card(http, sidecar, tokenizer, ti
     card = http.get("/v1/models").json()["data"][0]
     assert card["id"] == model and card["root"] == model
     assert card["max_model_len"] == tokens["max_model_len"] > 0
+    time.sleep(1.1)  # created is the sidecar's start, not the time of the call
+    assert http.get(f"/v1/models/{model}").json()["created"] == card["created"] <= time.time()
 
 
 WEATHER_TOOL = {

@@ -4,6 +4,7 @@ the HTTP error contract in front of an unreachable Triton."""
 from __future__ import annotations
 
 import json
+import time
 import types
 import typing
 
@@ -16,6 +17,7 @@ from tritonclient.utils import serialize_byte_tensor
 
 from openai_frontend import create_app
 from openai_frontend.errors import OpenAIError
+from openai_frontend.extensions import OPENAI_FIELDS
 from openai_frontend.generation import to_openai_error
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.sampling import chat_inputs, completion_inputs
@@ -348,6 +350,7 @@ STRICT_FIELDS = [
     ],
     ("chat", "logprobs", True, _BAD_BOOL),
     ("chat", "parallel_tool_calls", True, _BAD_BOOL),
+    ("chat", "store", False, _BAD_BOOL),
     ("completion", "echo", True, _BAD_BOOL),
     ("completion", "add_special_tokens", True, _BAD_BOOL),
 ]
@@ -454,7 +457,7 @@ def test_previously_valid_requests_still_parse():
             "top_p": 0.9,
             "n": 2,
             "seed": -(2**63),
-            "stop": ["\n", ""],
+            "stop": ["\n", "END"],
             "stream": True,
             "stream_options": {"include_usage": True},
             "presence_penalty": 0.5,
@@ -481,7 +484,7 @@ def test_previously_valid_requests_still_parse():
         20,
         True,
     )
-    assert chat.messages[1].content[0].text == "hi" and chat.stop_strings == ("\n",)
+    assert chat.messages[1].content[0].text == "hi" and chat.stop_strings == ("\n", "END")
     for prompt in ("x", ["x", "y"], [1, 2], [[1, 2], [3]]):
         assert CompletionRequest(prompt=prompt).prompt == prompt
     for empty in ([], [[1], []]):  # no prompt to complete: a 400, as OpenAI answers
@@ -691,3 +694,187 @@ def test_best_of_must_be_n(best_of, code):
     assert raised.value.param == "best_of" and raised.value.code == code
     ok = CompletionRequest(prompt="hi", best_of=1)
     assert completion_inputs(ok, FULL_SPECS, True, "hi")["text_input"] == "hi"
+
+
+# --- OpenAI's optional fields: null is the default; service options; what is not served -------
+
+# OpenAI's API reference: the optional fields of each endpoint it marks nullable (null: "not
+# set", the default). Those this server does not serve are refused only when given a value.
+OPENAI_NULLABLE = {
+    "chat": (
+        "audio frequency_penalty function_call functions logit_bias logprobs max_completion_tokens"
+        " max_tokens metadata modalities n parallel_tool_calls prediction presence_penalty"
+        " reasoning_effort response_format seed service_tier stop store stream stream_options"
+        " temperature tool_choice tools top_logprobs top_p user verbosity web_search_options"
+    ).split(),
+    "completion": (
+        "best_of echo frequency_penalty logit_bias logprobs max_tokens n presence_penalty seed"
+        " stop stream stream_options suffix temperature top_p user"
+    ).split(),
+}
+_INPUTS = {
+    "chat": lambda req: chat_inputs(req, FULL_SPECS, backend_stream=False),
+    "completion": lambda req: completion_inputs(req, FULL_SPECS, False, "hi"),
+}
+
+
+@pytest.mark.parametrize("endpoint", list(_MODELS))
+def test_null_is_the_default_of_every_optional_field(endpoint):
+    """Every declared field that is not required reads JSON null as its default (QA: "n",
+    "stream" and "echo" null were 400s); a required one given null stays an error."""
+    model, base = _MODELS[endpoint]
+    optional = [name for name, info in model.model_fields.items() if not info.is_required()]
+    assert {"n", "stream", "stream_options", "stop", "max_tokens"} <= set(optional)
+    nulls = model.model_validate({**base, **dict.fromkeys(optional)})
+    assert nulls == model.model_validate(base)
+    for name in optional:
+        one = model.model_validate({**base, name: None})
+        assert getattr(one, name) == model.model_fields[name].get_default(
+            call_default_factory=True
+        ), name
+    assert (nulls.n, nulls.stream) == (1, False)
+    for required in set(model.model_fields) - set(optional):
+        with pytest.raises(ValidationError):
+            model.model_validate({**base, required: None})
+    options = {"include_usage": None, "include_obfuscation": None}
+    streamed = model.model_validate({**base, "stream": True, "stream_options": options})
+    assert streamed.include_usage is False
+
+
+@pytest.mark.parametrize("endpoint", list(_MODELS))
+def test_openais_nullable_fields_given_null_are_requests_without_them(endpoint, offline_app):
+    """Each field OpenAI documents as nullable, null, changes nothing: the same backend inputs
+    as the bare request (declared or not: ``audio``, ``functions``, ... null are no 400s), and
+    the app takes the body past validation (no Triton here: 503)."""
+    model, base = _MODELS[endpoint]
+    given = dict.fromkeys(OPENAI_NULLABLE[endpoint])
+    inputs = _INPUTS[endpoint]
+    assert inputs(model.model_validate({**base, **given})) == inputs(model.model_validate(base))
+    for name in given:
+        assert inputs(model.model_validate({**base, name: None})) == inputs(
+            model.model_validate(base)
+        ), name
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    _assert_openai_error(offline_app.post(path, json={**base, **given}), 503)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"store": False},
+        {"metadata": {}},
+        {"service_tier": "auto"},
+        {"service_tier": "default"},
+        {"modalities": ["text"]},
+        {"stream": True, "stream_options": {"include_obfuscation": False}},
+    ],
+)
+def test_service_options_at_values_this_server_honours_are_served(extra):
+    """Nothing stored, one tier, text out, no stream padding: the request is the same as
+    without them."""
+    streamed = {"stream": True} if "stream" in extra else {}
+    bare = chat_inputs(ChatCompletionRequest(**_CHAT, **streamed), FULL_SPECS, True)
+    assert chat_inputs(ChatCompletionRequest(**_CHAT, **extra), FULL_SPECS, True) == bare
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "code", "says"),
+    [
+        ({"store": True}, "store", "unsupported_value", "store true"),
+        ({"service_tier": "flex"}, "service_tier", "unsupported_value", 'service_tier "flex"'),
+        ({"service_tier": "priority"}, "service_tier", "unsupported_value", '"priority"'),
+        ({"service_tier": "scale"}, "service_tier", "unsupported_value", '"scale"'),
+        ({"modalities": ["text", "audio"]}, "modalities", "unsupported_value", '"audio"]'),
+        ({"modalities": ["audio"]}, "modalities", "unsupported_value", 'modalities ["audio"]'),
+        ({"metadata": {"team": "a"}}, "metadata", "unsupported_parameter", "stored"),
+        (
+            {"stream": True, "stream_options": {"include_obfuscation": True}},
+            "stream_options.include_obfuscation",
+            "unsupported_value",
+            "stream_options.include_obfuscation true",
+        ),
+    ],
+)
+def test_service_options_this_server_cannot_honour_are_400s_naming_field_and_value(
+    extra, param, code, says
+):
+    request = ChatCompletionRequest(**_CHAT, **extra)
+    with pytest.raises(OpenAIError) as raised:
+        chat_inputs(request, FULL_SPECS, backend_stream=True)
+    error = raised.value
+    assert (error.status, error.param, error.code) == (400, param, code)
+    assert says in error.message, error.message
+
+
+@pytest.mark.parametrize(
+    ("metadata", "param", "code"),
+    [
+        ({f"k{i}": "v" for i in range(17)}, "metadata", "too_long"),
+        ({"k" * 65: "v"}, "metadata." + "k" * 65, "string_too_long"),
+        ({"k": "v" * 513}, "metadata.k", "string_too_long"),
+        ({"k": 1}, "metadata.k", "string_type"),
+        (["k", "v"], "metadata", "dict_type"),
+    ],
+)
+def test_metadata_has_openais_shape(offline_app, metadata, param, code):
+    """At most 16 string pairs, keys of at most 64 characters, values of at most 512: a
+    malformed ``metadata`` is an invalid request before it is refused as unserved."""
+    body = {**_CHAT, "metadata": metadata}
+    error = _assert_openai_error(offline_app.post("/v1/chat/completions", json=body), 400)
+    assert (error["param"], error["code"]) == (param, code), error
+    widest = {f"{i:064d}": "v" * 512 for i in range(16)}
+    assert ChatCompletionRequest(**_CHAT, metadata=widest).metadata == widest
+
+
+@pytest.mark.parametrize("endpoint", list(_MODELS))
+@pytest.mark.parametrize("field", sorted(OPENAI_FIELDS))
+def test_openai_fields_this_server_does_not_serve_are_refused_by_name(endpoint, field):
+    """Given a value, each is a 400 unsupported_parameter naming it; null is no 400."""
+    model, base = _MODELS[endpoint]
+    with pytest.raises(OpenAIError) as raised:
+        _INPUTS[endpoint](model.model_validate({**base, field: {"x": 1}}))
+    error = raised.value
+    assert (error.status, error.param, error.code) == (400, field, "unsupported_parameter")
+    assert error.message.startswith(f"{field} is not supported"), error.message
+    _INPUTS[endpoint](model.model_validate({**base, field: None}))
+
+
+def test_functions_and_function_call_are_refused_pointing_to_tools():
+    for field, instead in (("functions", "tools"), ("function_call", "tool_choice")):
+        request = ChatCompletionRequest(**_CHAT, **{field: [{"name": "f"}]})
+        with pytest.raises(OpenAIError) as raised:
+            chat_inputs(request, FULL_SPECS, backend_stream=False)
+        assert raised.value.param == field
+        assert f"give {instead} instead" in raised.value.message, raised.value.message
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stop", ["", [""], ["a", ""], "x" * 257, ["a", "x" * 257]])
+def test_empty_and_overlong_stop_strings_are_400s(offline_app, path, stop):
+    """The contract's 1..256 characters, checked by the sidecar too (QA: "" and [""] were
+    accepted and silently dropped, while the engine refuses them)."""
+    base = _CHAT if path == "/v1/chat/completions" else _COMPLETION
+    error = _assert_openai_error(offline_app.post(path, json={**base, "stop": stop}), 400)
+    assert (error["param"], error["code"]) == ("stop", "invalid_value"), error
+    assert "1..256 characters" in error["message"]
+    # At the bounds the body passes validation (then 503: no Triton here).
+    for fine in ("x", "x" * 256, ["a", "x" * 256]):
+        _assert_openai_error(offline_app.post(path, json={**base, "stop": fine}), 503)
+
+
+def test_the_model_cards_created_is_the_same_every_call(offline_app, monkeypatch):
+    """``created`` is when the sidecar started, not the time of each call (QA: it changed on
+    every GET)."""
+    first = offline_app.get("/v1/models").json()["data"][0]["created"]
+    assert 0 < first <= time.time()
+    monkeypatch.setattr(time, "time", lambda: first + 1000.0)
+    assert offline_app.get("/v1/models").json()["data"][0]["created"] == first
+    assert offline_app.get("/v1/models/tiny").json()["created"] == first
+
+
+def test_detokenize_of_no_tokens_is_the_empty_text(offline_app):
+    """vLLM answers ``{"prompt": ""}`` (QA: this was a 400); no tokenizer needed for it."""
+    response = offline_app.post("/detokenize", json={"model": "tiny", "tokens": []})
+    assert response.status_code == 200 and response.json() == {"prompt": ""}
+    other = offline_app.post("/detokenize", json={"model": "other", "tokens": []})
+    assert _assert_openai_error(other, 404)["code"] == "model_not_found"

@@ -35,6 +35,7 @@ from openai_helpers import engine_idle, wait_for_gauges
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
+from openai_frontend import app as sidecar_app
 from openai_frontend.app import parse_args
 from openai_frontend.workers import HEARTBEAT_INTERVAL_S, listening_sockets
 from tritonllm.processes import child_pids
@@ -360,6 +361,29 @@ def test_a_worker_timeout_within_the_heartbeat_interval_is_a_usage_error(timeout
     assert exit_.value.code == 2
     assert "--worker-timeout: must be more than 1 s" in capsys.readouterr().err
     assert parse_args(["--worker-timeout", "2.5"]).worker_timeout == 2.5
+
+
+def test_every_worker_is_given_the_parents_start_as_the_model_cards_created(monkeypatch):
+    """``GET /v1/models`` answers one ``created`` whichever worker serves it: the parent
+    passes its own start time (``--created``) to all of them."""
+    started: list[list[str]] = []
+
+    def serve(argv, sockets, timeout_s, end_lease):
+        started.append(list(argv))
+        for sock in sockets:
+            sock.close()
+        return 0
+
+    monkeypatch.setattr(sidecar_app.workers, "serve", serve)
+    monkeypatch.setattr(sidecar_app.time, "time", lambda: 1_700_000_000.5)
+    with pytest.raises(SystemExit) as exit_:
+        sidecar_app.main(["--workers", "2", "--port", "0", "--model-name", "m"])
+    assert exit_.value.code == 0
+    assert started == [
+        ["--workers", "2", "--port", "0", "--model-name", "m", "--created=1700000000"]
+    ]
+    assert parse_args(started[0]).created == 1_700_000_000
+    assert parse_args([]).created is None
 
 
 def test_each_worker_gets_a_socket_on_the_one_port_and_a_used_port_fails():

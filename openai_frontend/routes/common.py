@@ -35,10 +35,12 @@ class ServerState:
     may go without a response (seconds; None: no limit), the generations in flight
     (``live``: started, not yet closed), the model's tool-call parser, and
     ``cache_salt_from_api_key``: each API key's requests get their tenant's prefix-cache salt
-    (``security.py``)."""
+    (``security.py``); ``created``: the model card's ``created`` (Unix seconds: when the
+    sidecar started serving, ``create_app``)."""
 
     client: TritonClient
     model_name: str
+    created: int
     stream_idle_timeout_s: float | None = None
     cache_salt_from_api_key: bool = False
     live: set[Generation] = field(default_factory=set)

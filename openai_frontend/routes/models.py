@@ -12,7 +12,8 @@ router = APIRouter()
 
 async def _card(state: ServerState) -> ModelCard:
     name = state.model_name
-    return ModelCard(id=name, root=name, max_model_len=await state.context_limit())
+    limit = await state.context_limit()
+    return ModelCard(id=name, created=state.created, root=name, max_model_len=limit)
 
 
 @router.get("/v1/models")

@@ -65,10 +65,10 @@ class TokenizeResponse(_Lenient):
 
 
 class DetokenizeRequest(_Lenient):
-    """``POST /detokenize``: token ids → text."""
+    """``POST /detokenize``: token ids → text (no ids: the empty text, as vLLM answers)."""
 
     model: str | None = None
-    tokens: list[TokenId] = Field(min_length=1)
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(_Lenient):
@@ -127,10 +127,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-    """The text of token ids. Raises: OpenAIError 404 for another model; 400 for an id outside
+    """The text of token ids (``""`` for none, without asking the tokenizer model, which
+    takes no empty prompt). Raises: OpenAIError 404 for another model; 400 for an id outside
     the vocabulary."""
     state = get_state(request)
     check_model(state, body.model)
+    if not body.tokens:
+        return DetokenizeResponse(prompt="")
     inputs: dict[str, InputValue] = {"input_ids": body.tokens, "exclude_input_in_output": False}
     outputs = await _tokenizer(state, inputs, "tokens")
     text = outputs["echo_text"].reshape(-1)[0]
