@@ -166,7 +166,8 @@ def create_app(
             getting 503 meanwhile (0: abort them at once; ``drain.py``).
         api_keys: when any, every route but ``/health`` and ``/`` needs one of them as
             ``Authorization: Bearer <key>`` (``security.ApiKeyAuth``); each key is a tenant.
-        cors_origins: browser origins allowed to call the API (CORS); none: no CORS headers.
+        cors_origins: browser origins allowed to call the API (CORS, with any request header);
+            none: no CORS headers.
         cache_salt_from_api_key: each tenant gets its own prefix cache (``security.py``).
         control_secret: the generator's control secret, sent with every abort (the server's
             ``TRITONLLM_CONTROL_SECRET``).
@@ -229,11 +230,14 @@ def create_app(
     if api_keys:  # before the body is read; after CORS, so a browser can read a 401
         app.add_middleware(ApiKeyAuth, api_keys=api_keys)
     if cors_origins:  # answers preflights (which carry no key) itself
+        # Any request header, as vLLM allows: the openai SDKs send their own (x-stainless-*,
+        # openai-organization, openai-project, openai-beta, ...), and a header grants nothing
+        # here (the API key is still checked); the origin list is what CORS restricts.
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(cors_origins),
             allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["*"],
         )
     app.add_middleware(DrainGate, state=app.state.drain)  # refuses before reading
     app.add_middleware(metrics.RequestMetrics)  # outermost: counts every answer

@@ -353,18 +353,27 @@ def test_api_key_is_required_except_for_health_and_the_page(service):
     assert page.status_code == 200 and 'id="api-key"' in page.text
 
 
+# What the official openai JS SDK asks a preflight to allow (it sends its own headers beside the
+# key and the JSON type); QA: a fixed list of Authorization and Content-Type refused these.
+SDK_REQUEST_HEADERS = (
+    "authorization,content-type,x-stainless-os,x-stainless-lang,x-stainless-arch,"
+    "x-stainless-runtime,x-stainless-runtime-version,x-stainless-package-version,"
+    "x-stainless-retry-count,x-stainless-timeout,openai-organization,openai-project,openai-beta"
+)
+
+
 def test_cors_allows_only_the_configured_origin(service):
-    """Issue 15 item 4: CORS answers the configured origin (preflight without a key) and no
-    other."""
+    """Issue 15 item 4: CORS answers the configured origin (preflight without a key, with the
+    openai SDK's own request headers) and no other."""
     _, root, _ = service
     preflight = {
         "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization,content-type",
+        "Access-Control-Request-Headers": SDK_REQUEST_HEADERS,
     }
     allowed = httpx.options(
         f"{root}/v1/chat/completions", headers={"Origin": ORIGIN, **preflight}, timeout=10
     )
-    assert allowed.status_code == 200
+    assert allowed.status_code == 200, allowed.text
     assert allowed.headers["access-control-allow-origin"] == ORIGIN
     other = httpx.options(
         f"{root}/v1/chat/completions",
@@ -375,6 +384,38 @@ def test_cors_allows_only_the_configured_origin(service):
     denied = httpx.get(f"{root}/v1/models", headers={"Origin": ORIGIN}, timeout=10)
     assert denied.status_code == 401  # a browser can read the 401
     assert denied.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_cors_preflight_of_the_openai_sdk_is_allowed_for_the_origin_only():
+    """QA: a browser page of an allowed origin using the official openai JS SDK got a 400
+    ("Disallowed CORS headers") on its preflight: the SDK asks for x-stainless-* and openai-*
+    headers. Any request header is allowed now, for the configured origins only (in process:
+    the preflight never reaches Triton, so no lifespan runs and its URL is never dialled)."""
+    from fastapi.testclient import TestClient
+
+    from openai_frontend import create_app
+
+    app = create_app("127.0.0.1:9", "m", api_keys=(KEY_A,), cors_origins=(ORIGIN,))
+    client = TestClient(app)
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": SDK_REQUEST_HEADERS,
+    }
+    allowed = client.options("/v1/chat/completions", headers={"Origin": ORIGIN, **preflight})
+    assert allowed.status_code == 200, allowed.text
+    assert allowed.headers["access-control-allow-origin"] == ORIGIN
+    granted = {h.strip() for h in allowed.headers["access-control-allow-headers"].split(",")}
+    assert set(SDK_REQUEST_HEADERS.split(",")) <= {h.lower() for h in granted}
+    assert "POST" in allowed.headers["access-control-allow-methods"]
+    assert "Origin" in allowed.headers["vary"]  # caches keep per-origin answers apart
+    refused = client.options(
+        "/v1/chat/completions", headers={"Origin": "https://evil.example", **preflight}
+    )
+    assert refused.status_code == 400
+    assert "access-control-allow-origin" not in refused.headers
+    # The key is still needed: a header grants nothing but leave to be sent.
+    sdk_call = {"Origin": ORIGIN, "x-stainless-os": "Linux", "openai-project": "p"}
+    assert client.get("/v1/models", headers=sdk_call).status_code == 401
 
 
 # --- 6. Admission control and limits ---------------------------------------------------------------
