@@ -240,9 +240,13 @@ def create_app(
             allow_headers=["*"],
         )
     app.add_middleware(DrainGate, state=app.state.drain)  # refuses before reading
-    app.add_middleware(metrics.RequestMetrics)  # outermost: counts every answer
-    routers = (chat, completions, models, tokenize, health, chat_page, metrics)
-    for router in (module.router for module in routers):
+    modules = (chat, completions, models, tokenize, health, chat_page, metrics)
+    routers = tuple(module.router for module in modules)
+    # FastAPI's own (/openapi.json) and ours, for the metrics' route label of an answer the
+    # middleware gives before routing (none of ours has a prefix: their paths are full).
+    served = [*app.router.routes, *(route for router in routers for route in router.routes)]
+    app.add_middleware(metrics.RequestMetrics, routes=served)  # outermost: counts every answer
+    for router in routers:
         app.include_router(router)
     return app
 

@@ -5,7 +5,8 @@ Names follow vLLM's (``vllm:e2e_request_latency_seconds`` ...) under the ``opena
 (the generator's Triton metrics, on Triton's metrics port, are ``tritonllm_*``):
 
 - ``openai_requests_total{route, status}``: HTTP requests answered, by route template
-  (``/v1/chat/completions``; ``unmatched`` for unknown paths) and status code;
+  (``/v1/chat/completions``, also for the answers of the middleware in front of the routes:
+  401, 413, 415, a drain's 503; ``unmatched`` for unknown paths) and status code;
 - ``openai_requests_in_flight``: requests being answered (streams until their end), the
   ``/metrics`` scrape itself not counted (an idle server reads 0);
 - ``openai_e2e_request_latency_seconds{route}``: arrival to the last byte sent;
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 
 from fastapi import APIRouter
 from fastapi.responses import Response
@@ -43,6 +45,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.multiprocess import MultiProcessCollector
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tritonllm.serving.metrics import ITL_BUCKETS_S, REQUEST_BUCKETS_S, TTFT_BUCKETS_S
@@ -98,19 +101,39 @@ def registry() -> CollectorRegistry:
     return merged
 
 
-def _route(scope: Scope) -> str:
-    """The route template that served ``scope`` (FastAPI's routing sets ``scope["route"]``; a
-    bounded set of label values), else ``unmatched``."""
+def _route(scope: Scope, routes: Sequence[BaseRoute]) -> str:
+    """The route template of ``scope``'s request (a bounded set of label values): the route
+    that served it (FastAPI's routing sets ``scope["route"]``), or for an answer a middleware
+    gave before routing (a 401, a 413 or 415 of the body limits, a drain's 503) the one of
+    ``routes`` it was sent to, picked as routing picks it (the first that matches path and
+    method, else the first that matches the path: routing's 405); ``unmatched`` for a path no
+    route serves."""
     route = scope.get("route")
+    if route is None:
+        partial = None
+        for candidate in routes:
+            match, _ = candidate.matches(scope)
+            if match is Match.FULL:
+                route = candidate
+                break
+            if match is Match.PARTIAL and partial is None:
+                partial = candidate
+        route = route or partial
     return UNMATCHED if route is None else str(getattr(route, "path", UNMATCHED))
 
 
 class RequestMetrics:
     """ASGI middleware: counts every HTTP request by route and status, the requests in flight
-    and their end-to-end latency (a stream's, until its last byte)."""
+    and their end-to-end latency (a stream's, until its last byte).
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+    Args:
+        routes: the app's routes, each with its full path (no router prefix): what an answer
+            given before routing is labelled with (``_route``); none: such answers are
+            ``unmatched``.
+    """
+
+    def __init__(self, app: ASGIApp, routes: Sequence[BaseRoute] = ()) -> None:
+        self.app, self.routes = app, tuple(routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -132,7 +155,7 @@ class RequestMetrics:
         finally:
             if counted:
                 IN_FLIGHT.dec()
-            route = _route(scope)
+            route = _route(scope, self.routes)
             REQUESTS.labels(route, str(status)).inc()
             E2E_LATENCY.labels(route).observe(time.perf_counter() - start)
 

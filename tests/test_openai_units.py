@@ -296,6 +296,36 @@ def test_unknown_model_is_404_model_not_found(offline_app):
     assert offline_app.get("/v1/models").json()["data"][0]["id"] == "tiny"
 
 
+def test_answers_refused_before_routing_are_counted_under_their_route():
+    """QA: 413 and 415 answers on /v1/chat/completions were counted as ``route="unmatched"``:
+    the body limits (and the API key check) answer before FastAPI's routing has set the route.
+    They carry the route they were sent to; a path no route serves stays ``unmatched``. (No
+    lifespan: nothing here reaches a route that calls Triton.)"""
+    from prometheus_client import REGISTRY
+
+    chat = "/v1/chat/completions"
+    client = TestClient(create_app("127.0.0.1:9", "tiny", max_request_bytes=64, api_keys=("k",)))
+
+    def count(route: str, status: int) -> float:
+        labels = {"route": route, "status": str(status)}
+        return REGISTRY.get_sample_value("openai_requests_total", labels) or 0.0
+
+    key = {"Authorization": "Bearer k"}
+    cases = [
+        (chat, 413, {"content": b"x" * 65, "headers": key}),
+        (chat, 415, {"content": b"{}", "headers": {**key, "Content-Encoding": "gzip"}}),
+        (chat, 401, {"json": {}}),
+        ("/v1/no-such-route", 404, {"json": {}, "headers": key}),
+    ]
+    for path, status, request in cases:
+        route = path if status != 404 else "unmatched"
+        before, unmatched = count(route, status), count("unmatched", status)
+        assert client.post(path, **request).status_code == status
+        assert count(route, status) == before + 1, (path, status)
+        if route != "unmatched":
+            assert count("unmatched", status) == unmatched, (path, status)
+
+
 def test_unreachable_triton_is_503_and_unhealthy(offline_app):
     body = {"model": "tiny", "prompt": "hello"}
     _assert_openai_error(offline_app.post("/v1/completions", json=body), 503)
