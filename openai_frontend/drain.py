@@ -1,11 +1,11 @@
 """Graceful drain: SIGTERM stops taking new requests and lets the ones in flight finish.
 
 On SIGTERM the sidecar starts draining: ``/health`` answers 503 (a load balancer's readiness
-check takes the replica out), every new request gets a 503 OpenAI error with ``Connection:
-close`` and ``Retry-After`` (nothing of it reached Triton, so a balancer may retry it on
-another replica), and the generations in flight go on. The server exits once none is left, or
-after ``timeout_s`` seconds, when the rest are aborted (their streams end with finish_reason
-``"abort"``). SIGINT (Ctrl-C), or a second SIGTERM, stops at once: the generations in flight
+check takes the replica out), every new request gets a 503 OpenAI error (nothing of it reached
+Triton, so a balancer may retry it on another replica), both with ``Connection: close`` and
+``Retry-After`` (``DRAIN_HEADERS``), and the generations in flight go on. The server exits
+once none is left, or after ``timeout_s`` seconds, when the rest are aborted (their streams end
+with finish_reason ``"abort"``). SIGINT (Ctrl-C), or a second SIGTERM, stops at once: the generations in flight
 are aborted, as before. Either way the abort comes first, while the server still runs, and the
 server exits once their streams ended (each with its ``"abort"`` chunk and ``[DONE]``), at most
 ``ABORTED_STREAMS_GRACE_S`` later; one more signal exits without waiting.
@@ -35,6 +35,11 @@ _OPEN_PATHS = ("/health", "/health/live")
 # Most seconds an expired drain waits, after aborting the generations left, for their streams
 # to send their last chunks before the server exits.
 ABORTED_STREAMS_GRACE_S = 5.0
+# Seconds a drain's 503 asks its client to wait before retrying (on another replica).
+DRAIN_RETRY_AFTER_S = 1
+# The headers of every 503 a draining sidecar answers, /health's included: the connection is
+# not kept (this server is going away) and the client may retry.
+DRAIN_HEADERS = {"Connection": "close", "Retry-After": str(DRAIN_RETRY_AFTER_S)}
 
 
 @dataclass
@@ -94,8 +99,7 @@ class DrainGate:
             "server_error",
             code="service_unavailable",
         ).response()
-        response.headers["Connection"] = "close"
-        response.headers["Retry-After"] = "1"
+        response.headers.update(DRAIN_HEADERS)
         await response(scope, receive, send)
 
 

@@ -55,6 +55,7 @@ from fastapi.responses import JSONResponse
 
 from tritonllm.contract.errors import ErrorCode, decode_error
 
+from .drain import DRAIN_HEADERS
 from .errors import OpenAIError
 from .generation import BackendProgress, Generation
 from .triton_client import InputValue, TritonClient, TritonError
@@ -324,11 +325,12 @@ async def health(request: Request) -> JSONResponse:
     """200 ``{"status": "ok"}`` when a generation goes through the ``llm`` ensemble (see the
     module docstring); 503 ``{"status": reason, "backend_failed": bool}`` otherwise
     (``backend_failed``: a part of the pipeline answered with an error, which Triton never
-    repairs, as opposed to being slow or restarting), and ``{"status": "draining"}`` while the
+    repairs, as opposed to being slow or restarting), and ``{"status": "draining"}`` with the
+    drain's ``Retry-After`` and ``Connection: close`` (``drain.DRAIN_HEADERS``) while the
     sidecar drains."""
     drain = request.app.state.drain
     if drain.draining:
-        return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "draining"}, status_code=503, headers=DRAIN_HEADERS)
     status = await request.app.state.health.check()
     if status.ok:
         return JSONResponse({"status": status.reason})

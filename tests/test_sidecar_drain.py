@@ -161,3 +161,25 @@ def test_sigint_stops_the_sidecar_by_that_signal_without_a_traceback(tmp_path):
             proc.wait()
     text = log.read_text()
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+
+
+def test_every_drain_503_carries_retry_after_health_included():
+    """README: the drain's 503s carry ``Retry-After``. QA: ``/health``'s did not (only new
+    requests' did). Both answer with the drain's headers; ``/health/live`` stays 200. (In
+    process, no lifespan: neither answer reaches Triton.)"""
+    from fastapi.testclient import TestClient
+
+    from openai_frontend import create_app
+
+    app = create_app("127.0.0.1:9", "tiny")
+    app.state.drain.begin()
+    client = TestClient(app)
+    health = client.get("/health")
+    refused = client.post("/v1/chat/completions", json={})
+    assert health.status_code == refused.status_code == 503
+    assert health.json() == {"status": "draining"}
+    assert refused.json()["error"]["code"] == "service_unavailable"
+    for response in (health, refused):
+        assert response.headers["retry-after"] == str(drain_module.DRAIN_RETRY_AFTER_S)
+        assert response.headers["connection"] == "close"
+    assert client.get("/health/live").status_code == 200
