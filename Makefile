@@ -15,8 +15,9 @@ CHAT_ARGS ?=
 # (python -m tritonllm.launch --help lists them).
 SERVE_ARGS ?=
 # The OpenAI API's key(s) for `make serve` (comma-separated for several tenants; empty: none).
-# Passed in the launcher's environment (TRITONLLM_API_KEY), never on its command line; an exported
-# TRITONLLM_API_KEY works too and keeps the key out of make's own command line.
+# Passed in the launcher's environment (TRITONLLM_API_KEY), never on its command line nor in the
+# recipe line make prints; an exported TRITONLLM_API_KEY works too and keeps the key out of
+# make's own command line.
 # TRITONLLM_API_KEY_FROM_MAKE tells the launcher the key is not in the user's shell, so its
 # startup hint says to export it before pasting its curl command.
 API_KEY ?=
@@ -41,8 +42,14 @@ setup: $(VENV)/.installed
 # starts tritonserver and the OpenAI sidecar, waits for both, Ctrl-C stops both.
 # `exec`: the launcher replaces the recipe's shell, so the SIGTERM that make forwards to its child
 # (from `kill`, `timeout`, a supervisor) reaches the launcher, which stops both servers.
+# API_KEY reaches the launcher as exported variables, never in the recipe's text, which make
+# prints (a terminal, a CI log) and which is the recipe shell's command line (`ps`).
+ifneq ($(API_KEY),)
+serve: export TRITONLLM_API_KEY := $(API_KEY)
+serve: export TRITONLLM_API_KEY_FROM_MAKE := 1
+endif
 serve: setup
-	$(if $(API_KEY),TRITONLLM_API_KEY="$(API_KEY)" TRITONLLM_API_KEY_FROM_MAKE=1,) PATH=$(CURDIR)/$(VENV)/bin:$$PATH exec $(PY) -m tritonllm.launch $(if $(MODEL),--model "$(MODEL)",) $(SERVE_ARGS)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH exec $(PY) -m tritonllm.launch $(if $(MODEL),--model "$(MODEL)",) $(SERVE_ARGS)
 
 # A terminal chat with the service at CHAT_ARGS' --url (default http://127.0.0.1:9000/v1);
 # when none answers there, it starts one (MODEL, or the default model) and stops it on exit.

@@ -407,6 +407,7 @@ def test_sigterm_to_make_serve_stops_everything(tiny_model_dir):
     try:
         assert _read_until(lines, output, "Ctrl-C", 300), "".join(output)
         banner = "".join(output)
+        assert "k-make-one" not in banner  # make's echo of its recipe included it
         assert "`export TRITONLLM_API_KEY=<your API key>`" in banner
         hint = re.search(r"^try: (curl .*)$", banner, re.MULTILINE)[1]
         pasted = subprocess.run(
@@ -426,6 +427,40 @@ def test_sigterm_to_make_serve_stops_everything(tiny_model_dir):
             make.kill()
             make.wait()
         _kill_marked(entry)
+
+
+def test_make_serve_hands_the_api_key_to_the_launcher_without_printing_it(tmp_path):
+    """QA: ``make serve API_KEY=...`` printed the key, in the recipe line make echoes. The key
+    still reaches the launcher's environment (``TRITONLLM_API_KEY``, with
+    ``TRITONLLM_API_KEY_FROM_MAKE``), and the echoed line (without it) is still printed; a key
+    exported in the shell instead passes through as it is. A stand-in for the launcher reports
+    what it got (make's ``PY``)."""
+    key = "k-make-secret-1,k-make-secret-2"
+    launcher = tmp_path / "launcher"
+    launcher.write_text(
+        "#!/bin/sh\n"
+        f'[ "$TRITONLLM_API_KEY" = "{key}" ] && echo "launcher: the key" || echo "launcher: no key"\n'
+        'echo "launcher: from make=${TRITONLLM_API_KEY_FROM_MAKE-unset} args=$*"\n'
+    )
+    launcher.chmod(0o755)
+    venv = os.path.relpath(sys.prefix, REPO_ROOT)
+    make = ["make", "--no-print-directory", "serve", f"VENV={venv}", "-o", f"{venv}/.installed"]
+    make += [f"PY={launcher}", "SERVE_ARGS=--port 9999"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITONLLM_API_KEY")}
+    cases = [
+        ([f"API_KEY={key}"], env, "from make=1"),
+        ([], {**env, "TRITONLLM_API_KEY": key}, "from make=unset"),
+    ]
+    for extra, environment, origin in cases:
+        run = subprocess.run(
+            make + extra, cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=60
+        )
+        output = run.stdout + run.stderr
+        assert run.returncode == 0, output
+        assert "k-make-secret" not in output, output
+        assert "launcher: the key" in output and origin in output, output
+        assert f"exec {launcher} -m tritonllm.launch" in output  # make's echo of the recipe
+        assert "args=-m tritonllm.launch --port 9999" in output, output
 
 
 def test_readme_plain_tritonserver_recipe_serves(tiny_model_dir, tmp_path):
