@@ -142,6 +142,29 @@ def _read_until(
     return False
 
 
+def test_banner_names_the_triton_endpoints_beside_the_openai_base_url(monkeypatch):
+    """QA: the launcher printed the OpenAI base URL only, so a Triton client of a service on
+    other ports had to read the flags. The banner's next line names tritonserver's HTTP, gRPC
+    and metrics endpoints on the ports given, a wildcard bind as the local address (as the
+    base URL does)."""
+    from tritonllm.launch import _banner
+
+    monkeypatch.delenv("TRITONLLM_TRITON_HOST", raising=False)
+    ports = ["--http-port=18000", "--grpc-port=18001", "--metrics-port=18002"]
+    for host_args, host in (([], "127.0.0.1"), (["--triton-host=0.0.0.0"], "127.0.0.1")):
+        lines = _banner(parse_args(ports + host_args), "m").splitlines()
+        assert lines[0].startswith("OpenAI base URL: ")
+        assert lines[1] == (
+            f"Triton endpoints: HTTP http://{host}:18000, gRPC {host}:18001, "
+            f"metrics http://{host}:18002/metrics"
+        )
+    lines = _banner(parse_args(["--triton-host=10.1.2.3"]), "m").splitlines()
+    assert lines[1] == (
+        "Triton endpoints: HTTP http://10.1.2.3:8000, gRPC 10.1.2.3:8001, "
+        "metrics http://10.1.2.3:8002/metrics"
+    )
+
+
 def test_hub_ids_pass_through_and_dirs_resolve(tmp_path):
     assert resolve_model("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
     assert served_name("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
@@ -176,6 +199,12 @@ def test_launch_serves_then_sigint_stops_everything(tiny_model_dir):
         base_url = found.group(1) if found else None
         assert base_url == f"http://127.0.0.1:{port}/v1", "".join(output)
         log = "".join(output)
+        endpoints = (
+            f"Triton endpoints: HTTP http://127.0.0.1:{triton_ports['http']}, gRPC "
+            f"127.0.0.1:{triton_ports['grpc']}, metrics "
+            f"http://127.0.0.1:{triton_ports['metrics']}/metrics\n"
+        )
+        assert endpoints in log, log
         triton_pid = int(re.search(r"tritonserver pid (\d+)", log).group(1))
         sidecar_pid = int(re.search(r"sidecar pid (\d+)", log).group(1))
         assert "curl " in log

@@ -133,6 +133,17 @@ class LaunchConfig:
         """The OpenAI base URL clients use (``http://HOST:PORT/v1``; a wildcard bind as local)."""
         return f"http://{connect_host(self.host)}:{self.port}/v1"
 
+    @property
+    def triton_endpoints(self) -> str:
+        """tritonserver's endpoints as clients reach them (a wildcard bind as local): ``HTTP
+        http://HOST:HTTP_PORT, gRPC HOST:GRPC_PORT, metrics http://HOST:METRICS_PORT/metrics``
+        (gRPC as tritonclient takes it, without a scheme)."""
+        host = connect_host(self.triton_host)
+        return (
+            f"HTTP http://{host}:{self.http_port}, gRPC {host}:{self.grpc_port}, "
+            f"metrics http://{host}:{self.metrics_port}/metrics"
+        )
+
 
 def resolve_model(model: str | None) -> str:
     """The checkpoint to serve: a local directory (absolute path) or a hub id kept as is.
@@ -339,6 +350,7 @@ def _banner(cfg: LaunchConfig, model_name: str) -> str:
         )
     return (
         f"OpenAI base URL: {cfg.base_url}\n"
+        f"Triton endpoints: {cfg.triton_endpoints}\n"
         f"{export}"
         f"try: curl {cfg.base_url}/chat/completions -H 'Content-Type: application/json' {auth}"
         f'-d \'{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hello"}}], '
