@@ -326,7 +326,8 @@ MALFORMED = {
     ],
     "detokenizer": [
         ("missing input", [("output_ids", IDS.reshape(1, -1))]),
-        # (Ids outside the vocabulary are not malformed here: they decode to "" by design.)
+        # (Ids past the tokenizer's but within the model's vocabulary decode to "" by design.)
+        ("ids out of vocabulary", _detokenizer_inputs(np.array([9707, 10**9], np.int32))),
         ("wrong dtype", _detokenizer_inputs(IDS, output_ids=IDS.reshape(1, -1).astype(np.float32))),
         ("logprobs of another length", _detokenizer_inputs(
             IDS, output_logprobs=np.array([[-0.5]], np.float32),

@@ -547,13 +547,10 @@ def test_half_sent_and_idle_connections_are_closed(service):
     assert time.monotonic() - start < HEADER_TIMEOUT_S + 9
 
 
-def test_detokenizer_refuses_negative_ids(service):
-    """Hole: negative ids sent straight to the detokenizer wrapped around (decoded from the end
-    of the id table)."""
-    server, _, _ = service
-    client = grpcclient.InferenceServerClient(server.grpc_url)
+def _detokenize(url: str, output_ids: list[int]):
+    """The ``detokenizer`` model called directly with ``output_ids`` (no prefix, not final)."""
     values = {
-        "output_ids": np.array([-1], np.int32),
+        "output_ids": np.array(output_ids, np.int32),
         "prefix_ids": np.array([], np.int32),
         "finish_reason": _strings(b""),
         **{
@@ -567,9 +564,28 @@ def test_detokenizer_refuses_negative_ids(service):
         tensor = grpcclient.InferInput(key, list(array.shape), dtype)
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        return client.infer("detokenizer", inputs)
+    finally:
+        client.close()
+
+
+# The tiny Qwen3's vocabulary (logits width) has 151,936 ids, its tokenizer 151,669.
+@pytest.mark.parametrize("bad_id", [-1, 151_936, 10**9])
+def test_detokenizer_refuses_ids_outside_the_vocabulary(service, bad_id):
+    """Hole: negative ids sent straight to the detokenizer wrapped around (decoded from the end
+    of the id table). QA: an id past the model's vocabulary, which no generation produces, was
+    accepted silently (decoded to nothing). Both are ``invalid_value`` errors naming the id; an
+    id the model has but the tokenizer lacks (a padding row a model may sample) still decodes
+    to nothing."""
+    server, _, _ = service
     with pytest.raises(InferenceServerException) as caught:
-        client.infer("detokenizer", inputs)
+        _detokenize(server.grpc_url, [9707, bad_id])
     assert _error_code(caught.value) == "invalid_value"
+    assert f"output_ids holds token id {bad_id}," in caught.value.message()
+    padded = _detokenize(server.grpc_url, [9707, 151_935])
+    assert padded.as_numpy("text_output")[0] == b"Hello"
 
 
 # --- 7. Error bodies and the OpenAPI document -----------------------------------------------------

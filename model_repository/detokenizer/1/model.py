@@ -33,6 +33,7 @@ except ImportError:  # not pip-installed: use the checkout that holds this repos
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
+from tritonllm.model_config import ModelConfig
 from tritonllm.serving.bls import abort_generation
 from tritonllm.serving.cancel_watch import CancelWatch
 from tritonllm.serving.text_outputs import text_outputs
@@ -59,13 +60,18 @@ def _inputs(request):
     return {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
 
 
-def _token_ids(array, name):
-    """The ids of input ``name`` as a list; a negative id (which would index the id → bytes
-    table from its end) is refused (``invalid_value``). Ids at or beyond the vocabulary decode
-    to nothing (``Detokenizer``)."""
+def _token_ids(array, name, vocab_size):
+    """The ids of input ``name`` as a list, each in ``[0, vocab_size)``, else a
+    ``RequestError`` (``invalid_value``) naming the first id outside: a negative one would
+    index the id → bytes table from its end, and no generation produces one past the model's
+    vocabulary. Ids from ``len(tokenizer)`` up to ``vocab_size`` (the embedding's padding rows,
+    which a model may sample) decode to nothing (``Detokenizer``)."""
     flat = array.reshape(-1)
-    if flat.size and int(flat.min()) < 0:
-        raise RequestError(ErrorCode.INVALID_VALUE, name, f"{name} holds a negative token id")
+    if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= vocab_size):
+        bad = int(flat[(flat < 0) | (flat >= vocab_size)][0])
+        raise RequestError(
+            ErrorCode.INVALID_VALUE, name, f"{name} holds token id {bad}, not in [0, {vocab_size})"
+        )
     return flat.tolist()
 
 
@@ -78,7 +84,14 @@ class TritonPythonModel:
         from tritonllm.tokenization.loading import load_tokenizer
 
         params = model_parameters(args["model_config"])
-        self.detokenizer = Detokenizer(load_tokenizer(served_model_dir(params)))  # without torch
+        model_dir = served_model_dir(params)
+        tokenizer = load_tokenizer(model_dir)  # without torch
+        self.detokenizer = Detokenizer(tokenizer)
+        # The ids a generation can hold: the model's logits width (config.json), which may
+        # exceed the tokenizer's ids (Qwen3: 151,936 rows, 151,669 ids).
+        self.vocab_size = max(
+            ModelConfig.from_pretrained(str(model_dir)).vocab_size, len(tokenizer)
+        )
         self.control_secret = serving_config(params).control_secret
         self.cancel_watch = CancelWatch()
         self.logger = pb_utils.Logger
@@ -90,7 +103,7 @@ class TritonPythonModel:
         final = finish_reason != ""
         index = inputs.get("index")
         self._watch_cancellation(request, inputs.get("request_key"), final and index is None)
-        new_ids = _token_ids(inputs["output_ids"], "output_ids")
+        new_ids = _token_ids(inputs["output_ids"], "output_ids", self.vocab_size)
         trim = inputs.get("trim_chars")
         echo = inputs.get("echo_text")
         for name in OPTIONAL_PASS_THROUGH:
@@ -101,13 +114,13 @@ class TritonPythonModel:
             logprobs = tuple(passed[name].reshape(-1).tolist() for name in LOGPROB_INPUTS)
         prompt_scores = None
         if "prompt_ids" in inputs:
-            prompt_ids = _token_ids(inputs["prompt_ids"], "prompt_ids")
+            prompt_ids = _token_ids(inputs["prompt_ids"], "prompt_ids", self.vocab_size)
             values = [inputs[name].reshape(-1).tolist() for name in PROMPT_SCORE_INPUTS]
             prompt_scores = (prompt_ids, *values)
         out = text_outputs(
             self.detokenizer,
             new_ids,
-            _token_ids(inputs["prefix_ids"], "prefix_ids"),
+            _token_ids(inputs["prefix_ids"], "prefix_ids", self.vocab_size),
             finish_reason,
             0 if trim is None else int(trim.reshape(-1)[0]),
             None if echo is None else _first_text(echo),
