@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from . import chat_page, health, metrics, workers
-from .body_limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimits
+from .body_limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, BodyLimits
 from .drain import DrainGate, DrainState, server_class
 from .errors import install_error_handlers
 from .openapi import install_openapi
@@ -53,6 +53,7 @@ def create_app(
     triton_model: str = "llm_fused",
     generator_model: str = "generator",
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
     stream_idle_timeout_s: float | None = DEFAULT_STREAM_IDLE_TIMEOUT_S,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     api_keys: tuple[str, ...] = (),
@@ -71,6 +72,8 @@ def create_app(
         model_name: the name clients use in ``model`` (others get 404 ``model_not_found``).
         triton_model: the ensemble to call; ``generator_model``: the model that takes aborts.
         max_request_bytes: larger bodies (announced or received) get a 413 OpenAI error.
+        body_timeout_s: a body not received whole within this many seconds of its request's
+            headers gets a 408 OpenAI error and its connection is closed; None: no limit.
         stream_idle_timeout_s: a generation that gets no response from Triton for this many
             seconds fails (and is aborted) instead of waiting forever, e.g. when the
             generator's stub process died; None: no limit.
@@ -138,7 +141,7 @@ def create_app(
     install_openapi(app)
 
     app.state.drain = DrainState(timeout_s=drain_timeout_s)
-    app.add_middleware(BodyLimits, max_bytes=max_request_bytes)
+    app.add_middleware(BodyLimits, max_bytes=max_request_bytes, timeout_s=body_timeout_s)
     if api_keys:  # before the body is read; after CORS, so a browser can read a 401
         app.add_middleware(ApiKeyAuth, api_keys=api_keys)
     if cors_origins:  # answers preflights (which carry no key) itself
@@ -263,6 +266,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="largest accepted request body in bytes (larger: 413)",
     )
     p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request's whole body may take to arrive after its headers (slower: 408 "
+        f"and the connection closed; 0: no limit; default {DEFAULT_BODY_TIMEOUT_S:g})",
+    )
+    p.add_argument(
         "--stream-idle-timeout",
         type=float,
         default=DEFAULT_STREAM_IDLE_TIMEOUT_S,
@@ -357,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         name,
         args.triton_model,
         max_request_bytes=args.max_request_bytes,
+        body_timeout_s=args.body_timeout or None,
         stream_idle_timeout_s=args.stream_idle_timeout or None,
         drain_timeout_s=args.drain_timeout,
         api_keys=keys,

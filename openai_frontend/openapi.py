@@ -42,6 +42,7 @@ _DESCRIPTIONS = {
     400: "invalid request (OpenAI error body)",
     401: "missing or wrong API key (when the server has API keys)",
     404: "unknown model",
+    408: "the request body did not arrive within the body timeout",
     413: "request body over the size limit",
     415: "a compressed request body (Content-Encoding other than identity)",
     429: "the server's queue is full; retry after Retry-After seconds",
@@ -54,7 +55,7 @@ _DESCRIPTIONS = {
 def _error_statuses(path: str, has_body: bool) -> tuple[int, ...]:
     statuses = [401, 413, 500, 503]
     if has_body:
-        statuses += [400, 404, 415, 429]
+        statuses += [400, 404, 408, 415, 429]
     if path.startswith("/v1/models/"):
         statuses.append(404)
     if path in SSE_PATHS:

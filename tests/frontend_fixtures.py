@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -101,6 +102,39 @@ def start_sidecar(
         time.sleep(0.2)
     stop_process(process)
     raise RuntimeError(f"sidecar not healthy after {timeout_s} s:\n{log_path.read_text()}")
+
+
+def start_sidecar_without_triton(
+    log_path: Path, extra_args: tuple[str, ...] = (), timeout_s: float = 60.0
+) -> tuple[subprocess.Popen, int]:
+    """Start the sidecar on a free port with no tritonserver behind it (its gRPC URL a free
+    port): for what the sidecar answers alone (body and header limits, CORS, the drain).
+    Returns ``(process, port)`` once the port takes connections; stop it with
+    ``stop_process``.
+
+    Raises:
+        RuntimeError: it exited or did not listen within ``timeout_s`` seconds.
+    """
+    from tritonllm.triton_server import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "openai_frontend", f"--port={port}", "--model-name=tiny"]
+    cmd += [f"--triton-url=127.0.0.1:{free_port()}", *extra_args]
+    log = open(log_path, "wb")  # noqa: SIM115 (kept open for the process' lifetime)
+    process = subprocess.Popen(
+        cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"sidecar exited:\n{log_path.read_text(errors='replace')}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return process, port
+        except OSError:
+            time.sleep(0.2)
+    stop_process(process)
+    raise RuntimeError(f"sidecar not listening after {timeout_s} s:\n{log_path.read_text()}")
 
 
 def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:

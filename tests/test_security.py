@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -571,6 +572,62 @@ def _detokenize(url: str, output_ids: list[int]):
         client.close()
 
 
+def _read_all(conn: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    data = b""
+    while chunk := conn.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_stalled_or_trickled_request_body_gets_408_and_is_closed(tmp_path):
+    """Hole: complete headers announcing a 100-byte body, then one byte, held the connection
+    (and a task) open for as long as the client liked (QA: > 75 s; the header timeout covers
+    the headers only). Now the whole body must arrive within ``--body-timeout``, whether it
+    stalls or trickles a byte at a time: past it, a 408 OpenAI error and the connection is
+    closed. A body sent at once is still served (here a 404 for an unknown model: no Triton
+    runs, and none is needed for any of these answers)."""
+    from frontend_fixtures import start_sidecar_without_triton
+
+    timeout_s = 1.0
+    process, port = start_sidecar_without_triton(
+        tmp_path / "sidecar.log", (f"--body-timeout={timeout_s}",)
+    )
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n"
+    )
+    try:
+        stalled = socket.create_connection(("127.0.0.1", port), timeout=timeout_s + 10)
+        trickled = socket.create_connection(("127.0.0.1", port), timeout=timeout_s + 10)
+        start = time.monotonic()
+        stalled.sendall(head + b"{")
+        trickled.sendall(head)
+        for byte in b'{"model": "tiny", "messages": []}':  # 33 of the 100 bytes, 5 a second
+            if select.select([trickled], [], [], 0.2)[0]:
+                break  # answered
+            trickled.sendall(bytes([byte]))
+        answers = {}
+        for name, conn in (("stalled", stalled), ("trickled", trickled)):
+            answers[name] = _read_all(conn)  # "" and EOF: closed by the server
+            conn.close()
+        elapsed = time.monotonic() - start
+        for name, answer in answers.items():
+            status_line, _, rest = answer.partition(b"\r\n")
+            assert status_line == b"HTTP/1.1 408 Request Timeout", (name, answer)
+            head_text, _, body = rest.partition(b"\r\n\r\n")
+            assert b"connection: close" in head_text.lower(), (name, answer)
+            error = json.loads(body)["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["code"] == "request_timeout", error
+        assert timeout_s <= elapsed < timeout_s + 5, elapsed
+        body = {"model": "nope", "messages": [{"role": "user", "content": "x"}]}
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        assert httpx.post(url, json=body, timeout=30).status_code == 404
+    finally:
+        stop_process(process)
+
+
 # The tiny Qwen3's vocabulary (logits width) has 151,936 ids, its tokenizer 151,669.
 @pytest.mark.parametrize("bad_id", [-1, 151_936, 10**9])
 def test_detokenizer_refuses_ids_outside_the_vocabulary(service, bad_id):
@@ -598,7 +655,7 @@ def test_openapi_lists_the_real_statuses_and_the_event_stream(service):
     document = httpx.get(f"{root}/openapi.json", headers=_auth(), timeout=10).json()
     chat = document["paths"]["/v1/chat/completions"]["post"]["responses"]
     assert "422" not in chat
-    for status in ("400", "401", "404", "413", "415", "429", "500", "503", "504"):
+    for status in ("400", "401", "404", "408", "413", "415", "429", "500", "503", "504"):
         schema = chat[status]["content"]["application/json"]["schema"]
         assert schema == {"$ref": "#/components/schemas/ErrorResponse"}
     assert "text/event-stream" in chat["200"]["content"]
