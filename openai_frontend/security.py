@@ -11,9 +11,9 @@
   never share KV-cache pages and ``cached_tokens`` (and time to first token) tell a client
   nothing about another tenant's prompts.
 - ``header_timeout_protocol``: uvicorn's h11 protocol that closes a connection whose request
-  headers are not complete within a timeout (uvicorn's ``timeout_keep_alive`` starts only after
-  a first response, and any byte received stops it, so an idle or half-sent request would hold
-  its connection open forever).
+  headers are not complete within a timeout, or which still sends a refused body that long after
+  its answer (uvicorn's ``timeout_keep_alive`` starts only after a first response, and any byte
+  received stops it, so an idle or half-sent request would hold its connection open forever).
 """
 
 from __future__ import annotations
@@ -118,10 +118,12 @@ class ApiKeyAuth:
 def header_timeout_protocol(timeout_s: float) -> Any:
     """uvicorn's ``H11Protocol`` closing a connection that has not sent complete request
     headers ``timeout_s`` seconds after it opened or after its last response ended (an idle
-    connection, or a half-sent request: slowloris). A request whose headers arrived is not
-    timed here (its body and the response are the app's: ``BodyLimits``, the stream idle
-    timeout). Pass it as ``uvicorn.Config(http=...)``. Imported lazily: uvicorn and h11 are
-    needed only to run the server."""
+    connection, or a half-sent request: slowloris), or that is still sending, that long after
+    its answer, the body of a request answered before it was read (a 413, 415 or 401: uvicorn
+    discards the rest of such a body, untimed, however slowly it comes). A request whose
+    headers arrived is not timed here until it is answered (its body and the response are the
+    app's: ``BodyLimits``, the stream idle timeout). Pass it as ``uvicorn.Config(http=...)``.
+    Imported lazily: uvicorn and h11 are needed only to run the server."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -137,10 +139,15 @@ def header_timeout_protocol(timeout_s: float) -> Any:
                 self._header_timer.cancel()
                 self._header_timer = None
 
+        def _answered(self) -> bool:
+            """Whether the request being received was answered already (its body, if still
+            arriving, is discarded)."""
+            return self.conn.our_state is h11.DONE
+
         def _headers_overdue(self) -> None:
             self._header_timer = None
             waiting = self.conn.their_state is h11.IDLE  # no complete request line + headers
-            if waiting and not self.transport.is_closing():
+            if (waiting or self._answered()) and not self.transport.is_closing():
                 self.transport.close()
 
         def connection_made(self, transport: Any) -> None:
@@ -153,8 +160,8 @@ def header_timeout_protocol(timeout_s: float) -> Any:
 
         def handle_events(self) -> None:
             super().handle_events()
-            if self.conn.their_state is not h11.IDLE:
-                self._disarm()
+            if self.conn.their_state is not h11.IDLE and not self._answered():
+                self._disarm()  # a new request's headers are complete
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

@@ -585,13 +585,16 @@ def test_a_stalled_or_trickled_request_body_gets_408_and_is_closed(tmp_path):
     (and a task) open for as long as the client liked (QA: > 75 s; the header timeout covers
     the headers only). Now the whole body must arrive within ``--body-timeout``, whether it
     stalls or trickles a byte at a time: past it, a 408 OpenAI error and the connection is
-    closed. A body sent at once is still served (here a 404 for an unknown model: no Triton
-    runs, and none is needed for any of these answers)."""
+    closed. A body refused for its size or encoding before it was read, and trickled on after
+    the answer, gets the header timeout (it was discarded untimed). A body sent at once is
+    still served (here a 404 for an unknown model: no Triton runs, and none is needed
+    for any of these answers)."""
     from frontend_fixtures import start_sidecar_without_triton
 
-    timeout_s = 1.0
+    timeout_s, header_timeout_s = 1.0, 1.0
     process, port = start_sidecar_without_triton(
-        tmp_path / "sidecar.log", (f"--body-timeout={timeout_s}",)
+        tmp_path / "sidecar.log",
+        (f"--body-timeout={timeout_s}", f"--header-timeout={header_timeout_s}"),
     )
     head = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -621,6 +624,30 @@ def test_a_stalled_or_trickled_request_body_gets_408_and_is_closed(tmp_path):
             assert set(error) == {"message", "type", "param", "code"}
             assert error["code"] == "request_timeout", error
         assert timeout_s <= elapsed < timeout_s + 5, elapsed
+        # A body refused before it was read (413, 415) is discarded as it comes: trickled on
+        # after the answer, it held the connection open too. It gets the header timeout.
+        refused = {
+            413: b"Content-Length: 9000000\r\n",
+            415: b"Content-Length: 100\r\nContent-Encoding: gzip\r\n",
+        }
+        for status, headers in refused.items():
+            limit = header_timeout_s + 5
+            with socket.create_connection(("127.0.0.1", port), timeout=limit) as conn:
+                conn.sendall(head.replace(b"Content-Length: 100\r\n", headers) + b"{")
+                answer = b""
+                while not answer.endswith(b"}"):  # the whole answer, its JSON body included
+                    answer += conn.recv(65536)
+                assert answer.startswith(b"HTTP/1.1 %d " % status), answer
+                answered, closed = time.monotonic(), False
+                try:
+                    while not closed and time.monotonic() - answered < limit:
+                        if select.select([conn], [], [], 0.2)[0]:
+                            closed = conn.recv(65536) == b""
+                        else:
+                            conn.sendall(b" ")  # 5 bytes a second, while the server takes them
+                except (BrokenPipeError, ConnectionResetError):
+                    closed = True  # closed with bytes of ours unread
+            assert closed, status
         body = {"model": "nope", "messages": [{"role": "user", "content": "x"}]}
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         assert httpx.post(url, json=body, timeout=30).status_code == 404
