@@ -6,8 +6,18 @@ One parser per template family, behind a registry (``TOOL_PARSERS``, chosen with
 - ``hermes``: Hermes / Qwen2.5 / Qwen3 (and this service's fallback rendering for templates
   without tools, ``tritonllm.tokenization.tools``): each call is
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; text outside the blocks is
-  content. Streamed incrementally: content up to a ``<tool_call>`` tag, then the call's name as
-  soon as it is complete, then its arguments' JSON text as it arrives. Whitespace around the
+  content. A block is a call only if its body is one complete JSON object with a string
+  ``name`` and ``arguments`` that are an object, or a string holding an object's JSON (models
+  write both); any other block stays content, verbatim (``hermes_call``; vLLM's hermes parser
+  is the reference for the behaviour, no code is taken from it).
+  Streamed: content goes out as it arrives, up to a ``<tool_call>`` tag; a block is held until
+  its ``</tool_call>`` (or the output's end), then sent whole, as one delta with the call's id,
+  name and arguments, or as content. Holding it is what keeps a stream correct: the body's
+  validity is known only at its end tag (text after the object, or a malformed value, makes it
+  content), and a call's name or argument fragments once sent cannot be taken back, so an
+  invalid block would have left a half-sent call that the whole response does not have. A
+  client runs a call only once it is complete, so what holding costs is the name's early
+  display; content around the calls still streams token by token. Whitespace around the
   blocks is not content once the output has calls (``HermesParser``), streamed or not.
 - ``llama3_json``: Llama 3.x JSON calls: the whole output is ``{"name": ..., "parameters":
   {...}}`` (several separated by ``;``); an output that does not start with ``{`` is content.
@@ -15,15 +25,16 @@ One parser per template family, behind a registry (``TOOL_PARSERS``, chosen with
 
 A parser is fed text deltas (``feed``) and ended (``finish``); both return a ``ParsedDelta``:
 content text plus ``ToolCallDelta``s in OpenAI's streamed format (a call's first delta has its
-index, id, type and name; later ones only argument fragments). The whole output parses with the
-same code (``parse_output``), so streamed and non-streamed calls agree. A block that turns out
-not to be a valid call is returned as content, as vLLM's parsers do.
+index, id, type and name; later ones only argument fragments; both parsers here send a call's
+arguments whole in its first delta). The whole output parses with the same code
+(``parse_output``), so streamed and non-streamed calls and content agree. A block that is not a
+valid call is returned as content, as vLLM's parsers do. A call's ``arguments`` are always the
+JSON text of an object (``call_arguments``), re-serialized from what the model wrote.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -81,10 +92,55 @@ class ToolParser:
 
 
 _START, _END = "<tool_call>", "</tool_call>"
-# A call's head up to its arguments' first character (so a stream never splits what it matches).
-_NAME = re.compile(
-    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)'
-)
+
+
+def _no_constant(name: str) -> object:
+    # Python's json reads NaN and Infinity, which are no JSON (and could not be sent on).
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(text: str) -> object:
+    """``text`` as one strict JSON value. Raises: ValueError (RecursionError: too deep)."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def call_arguments(value: object) -> str | None:
+    """A call's ``arguments`` as OpenAI sends them: the JSON text of an object.
+
+    Args:
+        value: the decoded ``arguments`` (or ``parameters``) value of a model's call: a dict,
+            or a string holding an object's JSON text (models write both).
+    Returns:
+        the object re-serialized (``json.dumps``, non-ASCII kept), or None when ``value`` is
+        no object (nor a string that parses to one): such a call is no valid call.
+    """
+    if isinstance(value, str):
+        try:
+            value = _loads(value)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(value, dict):
+        return None
+    return json.dumps(value, ensure_ascii=False)
+
+
+def hermes_call(body: str) -> tuple[str, str] | None:
+    """The ``(name, arguments JSON text)`` of one ``<tool_call>`` block's body, or None.
+
+    A body is a call only if it is one complete JSON object (whitespace around it allowed)
+    with a string ``name`` and ``arguments`` (or ``parameters``) that is an object or a string
+    holding one (`call_arguments`). Anything else (malformed JSON, text after the object, a
+    missing name, arguments of another type, NaN) is None: the block stays content. As in
+    vLLM's hermes parser, the block is judged by one JSON parse of its whole text.
+    """
+    try:
+        call = _loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call_arguments(call["arguments"] if "arguments" in call else call.get("parameters"))
+    return None if arguments is None else (call["name"], arguments)
 
 
 def _held_prefix(text: str, tag: str) -> int:
@@ -95,41 +151,12 @@ def _held_prefix(text: str, tag: str) -> int:
     return 0
 
 
-class _JsonValueScanner:
-    """Finds where a JSON object value ends in text that arrives in pieces (string-aware)."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
-        self.done = False
-
-    def scan(self, text: str) -> int:
-        """Consume ``text``; return how many of its characters belong to the value."""
-        for i, ch in enumerate(text):
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.done = True
-                    return i + 1
-            elif self.depth == 0 and not ch.isspace():
-                return i  # not an object: the caller gives up on this call
-        return len(text)
-
-
 class HermesParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (module docstring).
+
+    A block is held from its ``<tool_call>`` to its ``</tool_call>`` (the first one after it)
+    or the end of the output, then judged whole (`hermes_call`): a valid call is sent as one
+    delta (id, name and all its arguments), anything else as content, verbatim, tags included.
 
     Content is the text outside the blocks (and any block that is no valid call). Once the
     output has a call, content is trimmed as ``str.strip`` would trim it: the ``"\\n"`` between
@@ -141,13 +168,10 @@ class HermesParser(ToolParser):
     """
 
     def __init__(self) -> None:
-        self._buf = ""  # text not yet emitted or decided
+        self._buf = ""  # text not yet emitted or decided (in a block: its body so far)
         self._in_call = False
-        self._raw = ""  # the current block's text (content again if it is no valid call)
-        self._index = -1
-        self._named = False
-        self._args: _JsonValueScanner | None = None
-        self._args_text = ""
+        self._searched = 0  # characters of a block's body searched for the end tag
+        self._index = -1  # the last call's index
         self._space = ""  # content whitespace held (see the class docstring)
         self._wrote = False  # any content other than whitespace emitted
 
@@ -163,6 +187,15 @@ class HermesParser(ToolParser):
         self._wrote = True
         out.content += body
 
+    def _block(self, out: ParsedDelta, body: str, end_tag: str) -> None:
+        """A whole block (``end_tag`` is "" for one the output ended inside): call or content."""
+        call = hermes_call(body)
+        if call is None:
+            self._content(out, _START + body + end_tag)
+            return
+        self._index += 1
+        out.calls.append(ToolCallDelta(self._index, call[1], new_call_id(), call[0]))
+
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
         self._buf += text
@@ -176,58 +209,27 @@ class HermesParser(ToolParser):
                     break
                 self._content(out, self._buf[:at])
                 self._buf = self._buf[at + len(_START) :]
-                self._in_call, self._raw, self._named = True, _START, False
-                self._args, self._args_text = None, ""
+                self._in_call, self._searched = True, 0
                 continue
-            if not self._call_step(out):
+            end = self._buf.find(_END, self._searched)
+            if end < 0:  # the body so far; an end tag may still be split across feeds
+                self._searched = max(0, len(self._buf) - len(_END) + 1)
                 break
+            self._block(out, self._buf[:end], _END)
+            self._buf = self._buf[end + len(_END) :]
+            self._in_call = False
         return out
-
-    def _call_step(self, out: ParsedDelta) -> bool:
-        """Advance inside a block; False when more text is needed."""
-        if not self._named:
-            match = _NAME.match(self._buf)
-            if match is None:
-                end = self._buf.find(_END)
-                if end >= 0:  # a block without a recognisable call: content
-                    self._content(out, self._raw + self._buf[: end + len(_END)])
-                    self._buf = self._buf[end + len(_END) :]
-                    self._in_call = False
-                    return True
-                return False
-            self._index += 1
-            self._named = True
-            self._args = _JsonValueScanner()
-            name = json.loads(f'"{match.group(1)}"')
-            out.calls.append(ToolCallDelta(self._index, "", new_call_id(), name))
-            self._raw += self._buf[: match.end()]
-            self._buf = self._buf[match.end() :]
-            return True
-        assert self._args is not None
-        if not self._args.done:
-            n = self._args.scan(self._buf)
-            piece, self._buf = self._buf[:n], self._buf[n:]
-            if piece:
-                self._args_text += piece
-                out.calls.append(ToolCallDelta(self._index, piece))
-            if not self._args.done:
-                return bool(self._buf)  # not an object value: wait for the end tag below
-        end = self._buf.find(_END)
-        if end < 0:
-            return False
-        self._buf = self._buf[end + len(_END) :]
-        self._in_call = False
-        return True
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
-        if self._in_call and not self._named:
-            self._content(out, self._raw + self._buf)  # an unfinished block that named no call
-        elif not self._in_call:
+        if self._in_call:
+            self._block(out, self._buf, "")  # a call only if its body is already whole
+        else:
             self._content(out, self._buf)
         if self._index < 0:
             out.content += self._space  # no calls: the content exactly as generated
         self._buf = self._space = ""
+        self._in_call = False
         return out
 
 
@@ -254,13 +256,15 @@ class Llama3JsonParser(ToolParser):
         calls = []
         for i, part in enumerate(p for p in text.split(";") if p.strip()):
             try:
-                obj = json.loads(part)
-            except json.JSONDecodeError:
+                obj = _loads(part)
+            except (ValueError, RecursionError):
                 return ParsedDelta(text)
-            args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                 return ParsedDelta(text)
-            arguments = json.dumps(args if args is not None else {}, ensure_ascii=False)
+            args = obj.get("parameters", obj.get("arguments"))
+            arguments = call_arguments({} if args is None else args)
+            if arguments is None:  # arguments that are no object: no call
+                return ParsedDelta(text)
             calls.append(ToolCallDelta(i, arguments, new_call_id(), obj["name"]))
         return ParsedDelta("", calls)
 
@@ -301,7 +305,9 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "ToolParser",
+    "call_arguments",
     "get_tool_parser",
+    "hermes_call",
     "merge_calls",
     "new_call_id",
     "parse_output",

@@ -15,7 +15,9 @@ import pytest
 
 from openai_frontend.tool_parsers import (
     TOOL_PARSERS,
+    call_arguments,
     get_tool_parser,
+    hermes_call,
     merge_calls,
     parse_output,
 )
@@ -77,17 +79,20 @@ def test_parsers_read_each_familys_calls_whole_and_streamed_alike(family):
         assert seen == {0, 1}
 
 
-def test_hermes_streams_name_before_arguments_and_holds_a_split_tag():
+def test_hermes_holds_a_block_until_its_end_tag_and_a_split_tag():
     parser = get_tool_parser("hermes")
     # the tag's start is held, not content (and the space before it, until text follows)
     assert parser.feed("Hi <tool_").content == "Hi"
     out = parser.feed('call>{"name": "f", "arguments": {"a"')
-    assert out.content == "" and out.calls[0].name == "f"
-    rest = parser.feed(": 1}}</tool_call> bye")
-    rest_end = parser.finish()
-    args = "".join(d.arguments for d in out.calls + rest.calls + rest_end.calls)
-    assert json.loads(args) == {"a": 1}
-    assert (rest.content + rest_end.content).strip() == "bye"
+    assert (out.content, out.calls) == ("", [])  # no part of a block before its end tag
+    out = parser.feed(": 1}}</tool_")
+    assert (out.content, out.calls) == ("", [])
+    rest = parser.feed("call> bye")
+    (call,) = rest.calls  # the whole call in one delta: id, name and all its arguments
+    assert (call.index, call.name, json.loads(call.arguments)) == (0, "f", {"a": 1})
+    assert call.openai()["id"].startswith("call_") and call.openai()["type"] == "function"
+    end = parser.finish()
+    assert end.calls == [] and (rest.content + end.content).strip() == "bye"
 
 
 @pytest.mark.parametrize(
@@ -102,6 +107,79 @@ def test_hermes_streams_name_before_arguments_and_holds_a_split_tag():
 def test_hermes_text_without_a_valid_call_is_content(text):
     content, calls = parse_output(get_tool_parser("hermes"), text)
     assert calls == [] and content == text
+
+
+# Blocks that are no valid call (the body is no one JSON object with a string name and object
+# arguments): each stays content, verbatim, streamed or not, and no call delta is ever sent.
+INVALID_BLOCKS = [
+    # malformed JSON (a bare word, and the outer object left open)
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}\n</tool_call>',
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>',
+    # a string that is no JSON object, and other values that are no object
+    '<tool_call>\n{"name": "get_weather", "arguments": "Paris"}\n</tool_call>',
+    '<tool_call>\n{"name": "get_weather", "arguments": "[1, 2]"}\n</tool_call>',
+    '<tool_call>\n{"name": "get_weather", "arguments": [1, 2]}\n</tool_call>',
+    '<tool_call>\n{"name": "get_weather", "arguments": null}\n</tool_call>',
+    '<tool_call>\n{"name": "get_weather"}\n</tool_call>',  # no arguments
+    '<tool_call>\n{"name": 7, "arguments": {}}\n</tool_call>',  # a name that is no string
+    '<tool_call>\n[{"name": "f", "arguments": {}}]\n</tool_call>',  # no object
+    # text after the object, or two objects
+    '<tool_call>\n{"name": "f", "arguments": {"a": 1}} trailing\n</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {}}{"name": "g", "arguments": {}}</tool_call>',
+    # NaN and Infinity are no JSON (Python's json reads them)
+    '<tool_call>\n{"name": "f", "arguments": {"x": NaN}}\n</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": "{\\"x\\": -Infinity}"}\n</tool_call>',
+    # the first end tag closes the block, also inside a string
+    '<tool_call>{"name": "f", "arguments": {"html": "</tool_call>"}}</tool_call>',
+    "<tool_call></tool_call>",
+]
+
+
+def _chunkings(tokenizer, text: str) -> list[list[str]]:
+    """``text`` split as a stream may deliver it: whole, per token, per 1, 3 and 7 chars."""
+    sized = [[text[i : i + n] for i in range(0, len(text), n)] for n in (1, 3, 7)]
+    return [[text], _token_pieces(tokenizer, text), *sized]
+
+
+def _feed_all(parser_name: str, pieces: list[str]):
+    """(content, call deltas in the order sent) of an output fed as ``pieces``, then ended."""
+    parser = get_tool_parser(parser_name)
+    content, deltas = "", []
+    for piece in pieces:
+        out = parser.feed(piece)
+        content, deltas = content + out.content, deltas + out.calls
+    out = parser.finish()
+    return content + out.content, deltas + out.calls
+
+
+@pytest.mark.parametrize("block", INVALID_BLOCKS)
+@pytest.mark.parametrize("around", [("", ""), ("Checking.\n", "\nDone.")])
+def test_hermes_an_invalid_block_stays_content_verbatim_streamed_or_not(tokenizer, block, around):
+    text = around[0] + block + around[1]
+    content, calls = parse_output(get_tool_parser("hermes"), text)
+    assert (content, calls) == (text, [])
+    for pieces in _chunkings(tokenizer, text):
+        assert _feed_all("hermes", pieces) == (text, []), pieces
+
+
+STRING_ARGUMENTS = (  # the tester's case: the arguments' JSON as a string
+    '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}\n</tool_call>'
+)
+
+
+def test_hermes_arguments_given_as_a_json_string_become_the_object(tokenizer):
+    """The arguments are the object the string holds, re-serialized: never the string's JSON,
+    nor text past the object (the closing tag); streamed in any split, the same call."""
+    assert json.loads(STRING_ARGUMENTS[12:-13]) == {
+        "name": "get_weather",
+        "arguments": '{"city": "Paris"}',
+    }
+    content, calls = parse_output(get_tool_parser("hermes"), STRING_ARGUMENTS)
+    expected = [("get_weather", '{"city": "Paris"}')]
+    assert content == "" and [(c.name, c.arguments) for c in calls] == expected
+    for pieces in _chunkings(tokenizer, STRING_ARGUMENTS):
+        s_content, deltas = _feed_all("hermes", pieces)
+        assert s_content == "" and [(d.name, d.arguments) for d in deltas] == expected, pieces
 
 
 def _call(name: str, arguments: dict) -> str:
@@ -178,10 +256,88 @@ def test_chat_stream_and_whole_response_agree_on_content_between_calls(tokenizer
     assert names == [c.function.name for c in whole.message.tool_calls]
 
 
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        # valid, invalid, valid: the calls numbered 0, 1; the invalid block is content
+        (
+            "Let me check.\n" + STRING_ARGUMENTS + "\n" + INVALID_BLOCKS[0] + "\n" + B_CALL,
+            "Let me check.\n\n" + INVALID_BLOCKS[0],  # the text's whitespace kept ("A\n\nB")
+            [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})],
+        ),
+        # the output ends inside a block whose body is whole: a call (vLLM's too)
+        (A_CALL.removesuffix("</tool_call>"), "", [("get_weather", WEATHER)]),
+        # ... or whose body is cut (max_tokens): content, as generated
+        (A_CALL[:40], A_CALL[:40], []),
+        ('<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>', "", [("f", {"a": 1})]),
+    ],
+)
+def test_hermes_streamed_calls_and_content_equal_the_whole_outputs(tokenizer, text, content, calls):
+    whole_content, whole_calls = parse_output(get_tool_parser("hermes"), text)
+    assert whole_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in whole_calls] == calls
+    expected = [(c.name, c.arguments) for c in whole_calls]
+    for pieces in _chunkings(tokenizer, text):
+        s_content, deltas = _feed_all("hermes", pieces)
+        assert s_content == content, pieces
+        assert [(c.name, c.arguments) for c in merge_calls(deltas)] == expected, pieces
+        assert [d.index for d in deltas] == list(range(len(calls)))  # one whole delta per call
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ('{"name": "f", "arguments": {"a": [1, "x"]}}', ("f", '{"a": [1, "x"]}')),
+        (' \n{"name": "f", "arguments": {}}\n', ("f", "{}")),
+        ('{"name": "f", "arguments": "{\\"a\\": 1}"}', ("f", '{"a": 1}')),
+        ('{"name": "f", "arguments": {"é": "ü"}}', ("f", '{"é": "ü"}')),  # not \\u-escaped
+        ('{"name": "f", "arguments": {"a":1}, "id": "x"}', ("f", '{"a": 1}')),  # extra key
+        ('{"name": "f", "arguments": {"a": 1}', None),
+        ('{"name": "f", "arguments": "{\\"a\\": 1"}', None),
+        ('{"name": "f", "arguments": "1"}', None),
+        ('"f"', None),
+        ("[" * 100_000, None),  # too deep for json: no call, no RecursionError
+    ],
+)
+def test_hermes_call_accepts_only_a_whole_object_with_object_arguments(body, expected):
+    assert hermes_call(body) == expected
+    for value in (None, 1, "x", "[]", [], "null"):
+        assert call_arguments(value) is None, value
+
+
+def test_chat_route_returns_an_invalid_block_as_content_streamed_and_not(tokenizer):
+    """The chat route's two paths agree on an invalid block: content, no tool_calls, "stop"."""
+    from openai_frontend.generation import Choice
+    from openai_frontend.routes.chat import _choice, _ChoiceStream
+    from openai_frontend.tools import ToolMode
+
+    text, mode = INVALID_BLOCKS[0], ToolMode("auto")
+    whole = _choice(0, Choice(text, "stop", None), mode, "hermes")
+    assert (whole.message.content, whole.message.tool_calls) == (text, None)
+    assert whole.finish_reason == "stop"
+    stream = _ChoiceStream(mode, "hermes")
+    deltas = [d for piece in _token_pieces(tokenizer, text) for d in stream.feed(piece)]
+    deltas += stream.finish()
+    assert not stream.called and not [d for d in deltas if "tool_calls" in d]
+    assert "".join(d["content"] for d in deltas) == text
+
+
 def test_llama3_content_that_is_not_a_call_passes_through():
-    for text in ("Hello {there}", '{"not": "a call"}', "{broken"):
+    for text in (
+        "Hello {there}",
+        '{"not": "a call"}',
+        "{broken",
+        '{"name": "f", "parameters": [1]}',  # arguments that are no object
+        '{"name": "f", "parameters": {"x": NaN}}',
+    ):
         content, calls = parse_output(get_tool_parser("llama3_json"), text)
         assert calls == [] and content == text
+
+
+def test_llama3_arguments_as_a_json_string_become_the_object():
+    text = '{"name": "f", "parameters": "{\\"a\\": 1}"}'
+    content, calls = parse_output(get_tool_parser("llama3_json"), text)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}')]
 
 
 TOOLS = [
