@@ -15,7 +15,6 @@ on to its end (the abort brings the final response) rather than cancelling it
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sys
 import time
@@ -27,6 +26,7 @@ from tritonllm.contract.errors import decode_error
 
 from . import metrics
 from .errors import INTERNAL_MESSAGE, UNAVAILABLE_MESSAGE, OpenAIError, from_backend
+from .logprobs import backend_entries
 from .protocol import PromptTokensDetails, Usage
 from .triton_client import (
     InputValue,
@@ -258,7 +258,7 @@ class Generation:
     def _logprobs(self, chunk: LLMChunk) -> list[dict[str, Any]] | None:
         if not self.logprobs:
             return None
-        return json.loads(chunk.logprobs_json) if chunk.logprobs_json else []
+        return backend_entries(chunk.logprobs_json) if chunk.logprobs_json else []
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Yield the ``Delta`` of each response that carries text, logprobs or a finish; each
@@ -272,7 +272,9 @@ class Generation:
         unfinished = self.n
         while chunk is not None:
             logprobs = self._logprobs(chunk)
-            scores = json.loads(chunk.prompt_logprobs_json) if chunk.prompt_logprobs_json else None
+            scores = (
+                backend_entries(chunk.prompt_logprobs_json) if chunk.prompt_logprobs_json else None
+            )
             if chunk.finish_reason:
                 if self.finish_reasons[chunk.index] is None:
                     unfinished -= 1

@@ -3,12 +3,34 @@
 The backend (the ``llm`` ensemble's ``logprobs_json``) already sends the chat format: per token
 ``{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}``. Chat
 responses wrap those entries as ``{"content": [...]}``; the legacy completions format is derived
-here (the same mapping vLLM's OpenAI server uses).
+here (the same mapping vLLM's OpenAI server uses). Every logprob the sidecar sends is a finite
+number (``backend_entries``): JSON has no NaN or infinities, and clients' parsers refuse them.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+from tritonllm.contract.limits import MIN_LOGPROB
+
+# The backend sends finite logprobs (tritonllm.serving.logprobs.wire_logprob); should a value
+# still arrive as one of the constants Python's json reads (and would write back out), it is
+# read as that function maps it.
+_NON_FINITE = {"NaN": MIN_LOGPROB, "-Infinity": MIN_LOGPROB, "Infinity": 0.0}
+
+
+def backend_entries(text: str) -> list[dict[str, Any]]:
+    """The chat-format entries of the backend's ``logprobs_json`` / ``prompt_logprobs_json``.
+
+    ``NaN`` and ``-Infinity`` are read as ``MIN_LOGPROB``, ``Infinity`` as 0.0, so no response
+    or chunk built from them holds a number JSON cannot carry.
+
+    Raises:
+        ValueError: (``json.JSONDecodeError``) ``text`` is not JSON.
+    """
+    entries: list[dict[str, Any]] = json.loads(text, parse_constant=_NON_FINITE.__getitem__)
+    return entries
 
 
 def chat_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:

@@ -1,7 +1,9 @@
-"""Helpers shared by the OpenAI sidecar integration tests (tests/test_openai_*.py)."""
+"""Helpers shared by the OpenAI sidecar integration tests (tests/test_openai_*.py) and the
+Triton ones that check what they send on."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import urllib.request
@@ -32,3 +34,13 @@ def chat_prompt_ids(tokenizer, messages) -> list[int]:
     """Prompt ids by Hugging Face's own chat template rendering (the oracle for usage)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def strict_json(text: str):
+    """``text`` parsed as JSON proper: NaN and Infinity, which Python's ``json`` reads (and a
+    client's parser refuses), fail the test."""
+
+    def refuse(constant: str):
+        raise AssertionError(f"{constant} is not JSON: {text}")
+
+    return json.loads(text, parse_constant=refuse)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_engine_helpers import checkpoint, hf_greedy, hf_logits, prompts, sample_host
@@ -89,6 +91,35 @@ def test_greedy_logprobs_use_temperature_one(engine):
         assert out.top_logprobs == [{}]
 
 
+@pytest.mark.parametrize("logprobs", [None, 3])
+@pytest.mark.parametrize("seed", [None, 5])
+def test_a_tiny_temperature_samples_exactly_as_temperature_zero(engine, seed, logprobs):
+    """A temperature below GREEDY_TEMPERATURE_EPS (1e-40: a valid FP32 input, whose 1 / T
+    overflows float32) is greedy: transformers' argmax ids, and the same ids and logprobs as
+    temperature 0 (at temperature 1, finite), seeded or not. It gave NaN logits, token 0
+    repeated and NaN logprobs before."""
+    prompt = prompts([8], seed=14)[0]
+
+    def run(temperature: float):
+        params = SamplingParams(
+            max_tokens=8, temperature=temperature, seed=seed, logprobs=logprobs, ignore_eos=True
+        )
+        return collect(engine, {"t": (prompt, params)})["t"]
+
+    greedy = run(0.0)
+    assert ids_of(greedy) == hf_greedy(checkpoint("qwen3"), prompt, 8)[0]
+    for tiny in (1e-40, 9e-6):
+        outs = run(tiny)
+        assert ids_of(outs) == ids_of(greedy), tiny
+        assert [(o.logprobs, o.top_logprobs) for o in outs] == [
+            (o.logprobs, o.top_logprobs) for o in greedy
+        ]
+        if logprobs is not None:
+            values = [v for o in outs for v in o.logprobs]
+            values += [v for o in outs for top in o.top_logprobs for v in top.values()]
+            assert len(values) == 8 * (1 + 3) and all(math.isfinite(v) for v in values)
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -143,6 +174,44 @@ def test_penalties_follow_openai_and_vllm_semantics(engine, params):
     # Penalties change the outcome versus plain greedy on this random model.
     if params.frequency_penalty > 0 or params.presence_penalty > 0:
         assert tokens != hf_greedy(path, prompt, 16)[0]
+
+
+ON_CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_every_sampler_path_gives_the_argmax_at_a_tiny_temperature(device, dtype, logprobs):
+    """temperature 1e-40 rows, seeded or not, beside rows that sample (so a batch of mixed
+    temperatures): the argmax, and finite logprobs, on the CPU path; on CUDA, without logprobs
+    the fused Gumbel-max kernel (its inverse temperature must be 0, not 1e40, for these rows)
+    and with them the PyTorch path and its seeded-row kernel call."""
+    sampler = Sampler(torch.device(device), seed=0)
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(1))
+    logits = torch.stack([order.roll(i).float() * 0.25 for i in range(8)])  # no ties, exact bf16
+    logits = logits.to(device, dtype)
+    reqs = []
+    for i in range(8):
+        temperature = 1e-40 if i < 6 else 0.7  # rows 6, 7 sample
+        seed = i if i % 2 else None
+        params = SamplingParams(temperature=temperature, seed=seed, logprobs=logprobs)
+        req = Request(str(i), [1], params, arrival=i)
+        if seed is not None:  # as the engine sets a seeded request up
+            req.seed, req.generator = seed, sampler.make_generator(seed)
+        reqs.append(req)
+    out = sample_host(sampler, logits.clone(), reqs)
+    assert out.token_ids[:6] == logits[:6].float().argmax(dim=-1).tolist()
+    if logprobs is not None:
+        values = [v for v in out.logprobs if v is not None]
+        values += [v for top in out.top_logprobs if top is not None for v in top.values()]
+        assert len(values) == 8 * 3 and all(math.isfinite(v) for v in values)
 
 
 def test_sampler_masks_stop_ids_until_min_tokens():

@@ -7,12 +7,14 @@ chat and legacy completions logprobs formats, and the engine's KV gauges for abo
 
 from __future__ import annotations
 
+import json
 import math
 
+import httpx
 import openai
 import pytest
 import torch
-from openai_helpers import chat_prompt_ids, engine_idle, wait_for_gauges
+from openai_helpers import chat_prompt_ids, engine_idle, strict_json, wait_for_gauges
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 MESSAGES = [{"role": "user", "content": "Tell me a story about a fox."}]
@@ -272,6 +274,81 @@ def test_chat_logprobs_leave_out_the_stop_token(client, sidecar, tokenizer, stre
     assert usage.completion_tokens == 1
 
 
+def _chat_raw(sidecar, body: dict, stream: bool) -> tuple[str, list[dict]]:
+    """(content, logprobs entries) of a chat request sent with httpx; every body and SSE event
+    must be 200 and strict JSON (the openai client's parser would accept NaN)."""
+    url = f"{sidecar.base_url}/chat/completions"
+    with httpx.Client(timeout=60) as http:
+        response = http.post(url, json={**body, "model": sidecar.model_name, "stream": stream})
+    assert response.status_code == 200, response.text
+    if not stream:
+        (choice,) = strict_json(response.text)["choices"]
+        return choice["message"]["content"], choice["logprobs"]["content"]
+    content, entries = "", []
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    for event in events[:-1]:
+        for choice in strict_json(event)["choices"]:
+            content += choice["delta"].get("content") or ""
+            entries += (choice.get("logprobs") or {}).get("content") or []
+    return content, entries
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tiny_temperature_with_logprobs_is_greedy_and_valid_json(sidecar, stream):
+    """temperature 1e-40 (in OpenAI's [0, 2]; 1 / T overflows float32) is greedy: 200, strict
+    JSON, the same content and logprobs as temperature 0, every logprob a finite number <= 0
+    (it was a 500, "Out of range float values are not JSON compliant", or "logprob":NaN)."""
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 8,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "seed": 7,
+        "ignore_eos": True,
+    }
+    content, entries = _chat_raw(sidecar, {**body, "temperature": 1e-40}, stream)
+    greedy_content, greedy_entries = _chat_raw(sidecar, {**body, "temperature": 0}, stream)
+    assert content == greedy_content and len(entries) == len(greedy_entries) == 8
+
+    def values(entries):  # each token's logprob, then its alternatives'
+        return [
+            v for e in entries for v in [e["logprob"]] + [t["logprob"] for t in e["top_logprobs"]]
+        ]
+
+    def tokens(entries):
+        return [[e["token"]] + [t["token"] for t in e["top_logprobs"]] for e in entries]
+
+    assert tokens(entries) == tokens(greedy_entries)
+    # (a prefix-cache hit may change the last bits: the second request reuses the first's KV)
+    torch.testing.assert_close(
+        torch.tensor(values(entries)), torch.tensor(values(greedy_entries)), atol=1e-5, rtol=0
+    )
+    assert all(math.isfinite(v) and v <= 0 for v in values(entries))
+    assert all(e["top_logprobs"][0]["token"] == e["token"] for e in entries)  # the argmax
+
+
+def test_a_masked_tokens_logprob_is_the_vllm_floor(sidecar, tokenizer):
+    """A token no constraint allows has logprob -inf, which JSON cannot carry: it is reported
+    as -9999.0, as vLLM's server does, in strict JSON."""
+    allowed = tokenizer.encode(" the a", add_special_tokens=False)[:2]
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 2,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 4,
+        "allowed_token_ids": allowed,
+        "ignore_eos": True,
+    }
+    for stream in (False, True):
+        _, entries = _chat_raw(sidecar, body, stream)
+        assert len(entries) == 2
+        for entry in entries:
+            values = [t["logprob"] for t in entry["top_logprobs"]]
+            assert values[2:] == [-9999.0, -9999.0] and values[1] > -9999.0
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -342,3 +419,22 @@ def test_legacy_completion_logprobs_from_chat_entries():
     }
     assert offset == 12
     assert completion_logprobs(None, 3) == (None, 3)
+
+
+def test_backend_logprobs_json_never_yields_a_non_finite_number():
+    """Should the backend send NaN or an infinity (Python's json reads and writes them; JSON has
+    none), the sidecar reads them as the backend's floor would: -9999.0, or 0 for +inf."""
+    from openai_frontend.logprobs import backend_entries
+
+    raw = (
+        '[{"token": "a", "logprob": NaN, "bytes": [97], "top_logprobs": ['
+        '{"token": "a", "logprob": -Infinity, "bytes": [97]}, '
+        '{"token": "b", "logprob": Infinity, "bytes": [98]}]}]'
+    )
+    (entry,) = backend_entries(raw)
+    assert entry["logprob"] == -9999.0
+    assert [t["logprob"] for t in entry["top_logprobs"]] == [-9999.0, 0.0]
+    json.dumps(entry, allow_nan=False)  # strict JSON again
+    assert backend_entries('[{"logprob": -0.25}]') == [{"logprob": -0.25}]
+    with pytest.raises(ValueError):
+        backend_entries("[{")

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from tritonllm.contract import limits
 from tritonllm.contract.errors import ErrorCode
 from tritonllm.sampling_params import SamplingParams
 
@@ -102,6 +103,19 @@ def test_top_p_zero_is_the_most_likely_token_alone(top_k):
     p = SamplingParams(temperature=1.0, top_p=0, top_k=top_k)
     assert (p.top_p, p.top_k, p.top_k_enabled) == (1.0, 1, True)
     assert p == SamplingParams(temperature=1.0, top_k=1)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-6, 9.99e-6, 0])
+def test_a_temperature_below_the_greedy_eps_is_stored_as_zero(temperature):
+    """vLLM's _SAMPLING_EPS: a temperature in [0, 1e-5) is greedy, stored as 0.0, so every
+    sampler (CPU, the GPU kernel's 1 / T) sees temperature 0; seed and logprobs unchanged."""
+    assert limits.GREEDY_TEMPERATURE_EPS == 1e-5
+    p = SamplingParams(temperature=temperature, seed=3, logprobs=2)
+    assert p.temperature == 0.0 and isinstance(p.temperature, float) and p.is_greedy
+    assert p == SamplingParams(temperature=0.0, seed=3, logprobs=2)
+    for kept in (1e-5, 1e-3, 2.0):
+        assert SamplingParams(temperature=kept).temperature == kept
+        assert not SamplingParams(temperature=kept).is_greedy
 
 
 def test_defaults_and_greedy_flag():

@@ -18,6 +18,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
+from openai_helpers import strict_json
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # noqa: E402
@@ -160,6 +161,24 @@ def test_llm_greedy_logprobs_match_transformers(stream, tokenizer, hf_logprobs):
     text = _text(outputs)
     assert text == tokenizer.decode(chosen, skip_special_tokens=True)
     assert b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8", "replace") == text
+
+
+def test_llm_tiny_temperature_is_greedy_with_finite_logprobs(stream):
+    """temperature 1e-40 (a valid FP32 input whose 1 / T overflows float32) is greedy: the
+    same ids, text and logprobs as temperature 0, and ``logprobs_json`` is strict JSON (``llm``
+    sent NaN logprobs, and token 0 repeated, before)."""
+    inputs = {"text_input": PROMPT, "max_tokens": 8, "logprobs": 2, "seed": 3, "ignore_eos": True}
+    tiny = _by_index(stream.run("llm", {**inputs, "temperature": 1e-40}))[0]
+    greedy = _by_index(stream.run("llm", {**inputs, "temperature": 0.0}))[0]
+    assert _text(tiny) == _text(greedy)
+    assert _flat(tiny, "top_logprob_ids").tolist() == _flat(greedy, "top_logprob_ids").tolist()
+    for name in ("output_logprobs", "top_logprobs"):
+        values = _flat(tiny, name)
+        assert np.isfinite(values).all()
+        np.testing.assert_allclose(values, _flat(greedy, name), atol=1e-5, rtol=0)
+    entries = [e for o in tiny for e in strict_json(o["logprobs_json"][0].decode() or "[]")]
+    assert len(entries) == 8
+    assert [e["top_logprobs"][0]["token"] for e in entries] == [e["token"] for e in entries]
 
 
 def test_engine_releases_held_logprobs_with_their_ids(tiny_model_dir, tokenizer, hf_logprobs):
@@ -382,3 +401,27 @@ def test_coalesce_and_stream_state_carry_logprobs_per_choice():
     chunk = state.on_output(out("r", [8], "length", lps=[-2.0], index=4))
     assert (chunk.index, chunk.output_ids, chunk.logprobs) == (4, [7, 8], [-1.0, -2.0])
     assert chunk.with_index and chunk.num_top == 2
+
+
+def test_logprob_entries_report_non_finite_values_as_json_numbers():
+    """-inf (a masked token) is vLLM's floor, -9999.0; NaN (logits that were not finite) the
+    floor too and +inf 0.0: the entries dump as strict JSON, and finite values are kept."""
+    from tritonllm.serving.logprobs import logprob_entries, prompt_logprob_entries
+
+    def token_bytes(token_id: int) -> bytes:
+        return b"t%d" % token_id
+
+    lps = np.array([-np.inf, np.nan, -0.5], np.float32)
+    top_ids = np.array([1, 2, 3, 4, 5, 6], np.int32)
+    top = np.array([-1.0, -np.inf, np.nan, np.inf, -0.5, -9999.5], np.float32)
+    entries = logprob_entries(token_bytes, [7, 8, 9], lps, top_ids, top)
+    assert [e["logprob"] for e in entries] == [-9999.0, -9999.0, -0.5]
+    assert [[t["logprob"] for t in e["top_logprobs"]] for e in entries] == [
+        [-1.0, -9999.0],
+        [-9999.0, 0.0],
+        [-0.5, -9999.0],
+    ]
+    json.dumps(entries, allow_nan=False)
+    prompt = prompt_logprob_entries(token_bytes, [1, 2], np.array([np.nan], np.float32), [], [])
+    assert prompt[1]["logprob"] == -9999.0
+    json.dumps(prompt, allow_nan=False)

@@ -28,7 +28,10 @@ class SamplingParams:
         max_tokens: most new tokens (>= 1); None (the default): until EOS, a stop condition or
             the context limit (the engine resolves it per request); 0: none at all, the request
             only prefills (to score its prompt with `prompt_logprobs`, or to echo it).
-        temperature: in [0, 2]; 0 means greedy (argmax).
+        temperature: in [0, 2]; 0 means greedy (argmax). A temperature below
+            ``limits.GREEDY_TEMPERATURE_EPS`` (1e-5, vLLM's) is stored as 0.0: the request is
+            greedy in every way (tokens, seed, logprobs at temperature 1), as dividing logits
+            by it would overflow float32 to inf and sample from NaN.
         top_p: nucleus sampling, in [0, 1] (OpenAI's range); 1 disables it. 0, the limit
             p -> 0 that keeps only the most likely token, is stored as what it means:
             ``top_p=1.0, top_k=1`` (the samplers see top_k = 1, whatever top_k was given).
@@ -110,6 +113,8 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", words)
         self._validate()
         self._validate_constraints()
+        if self.temperature < limits.GREEDY_TEMPERATURE_EPS:  # the limit T -> 0: the argmax
+            object.__setattr__(self, "temperature", 0.0)
         if self.top_p == 0:  # the nucleus of p -> 0: the most likely token alone
             object.__setattr__(self, "top_p", 1.0)
             object.__setattr__(self, "top_k", 1)

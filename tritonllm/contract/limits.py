@@ -76,12 +76,23 @@ def _num(value: float) -> str:
 
 # --- sampling -------------------------------------------------------------------------------
 TEMPERATURE = Range(0, 2)  # 0: greedy
+# A temperature below this samples greedily, as 0 does (vLLM's _SAMPLING_EPS): logits / T for a
+# tiny T (1e-40 is a valid FP32 input) overflow float32 to inf and softmax gives NaN; and below
+# it a token whose logit trails the largest by 1e-3 has a probability under e^-100, so sampling
+# is the argmax but for near-ties. SamplingParams stores such a temperature as 0.0.
+GREEDY_TEMPERATURE_EPS = 1e-5
 TOP_P = Range(0, 1)  # 1: disabled; 0: the most likely token alone (SamplingParams: top_k 1)
 TOP_K = Range(-1, INT32_MAX)  # -1 or 0: disabled
 MIN_P = Range(0, 1)  # 0: disabled
 PENALTY = Range(-2, 2)  # presence_penalty, frequency_penalty
 REPETITION_PENALTY = Range(0, None, low_open=True)  # 1: disabled
 SEED = Range(INT64_MIN, INT64_MAX)
+
+# --- logprobs on the wire ---------------------------------------------------------------------
+# The floor vLLM's OpenAI server applies to a reported logprob: -inf (a masked token: min_tokens,
+# a token constraint) is no JSON number; NaN and infinities are never sent (the detokenizer's
+# ``logprobs_json`` and the sidecar's responses alike).
+MIN_LOGPROB = -9999.0
 
 # --- lengths and counts ---------------------------------------------------------------------
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default (the sidecar sends it)

@@ -232,6 +232,7 @@ class Sampler:
         keyed_tokens = None
         if keyed:
             keyed_tokens = self._seeded_sample(logits, reqs, positions, keyed)
+        # (no tiny temperature here either: SamplingParams stores one below 1e-5 as 0, greedy)
         if any(p.temperature > 0 and p.temperature != 1.0 for p in params):
             temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
             logits.div_(to_device(temps, torch.float32, device)[:, None])
@@ -273,6 +274,7 @@ class Sampler:
         from kernels.sampling import BLOCK, counters_per_row, gumbel_argmax, iters_for
 
         params = [r.params for r in reqs]
+        # A temperature is 0 or >= GREEDY_TEMPERATURE_EPS (SamplingParams): 1 / T <= 1e5, finite.
         inv_temps = [0.0 if p.temperature == 0.0 else 1.0 / p.temperature for p in params]
         inv: float | torch.Tensor
         if len(set(inv_temps)) == 1:

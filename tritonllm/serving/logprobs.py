@@ -10,14 +10,12 @@ under ``prompt_*`` names and become the same entries, one per prompt token.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-# The floor vLLM's OpenAI server applies: -inf (a token masked by min_tokens) is not valid JSON.
-MIN_LOGPROB = -9999.0
+from tritonllm.contract.limits import MIN_LOGPROB
 
 
 def flatten_top_logprobs(
@@ -44,15 +42,20 @@ def flatten_top_logprobs(
     return np.asarray(ids, np.int32), np.asarray(values, np.float32)
 
 
-def _logprob(value: float) -> float:
+def wire_logprob(value: float) -> float:
+    """``value`` as a finite JSON number: below ``MIN_LOGPROB`` (``-inf``: a masked token) and
+    NaN (logits that were not finite: no probability to report) as ``MIN_LOGPROB``, above 0
+    (``+inf``; log-softmax is never positive) as 0.0. JSON has no NaN or infinities."""
     value = float(value)
-    return value if value >= MIN_LOGPROB or math.isnan(value) else MIN_LOGPROB
+    if not value >= MIN_LOGPROB:  # also NaN, which compares false
+        return MIN_LOGPROB
+    return min(value, 0.0)
 
 
 def _token(token_bytes: bytes, value: float) -> dict[str, Any]:
     return {
         "token": token_bytes.decode("utf-8", errors="replace"),
-        "logprob": _logprob(value),
+        "logprob": wire_logprob(value),
         "bytes": list(token_bytes),
     }
 
@@ -69,7 +72,7 @@ def logprob_entries(
     Each entry is ``{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
     "bytes"}, ...]}``: ``bytes`` are the token's own bytes, ``token`` those bytes decoded with
     ``errors="replace"`` (as OpenAI and vLLM report a token that holds part of a character).
-    Logprobs below ``MIN_LOGPROB`` (``-inf``) are reported as ``MIN_LOGPROB``.
+    Logprobs are finite JSON numbers (``wire_logprob``: ``-inf`` and NaN as ``MIN_LOGPROB``).
 
     Args:
         token_bytes: ``token_id -> bytes`` (``Detokenizer.logprob_token_bytes``).

@@ -80,13 +80,14 @@ def text_outputs(
         count = content_token_count(
             detokenizer, new_ids, prefix_ids, finish_reason, trim_chars, len(delta)
         )
-        logprobs_json = json.dumps(entries[:count], ensure_ascii=False)
+        # Strict JSON: the entries' numbers are finite (wire_logprob), never NaN or Infinity.
+        logprobs_json = json.dumps(entries[:count], ensure_ascii=False, allow_nan=False)
     if echo_text is not None:
         text = echo_text + text
     prompt_json = None
     if prompt_scores is not None:
         entries = prompt_logprob_entries(detokenizer.logprob_token_bytes, *prompt_scores)
-        prompt_json = json.dumps(entries, ensure_ascii=False)
+        prompt_json = json.dumps(entries, ensure_ascii=False, allow_nan=False)
     return TextOutputs(text, logprobs_json, prompt_json)
 
 
