@@ -21,6 +21,7 @@ nullable and OpenAI and vLLM read them (``"n": null`` is 1, ``"stream": null`` f
 from __future__ import annotations
 
 import functools
+import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -119,7 +120,8 @@ class SamplingFields(_Lenient):
     presence_penalty: Number | None = Field(default=None, **limits.PENALTY.field_bounds())
     frequency_penalty: Number | None = Field(default=None, **limits.PENALTY.field_bounds())
     user: str | None = None
-    # Token id (as a string) → bias added to its logit; not supported (an empty map is a no-op).
+    # Token id (as a string of digits) → bias in [-100, 100] added to its logit before sampling
+    # (at most limits.MAX_LOGIT_BIAS entries; ids >= vocab are the backend's 400).
     logit_bias: dict[str, Number] | None = None
     # vLLM-style extensions (sent by OpenAI clients through ``extra_body``).
     top_k: StrictInt | None = Field(default=None, **limits.TOP_K.field_bounds())
@@ -149,6 +151,47 @@ class SamplingFields(_Lenient):
                 {"most": most},
             )
         return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_in_bounds(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        # OpenAI's rules: keys are token ids written in decimal, values in [-100, 100], at most
+        # MAX_LOGIT_BIAS entries (each a 400 naming logit_bias, code invalid_value).
+        if not bias:
+            return bias
+        most = limits.MAX_LOGIT_BIAS
+        if len(bias) > most:
+            raise PydanticCustomError(
+                "invalid_value",
+                "logit_bias may hold at most {most} entries, got {count}",
+                {"most": most, "count": len(bias)},
+            )
+        seen: set[int] = set()
+        for key, value in bias.items():
+            digits = key.isascii() and key.isdigit() and len(key) <= 10
+            if not (digits and int(key) in limits.TOKEN_ID and int(key) not in seen):
+                raise PydanticCustomError(
+                    "invalid_value",
+                    "logit_bias keys must be distinct token ids (non-negative integers as "
+                    "strings), got '{key}'",
+                    {"key": key[:40]},
+                )
+            if value not in limits.LOGIT_BIAS:
+                raise PydanticCustomError(
+                    "invalid_value",
+                    "logit_bias[{key}] must be {allowed}, got {value}",
+                    {"key": key, "allowed": limits.LOGIT_BIAS.describe(), "value": value},
+                )
+            seen.add(int(key))
+        return bias
+
+    @property
+    def logit_bias_json(self) -> str | None:
+        """``logit_bias`` as the backend's JSON object (keys in canonical decimal), or None
+        when absent or empty (no bias)."""
+        if not self.logit_bias:
+            return None
+        return json.dumps({str(int(k)): v for k, v in self.logit_bias.items()})
 
     @property
     def include_usage(self) -> bool:

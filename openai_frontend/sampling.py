@@ -76,9 +76,9 @@ def sampling_inputs(
             True,
             "its stream events carry no obfuscation padding (give false or leave it out)",
         )
-    if req.logit_bias:  # would change sampling: refused rather than silently ignored
-        raise unsupported("logit_bias")
     inputs: dict[str, InputValue] = {}
+    # An empty object is no bias; a backend without the input refuses a non-empty one.
+    _put(inputs, specs, "logit_bias", req.logit_bias_json, None)
     _put(inputs, specs, "max_tokens", max_tokens, None)
     _put(inputs, specs, "n", req.n, 1)
     # Stop strings are applied in the engine, which stops at once and frees the KV cache.

@@ -6,9 +6,19 @@ import math
 
 import pytest
 import torch
-from test_engine_helpers import checkpoint, hf_greedy, hf_logits, prompts, sample_host
+from test_engine_helpers import (
+    VOCAB,
+    checkpoint,
+    hf_greedy,
+    hf_logits,
+    hf_model,
+    prompts,
+    sample_host,
+)
+from transformers import GenerationConfig
 
 from tritonllm.config import EngineConfig
+from tritonllm.contract.errors import ErrorCode, RequestError
 from tritonllm.engine import LLMEngine
 from tritonllm.engine.request import Request
 from tritonllm.engine.sampler import Sampler
@@ -282,3 +292,69 @@ def test_cpu_seeds_that_differ_only_above_32_bits_draw_differently():
     for a, b in pairs:
         assert draws(a) != draws(b), (a, b)
     assert draws(-(1 << 63)) == draws(-(1 << 63))  # still a function of the seed
+
+
+@torch.inference_mode()
+def hf_biased_greedy(prompt: list[int], max_new: int, bias: dict[int, float]) -> list[int]:
+    """transformers' greedy `generate` with `sequence_bias` of one-token sequences (its
+    `SequenceBiasLogitsProcessor`: the bias added to the logits), never stopping at EOS."""
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new,
+        eos_token_id=None,
+        pad_token_id=0,
+        sequence_bias={(token,): value for token, value in bias.items()},
+    )
+    ids = torch.tensor([prompt])
+    out = hf_model(checkpoint("qwen3")).generate(
+        ids, attention_mask=torch.ones_like(ids), generation_config=config
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_logit_bias_matches_transformers_sequence_bias(engine):
+    """Greedy with logit_bias equals transformers' greedy with the same bias, token for token:
+    -100 on the token greedy picks bans it, +100 on one it never picks forces it every step,
+    and small biases shift the argmax exactly as adding them to the logits does. The biased
+    requests share a batch with an unbiased one, which stays plain greedy."""
+    prompt = prompts([7], seed=21)[0]
+    plain = hf_greedy(checkpoint("qwen3"), prompt, 12)[0]
+    unused = next(t for t in range(10, VOCAB) if t not in plain)
+    biases = {
+        "ban": {plain[0]: -100.0},
+        "force": {unused: 100.0},
+        "shift": {plain[0]: -3.0, plain[1]: 4.0, unused: 2.5},
+    }
+    requests = {
+        name: (prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logit_bias=b))
+        for name, b in biases.items()
+    }
+    requests["plain"] = (prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    outs = {name: ids_of(o) for name, o in collect(engine, requests).items()}
+    assert outs["plain"] == plain
+    for name, bias in biases.items():
+        assert outs[name] == hf_biased_greedy(prompt, 12, bias), name
+    assert plain[0] not in outs["ban"]
+    assert outs["force"] == [unused] * 12
+    assert outs["shift"] != plain  # the small biases changed something on this model
+
+
+def test_logit_bias_applies_to_sampled_rows_and_their_logprobs(engine):
+    """A +100 bias makes a sampled row (temperature, top-p, logprobs) pick that token with
+    logprob ~0: the bias is in the logits that temperature, filters and logprobs see."""
+    prompt = prompts([5], seed=22)[0]
+    params = SamplingParams(
+        max_tokens=6, temperature=1.5, top_p=0.9, logprobs=2, seed=3, logit_bias={42: 100}
+    )
+    outs = collect(engine, {"s": (prompt, params)})["s"]
+    assert ids_of(outs) == [42] * 6
+    assert all(lp > -1e-3 for o in outs for lp in o.logprobs)
+
+
+def test_logit_bias_ids_outside_the_vocabulary_are_refused(engine):
+    params = SamplingParams(max_tokens=2, logit_bias={3: 1.0, VOCAB: 1.0})
+    with pytest.raises(
+        RequestError, match=rf"logit_bias token ids must be in \[0, {VOCAB}\)"
+    ) as info:
+        engine.check_request([1, 2], params)
+    assert (info.value.code, info.value.param) == (ErrorCode.INVALID_VALUE, "logit_bias")

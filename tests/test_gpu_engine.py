@@ -1,8 +1,8 @@
 """The GPU engine: CUDA-graph decode, overlap scheduling, GPU sampling, attention backends.
 
 - Overlap scheduling changes when outputs are reported, never what they are: a mixed workload
-  (greedy, seeded sampling, penalties, logprobs, n > 1, stop tokens, min_tokens, chunked
-  prefill, a KV pool small enough to preempt) gives identical outputs with it on and off. This
+  (greedy, seeded sampling, penalties, logit bias, logprobs, n > 1, stop tokens, min_tokens,
+  chunked prefill, a KV pool small enough to preempt) gives identical outputs with it on and off. This
   also runs on CPU (the same code path, without the concurrency).
 - CUDA-graph decode (padded batch sizes, eager above the largest graph) gives the same ids as
   eager decode.
@@ -132,7 +132,7 @@ def assert_same_outputs(got: dict, expected: dict, atol: float) -> None:
 def mixed_workload(stop_from: dict[str, list[int]] | None = None) -> dict[str, tuple]:
     """Requests exercising every sampling path; `stop_from` (greedy ids of r0/r7 from a first
     run) supplies stop tokens that the model really produces."""
-    ps = prompts([3, 5, 9, 17, 30, 4, 8, 12, 9, 6], seed=3)
+    ps = prompts([3, 5, 9, 17, 30, 4, 8, 12, 9, 6, 7, 10], seed=3)
     ps[8] = list(ps[2])  # same prompt: shares the prefix cache
     stop0 = [stop_from["r0"][6]] if stop_from else []
     stop7 = [stop_from["r7"][2]] if stop_from else []
@@ -154,6 +154,8 @@ def mixed_workload(stop_from: dict[str, list[int]] | None = None) -> dict[str, t
         SP(max_tokens=30, temperature=0, min_tokens=4, stop_token_ids=stop7, ignore_eos=True),
         SP(max_tokens=20, temperature=0, logprobs=0, ignore_eos=True),
         SP(max_tokens=40, temperature=0, ignore_eos=True),
+        SP(max_tokens=14, temperature=0, logit_bias={11: 3.0, 12: -2.0}, ignore_eos=True),
+        SP(max_tokens=14, temperature=0.9, seed=5, logit_bias={11: 4.0, 13: 1.5}, ignore_eos=True),
     ]
     return {f"r{i}": (p, sp) for i, (p, sp) in enumerate(zip(ps, params, strict=True))}
 
@@ -504,3 +506,54 @@ def test_bf16_greedy_matches_transformers_until_a_sub_resolution_margin(qwen3_06
     assert compared >= 16, "margins too small to compare anything"
     del hf
     _release(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_logit_bias_on_gpu_gives_the_cpu_engines_ids():
+    """float32: with CUDA-graph decode and overlap scheduling, greedy rows with logit_bias (a
+    ban of the first plain greedy token, a forced token, small shifts) give the CPU engine's
+    ids, beside an unbiased row."""
+    model = checkpoint_hd128()
+    prompt = prompts([9], seed=8)[0]
+    cpu = _engine(model, device="cpu")
+    plain = ids(run_all(cpu, {"p": (prompt, SP(max_tokens=10, temperature=0, ignore_eos=True))}))
+    first = plain["p"][0]
+    biases = {"ban": {first: -100.0}, "force": {17: 100.0}, "shift": {first: -2.0, 17: 3.0}}
+    work = {
+        name: (prompt, SP(max_tokens=10, temperature=0, ignore_eos=True, logit_bias=b))
+        for name, b in biases.items()
+    }
+    work["plain"] = (prompt, SP(max_tokens=10, temperature=0, ignore_eos=True))
+    expected = ids(run_all(cpu, work))
+    _release(cpu)
+    gpu = _engine(
+        model, device="cuda", dtype="float32", attention_backend="triton", cuda_graph_max_bs=16
+    )
+    assert gpu.runner.config.use_cuda_graph and gpu.runner.config.use_overlap_schedule
+    assert ids(run_all(gpu, work)) == expected
+    assert first not in expected["ban"] and expected["force"] == [17] * 10
+    assert expected["plain"] == plain["p"]
+    _release(gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_logit_bias_rows_on_the_fused_sampler_path():
+    """bfloat16 logits on the fused Gumbel-max path: a +100 bias forces its token on greedy
+    and sampled rows, -100 bans the greedy row's argmax, and an unbiased row is untouched."""
+    from tritonllm.engine.request import Request
+    from tritonllm.engine.sampler import Sampler
+
+    sampler = Sampler(torch.device("cuda"), seed=0, fused=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(4, 1000, device="cuda", generator=gen).to(torch.bfloat16)
+    logits[2:, 100], logits[2:, 200] = 10.0, 9.0  # clear first and second choices (|randn| < 6)
+    params = [
+        SP(temperature=0, logit_bias={5: 100.0}),
+        SP(temperature=1.0, logit_bias={6: 100.0}),
+        SP(temperature=0, logit_bias={100: -100.0}),
+        SP(temperature=0),
+    ]
+    reqs = [Request(str(i), [1], p, arrival=i) for i, p in enumerate(params)]
+    assert sample_host(sampler, logits.clone(), reqs).token_ids == [5, 6, 200, 100]

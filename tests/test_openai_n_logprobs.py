@@ -438,3 +438,58 @@ def test_backend_logprobs_json_never_yields_a_non_finite_number():
     assert backend_entries('[{"logprob": -0.25}]') == [{"logprob": -0.25}]
     with pytest.raises(ValueError):
         backend_entries("[{")
+
+
+def _chat_ids(client, sidecar, tokenizer, **extra) -> list[int]:
+    """The token ids of a greedy 6-token chat answer to MESSAGES (read from its logprobs)."""
+    response = client.chat.completions.create(
+        model=sidecar.model_name,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        extra_body={"ignore_eos": True},
+        **extra,
+    )
+    return [_token_id(tokenizer, e.bytes) for e in response.choices[0].logprobs.content]
+
+
+def test_logit_bias_bans_and_forces_tokens_as_transformers_predicts(
+    client, sidecar, tokenizer, hf_logprobs
+):
+    """OpenAI's logit_bias through the sidecar and tritonserver: -100 on the token greedy
+    answers first bans it everywhere, and each biased answer is the argmax of transformers'
+    logits plus the bias at every position; +100 forces a token on chat and completions."""
+    plain = _chat_ids(client, sidecar, tokenizer)
+    banned = _chat_ids(client, sidecar, tokenizer, logit_bias={str(plain[0]): -100})
+    assert plain[0] not in banned
+    bias = torch.zeros(hf_logprobs(chat_prompt_ids(tokenizer, MESSAGES), plain).shape[-1])
+    bias[plain[0]] = -100
+    expected = hf_logprobs(chat_prompt_ids(tokenizer, MESSAGES), banned) + bias
+    assert banned == expected.argmax(dim=-1).tolist()
+
+    fox = tokenizer.encode(" fox", add_special_tokens=False)[0]
+    forced = _chat_ids(client, sidecar, tokenizer, logit_bias={str(fox): 100})
+    assert forced == [fox] * 6
+    completion = client.completions.create(
+        model=sidecar.model_name, prompt=PROMPT, max_tokens=3, logit_bias={str(fox): 100}
+    )
+    assert completion.choices[0].text == tokenizer.decode([fox] * 3)
+
+
+@pytest.mark.parametrize(
+    ("bias", "fragment"),
+    [
+        ({"fox": 1}, "token ids"),  # refused by the sidecar
+        ({"7": 100.5}, "[-100, 100]"),  # refused by the sidecar
+        ({"1000000000": 1}, "logit_bias token ids must be in [0, "),  # by the engine, via Triton
+    ],
+)
+def test_bad_logit_bias_is_a_400_naming_it(client, sidecar, bias, fragment):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=sidecar.model_name, messages=MESSAGES, max_tokens=2, logit_bias=bias
+        )
+    error = info.value.response.json()["error"]
+    assert (error["param"], error["code"]) == ("logit_bias", "invalid_value")
+    assert fragment in error["message"]

@@ -4,6 +4,7 @@ the HTTP error contract in front of an unreachable Triton."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import types
 import typing
@@ -908,3 +909,40 @@ def test_detokenize_of_no_tokens_is_the_empty_text(offline_app):
     assert response.status_code == 200 and response.json() == {"prompt": ""}
     other = offline_app.post("/detokenize", json={"model": "other", "tokens": []})
     assert _assert_openai_error(other, 404)["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        ({"x": 1}, "token ids"),
+        ({"-1": 1}, "token ids"),
+        ({"7.0": 1}, "token ids"),
+        ({"٣": 1}, "token ids"),  # a digit, but not a decimal ASCII one
+        ({"7": 1, "007": 2}, "distinct"),
+        ({"7": 100.5}, r"in \[-100, 100\]"),
+        ({"7": -101}, r"in \[-100, 100\]"),
+        ({str(i): 1 for i in range(301)}, "at most 300 entries"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_bad_logit_bias_is_a_400_naming_it(offline_app, path, bias, message):
+    """OpenAI's rules: keys are token ids in decimal, biases in [-100, 100], at most 300."""
+    base = _CHAT if path == "/v1/chat/completions" else _COMPLETION
+    body = {**base, "logit_bias": bias}
+    error = _assert_openai_error(offline_app.post(path, json=body), 400)
+    assert (error["param"], error["code"]) == ("logit_bias", "invalid_value")
+    assert re.search(message, error["message"]), error["message"]
+
+
+def test_logit_bias_is_sent_as_a_json_object_with_canonical_keys():
+    specs = {**FULL_SPECS, "logit_bias": InputSpec("BYTES", (1,))}
+    bias = {"007": -100, "50": 100, "3": 0.5}
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], logit_bias=bias)
+    sent = json.loads(chat_inputs(chat, specs, backend_stream=True)["logit_bias"])
+    assert sent == {"7": -100.0, "50": 100.0, "3": 0.5}
+    completion = CompletionRequest(prompt="x", logit_bias={str(i): 1 for i in range(300)})
+    sent = json.loads(completion_inputs(completion, specs, True, "x")["logit_bias"])
+    assert len(sent) == 300
+    # An empty object is no bias: nothing is sent.
+    empty = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], logit_bias={})
+    assert "logit_bias" not in chat_inputs(empty, specs, backend_stream=True)

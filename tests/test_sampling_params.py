@@ -42,6 +42,19 @@ INVALID = [
     ("prompt_logprobs", -1),
     ("prompt_logprobs", 21),
     ("stop_token_ids", (5, -1)),
+    ("logit_bias", {5: 100.5}),  # OpenAI's range is [-100, 100]
+    ("logit_bias", {5: -101}),
+    ("logit_bias", {5: math.nan}),
+    ("logit_bias", {5: math.inf}),
+    ("logit_bias", {5: True}),
+    ("logit_bias", {5: "1"}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"5": 1.0}),  # ids are ints here: the trust boundaries parse OpenAI's keys
+    ("logit_bias", {5.0: 1.0}),
+    ("logit_bias", ((5, 1.0), (5, 2.0))),  # an id twice
+    ("logit_bias", ((5, 1.0, 2.0),)),
+    ("logit_bias", "5"),
+    ("logit_bias", {i: 1.0 for i in range(301)}),  # OpenAI's limit is 300 entries
 ]
 
 
@@ -85,6 +98,7 @@ VALID = [
     {"min_tokens": 16},
     {"min_tokens": 16, "max_tokens": 16},
     {"stop_token_ids": [1, 2]},
+    {"logit_bias": ((3, -100.0), (9, 100.0))},
 ]
 
 
@@ -127,3 +141,14 @@ def test_defaults_and_greedy_flag():
     assert hash(SamplingParams(stop_token_ids=[3, 4])) == hash(
         SamplingParams(stop_token_ids=(3, 4))
     )
+
+
+def test_logit_bias_is_stored_as_pairs_ascending_by_id():
+    """A mapping or pairs in any order give the same (hashable) params; ints become floats."""
+    by_map = SamplingParams(logit_bias={9: 100, 3: -0.5})
+    assert by_map.logit_bias == ((3, -0.5), (9, 100.0))
+    assert all(type(b) is float for _, b in by_map.logit_bias)
+    assert by_map == SamplingParams(logit_bias=[(9, 100.0), (3, -0.5)])
+    assert hash(by_map) == hash(SamplingParams(logit_bias=[[3, -0.5], [9, 100]]))
+    assert SamplingParams(logit_bias={i: 1.0 for i in range(300)}).logit_bias[-1] == (299, 1.0)
+    assert SamplingParams().logit_bias == SamplingParams(logit_bias={}).logit_bias == ()

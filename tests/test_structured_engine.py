@@ -335,6 +335,33 @@ def test_allowed_token_ids_and_bad_words_mask_what_they_name(tiny_model_dir, tok
     assert bad_ids != base_ids
 
 
+def test_logit_bias_never_lifts_a_token_mask(tiny_model_dir, tok):
+    """The mask comes first: +100 on a token outside allowed_token_ids never makes it
+    sampled, while -100 inside them still bans that one (greedy and sampled rows alike)."""
+    engine = _engine(tiny_model_dir)
+    prompt = tok.encode("Once upon a time")
+    allowed = [100, 101, 102]
+    bias = {5: 100.0, 100: -100.0, 101: -100.0}
+    outs = _run(
+        engine,
+        [
+            (
+                rid,
+                prompt,
+                SamplingParams(
+                    max_tokens=8,
+                    temperature=temperature,
+                    ignore_eos=True,
+                    allowed_token_ids=allowed,
+                    logit_bias=bias,
+                ),
+            )
+            for rid, temperature in (("greedy", 0.0), ("sampled", 1.0))
+        ],
+    )
+    assert outs["greedy"][0] == outs["sampled"][0] == [102] * 8
+
+
 @pytest.mark.parametrize(
     ("kind", "spec"),
     [

@@ -342,3 +342,50 @@ def test_coalesce_keeps_the_output_that_ends_a_request_behind_its_other_choices(
         (1, [7], False),
         (0, [1, 2], True),
     ]
+
+
+def test_logit_bias_input_is_openais_json_object_in_any_of_the_three_places():
+    """The ``logit_bias`` input, ``sampling_parameters`` and the request's parameters all take
+    OpenAI's object {"<token id>": bias}; the params hold it as (id, bias) pairs."""
+    want = SamplingParams(logit_bias={7: -100.0, 12: 2.5})
+    text = '{"12": 2.5, "7": -100}'
+    assert sampling_params({"logit_bias": np.array([text.encode()], dtype=object)}) == want
+    from_json = sampling_params(
+        {"sampling_parameters": np.array(['{"logit_bias": {"7": "-100", "12": 2.5}}'], object)}
+    )
+    assert from_json == want
+    request = generate_request(
+        {"input_ids": np.array([1], np.int32)}, {"logit_bias": {"7": -100, "12": 2.5}}
+    )
+    assert request.params == want
+    # The same object in two places is one value; two different ones are refused.
+    both = generate_request(
+        {"input_ids": np.array([1], np.int32), "logit_bias": np.array([text], dtype=object)},
+        {"logit_bias": text},
+    )
+    assert both.params == want
+    with pytest.raises(ValueError, match="logit_bias is given twice"):
+        generate_request(
+            {"input_ids": np.array([1], np.int32), "logit_bias": np.array([text], dtype=object)},
+            {"logit_bias": {"7": -99}},
+        )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"x": 1}', "logit_bias keys must be distinct token ids"),
+        ('{"7.0": 1}', "logit_bias keys must be distinct token ids"),
+        ('{"7": "strong"}', r"logit_bias\[7\] must be a finite number"),
+        ('{"7": null}', r"logit_bias\[7\] must be a finite number"),
+        ("[[7, 1]]", "logit_bias must be a JSON object"),
+        ("not json", "logit_bias must be a JSON object"),
+        ('{"7": 101}', r"logit_bias\[7\] must be in \[-100, 100\]"),
+        ('{"-7": 1}', "logit_bias must be keyed by non-negative token ids"),
+        ('{"7": 1, "07": 2}', "logit_bias keys must be distinct token ids"),
+    ],
+)
+def test_bad_logit_bias_input_is_invalid_value_naming_it(text, message):
+    with pytest.raises(ValueError, match=message) as info:
+        sampling_params({"logit_bias": np.array([text], dtype=object)})
+    assert (info.value.code.value, info.value.param) == ("invalid_value", "logit_bias")

@@ -7,7 +7,9 @@ that exists is valid: the layers after the trust boundary that built it never ch
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from tritonllm.contract import limits
 from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
@@ -18,6 +20,9 @@ MAX_LOGPROBS = limits.MAX_LOGPROBS
 MAX_N = limits.MAX_N
 MAX_STOP_STRINGS = limits.MAX_STOP_STRINGS
 MAX_STOP_STRING_CHARS = limits.MAX_STOP_STRING_CHARS
+
+# (token id, bias) pairs of `SamplingParams.logit_bias`, ascending by id.
+LogitBias = tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,11 @@ class SamplingParams:
             tokens already generated (not the prompt): `logit -= freq * count + presence`.
         repetition_penalty: > 0; vLLM/CTRL style over prompt and generated tokens (positive
             logits divided by it, negative ones multiplied); 1 disables it.
+        logit_bias: OpenAI's: (token id, bias) pairs, each bias in [-100, 100] added to that
+            token's logit before penalties, temperature, filtering and logprobs (-100 bans a
+            token in effect, +100 forces it); at most MAX_LOGIT_BIAS entries, each id once (in
+            [0, vocab), checked by the engine's limits). Given as a mapping {id: bias} or as
+            pairs; stored as pairs ascending by id. Empty: no bias.
         logprobs: None, or 0..20: return the sampled token's logprob plus this many top
             alternatives (log_softmax of the processed logits / temperature; temperature 1 for
             greedy).
@@ -94,6 +104,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    logit_bias: LogitBias = ()
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable.
@@ -109,6 +120,7 @@ class SamplingParams:
             ok = not isinstance(allowed, str | bytes) and all(_int(t) for t in allowed)
             _check(ok, "allowed_token_ids", "a list of token ids", allowed)
             object.__setattr__(self, "allowed_token_ids", tuple(allowed))
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
         object.__setattr__(self, "bad_words", words)
         self._validate()
@@ -255,6 +267,38 @@ class SamplingParams:
         )
 
 
+def _logit_bias_pairs(value: Any) -> LogitBias:
+    """``logit_bias`` ({id: bias} or (id, bias) pairs) as pairs ascending by id, each id an int
+    >= 0 given once and each bias a finite number in [-100, 100] (as a float).
+
+    Raises:
+        RequestError: (``invalid_value``, param ``logit_bias``) anything else, or more than
+            MAX_LOGIT_BIAS entries.
+    """
+    name, allowed = "logit_bias", "an object of token id -> bias"
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    else:
+        _check(not isinstance(value, str | bytes), name, allowed, value)
+        try:
+            pairs = [tuple(pair) for pair in value]
+        except TypeError:
+            raise _error(name, allowed, value) from None
+        _check(all(len(pair) == 2 for pair in pairs), name, allowed, value)
+    _check(
+        len(pairs) <= limits.MAX_LOGIT_BIAS,
+        name,
+        f"at most {limits.MAX_LOGIT_BIAS} entries",
+        len(pairs),
+    )
+    ids = [token for token, _ in pairs]
+    _check(all(_int(t) and t >= 0 for t in ids), name, "keyed by non-negative token ids", ids)
+    _check(len(set(ids)) == len(ids), name, "keyed by distinct token ids", ids)
+    for token, bias in pairs:
+        _in_range(name, bias, limits.LOGIT_BIAS, f"{name}[{token}]")
+    return tuple(sorted((token, float(bias)) for token, bias in pairs))
+
+
 def _int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -264,13 +308,17 @@ def _in(value: object, allowed: limits.Range, kind: type) -> bool:
     return _int(value) and value in allowed
 
 
-def _in_range(name: str, value: object, allowed: limits.Range) -> None:
+def _in_range(name: str, value: object, allowed: limits.Range, label: str = "") -> None:
+    """Raises RequestError (param ``name``) unless ``value`` is a finite number in ``allowed``;
+    the message calls the value ``label`` (default: ``name``)."""
+    label = label or name
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _error(name, f"a number {allowed.describe()}", value)
+        raise _error(name, f"a number {allowed.describe()}", value, label)
     # NaN and infinities are refused; every float parameter has a finite range.
     if not math.isfinite(value):
-        raise _error(name, f"a finite number {allowed.describe()}", value)
-    _check(value in allowed, name, allowed.describe(), value)
+        raise _error(name, f"a finite number {allowed.describe()}", value, label)
+    if value not in allowed:
+        raise _error(name, allowed.describe(), value, label)
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
@@ -278,6 +326,6 @@ def _check(ok: bool, name: str, allowed: str, value: object) -> None:
         raise _error(name, allowed, value)
 
 
-def _error(name: str, allowed: str, value: object) -> RequestError:
-    message = f"{name} must be {allowed}, got {short_repr(value)}"
+def _error(name: str, allowed: str, value: object, label: str = "") -> RequestError:
+    message = f"{label or name} must be {allowed}, got {short_repr(value)}"
     return RequestError(ErrorCode.INVALID_VALUE, name, message)

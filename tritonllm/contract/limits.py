@@ -87,6 +87,10 @@ MIN_P = Range(0, 1)  # 0: disabled
 PENALTY = Range(-2, 2)  # presence_penalty, frequency_penalty
 REPETITION_PENALTY = Range(0, None, low_open=True)  # 1: disabled
 SEED = Range(INT64_MIN, INT64_MAX)
+# logit_bias: each value is added to its token's logit before sampling (OpenAI's range: -100
+# bans a token in effect, +100 forces it). OpenAI refuses objects of more than 300 entries.
+LOGIT_BIAS = Range(-100, 100)
+MAX_LOGIT_BIAS = 300
 
 # --- logprobs on the wire ---------------------------------------------------------------------
 # The floor vLLM's OpenAI server applies to a reported logprob: -inf (a masked token: min_tokens,

@@ -119,6 +119,9 @@ SAMPLING_INPUTS: tuple[TensorSpec, ...] = (
     _opt("structured_outputs", "BYTES"),
     _opt("allowed_token_ids", "INT32", (-1,)),  # only these ids may be sampled
     _opt("bad_words", "BYTES", (-1,)),  # words never generated (vLLM / TensorRT-LLM semantics)
+    # OpenAI's logit_bias as its JSON object, {"<token id>": bias in [-100, 100]} (at most
+    # limits.MAX_LOGIT_BIAS entries): each bias is added to its token's logit before sampling.
+    _opt("logit_bias", "BYTES"),
 )
 
 # --- tokenizer -------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ class Request:
 
     The prompt and the sampling params never change after construction, so what the hot path
     asks of them each step is computed once: `num_prompt_tokens`, `uses_penalties` (any of
-    repetition/presence/frequency penalty or min_tokens) and `plain_sampling` (no top-k, top-p,
+    logit_bias, repetition/presence/frequency penalty or min_tokens: the sampler's float32 pass
+    over the row before sampling) and `plain_sampling` (no top-k, top-p,
     min-p or logprobs).
     """
 
@@ -88,7 +89,8 @@ class Request:
         if p.prompt_logprobs is not None:  # every choice scores its own (no cached prefix)
             self.prompt_scores = PromptScores(self.num_prompt_tokens, p.prompt_logprobs)
         self.uses_penalties = bool(
-            p.repetition_penalty != 1.0
+            p.logit_bias
+            or p.repetition_penalty != 1.0
             or p.presence_penalty
             or p.frequency_penalty
             or p.min_tokens > 0

@@ -53,8 +53,8 @@ class RequestLimits:
         whole KV pool, and at most `max_request_output_tokens // params.n`.
 
         Raises:
-            RequestError: an empty prompt, prompt, stop or allowed token ids outside the
-                vocabulary, or `n * max_tokens` over `max_request_output_tokens`
+            RequestError: an empty prompt, prompt, stop, allowed or logit_bias token ids
+                outside the vocabulary, or `n * max_tokens` over `max_request_output_tokens`
                 (``invalid_value``), prompt + max_tokens over max_model_len or more KV pages
                 than the pool has (``context_length_exceeded``).
         """
@@ -73,6 +73,13 @@ class RequestLimits:
                 ErrorCode.INVALID_VALUE,
                 "allowed_token_ids",
                 f"allowed_token_ids must be in [0, {vocab}), got {bad[:5]}",
+            )
+        bad = [t for t, _ in params.logit_bias if not t < vocab]
+        if bad:
+            raise RequestError(
+                ErrorCode.INVALID_VALUE,
+                "logit_bias",
+                f"logit_bias token ids must be in [0, {vocab}), got {bad[:5]}",
             )
         return self.max_tokens(prompt_ids, params)
 

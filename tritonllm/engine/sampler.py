@@ -1,6 +1,7 @@
 """Batched token sampling with per-request `SamplingParams`, on the logits' device.
 
-Order of logit processing (vLLM's): repetition penalty (prompt + output tokens; positive logits
+Order of logit processing (vLLM's): logit bias (OpenAI's `logit_bias`, added to the logits) →
+repetition penalty (prompt + output tokens; positive logits
 divided, negative multiplied, as in CTRL, Keskar et al. 2019) → presence/frequency penalties
 (output tokens, OpenAI's formula `logit -= frequency * count + presence * (count > 0)`) →
 min_tokens masking of EOS/stop ids → temperature → logprobs are taken here → top-k → top-p
@@ -334,10 +335,11 @@ class Sampler:
     def _apply_penalties(
         logits: torch.Tensor, reqs: list[Request], rows: list[int], ids_to_device: IdsToDevice
     ) -> None:
-        """Repetition/presence/frequency penalties and min_tokens masking of `logits` rows
-        `rows` (the requests with `uses_penalties`), in place."""
+        """Logit bias, repetition/presence/frequency penalties and min_tokens masking of
+        `logits` rows `rows` (the requests with `uses_penalties`), in place."""
         vocab = logits.shape[1]
         device = logits.device
+        _add_logit_bias(logits, reqs, rows)
         for i in rows:
             req = reqs[i]
             p = req.params
@@ -356,6 +358,27 @@ class Sampler:
             if req.num_output_tokens < p.min_tokens and req.stop_ids:
                 stop = [t for t in sorted(req.stop_ids) if t < vocab]
                 logits[i, to_device(stop, torch.int64, device)] = float("-inf")
+
+
+def _add_logit_bias(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
+    """Add each request's `SamplingParams.logit_bias` to its row of `[B, vocab]` float32
+    `logits`, in place, for the rows of `rows` that have one; one upload of the (row, id) pairs
+    and one of the biases for the whole batch. Masked logits (-inf: a token mask or min_tokens)
+    stay -inf, so a bias never lets a forbidden token through."""
+    where: list[int] = []
+    ids: list[int] = []
+    values: list[float] = []
+    for i in rows:
+        bias = reqs[i].params.logit_bias
+        where += [i] * len(bias)
+        ids += [token for token, _ in bias]
+        values += [value for _, value in bias]
+    if not values:
+        return
+    index = to_device(where + ids, torch.int64, logits.device)
+    bias_t = to_device(values, torch.float32, logits.device)
+    # Ids are distinct within a row (SamplingParams), so no (row, id) pair repeats.
+    logits.index_put_((index[: len(where)], index[len(where) :]), bias_t, accumulate=True)
 
 
 def _masked_rows(reqs: list[Request]) -> list[int]:

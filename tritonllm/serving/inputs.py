@@ -28,7 +28,7 @@ import numpy as np
 from tritonllm.contract import limits, tensors
 from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
 from tritonllm.sampling_params import SamplingParams
-from tritonllm.serving.vllm_params import sampling_values
+from tritonllm.serving.vllm_params import logit_bias_values, sampling_values
 from tritonllm.structured.spec import StructuredOutputs
 
 # Sampling input -> (a list input?, the Python type of its elements), from the contract.
@@ -49,6 +49,7 @@ _MAX_BYTES = {
     "sampling_parameters": limits.MAX_PARAMETERS_BYTES,
     "echo_text": limits.MAX_PROMPT_BYTES,
     "cache_salt": limits.MAX_CACHE_SALT_CHARS * 4,  # UTF-8: at most 4 bytes a character
+    "logit_bias": limits.MAX_PARAMETERS_BYTES,  # a JSON object, as sampling_parameters
 }
 
 
@@ -134,6 +135,8 @@ def tensor_sampling_values(inputs: Mapping[str, np.ndarray | None]) -> dict[str,
             values[name] = [text(t, name) if kind is str else kind(t) for t in flat]
         elif name == "structured_outputs":  # a JSON object (tritonllm.structured.spec)
             values[name] = StructuredOutputs.from_wire(scalar(array, name, str), name)
+        elif name == "logit_bias":  # OpenAI's JSON object {"<token id>": bias}
+            values[name] = logit_bias_values(scalar(array, name, str), name)
         else:
             values[name] = scalar(array, name, kind)
     return values

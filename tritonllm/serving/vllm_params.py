@@ -9,7 +9,8 @@ with booleans read as JSON booleans or ``"true"``/``"false"`` (vLLM's ``bool("fa
 True). Keys this service cannot honour are refused by name; a few vLLM keys whose given value
 changes nothing here are accepted (``NO_OP_VALUES``). ``structured_outputs`` (or vLLM's older
 ``guided_decoding``) is vLLM's object (``tritonllm.structured.spec``), given as an object or
-its JSON text.
+its JSON text, and so is ``logit_bias`` (OpenAI's object of token id -> bias, keys strings
+holding integers: ``logit_bias_values``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ FIELD_KINDS: dict[str, str] = {
     "structured_outputs": "structured",
     "allowed_token_ids": "ints",
     "bad_words": "strings",
+    "logit_bias": "bias",
 }
 # vLLM's older name of a field -> the field (vLLM < 0.10 calls structured outputs
 # `guided_decoding`, a GuidedDecodingParams of the same shape).
@@ -98,8 +100,47 @@ def sampling_values(raw: str | Mapping[str, Any], source: str) -> dict[str, Any]
             continue
         if kind == "structured":
             values[field] = StructuredOutputs.from_wire(value, param)
+        elif kind == "bias":
+            values[field] = logit_bias_values(value, param)
         else:
             values[field] = _convert(value, kind, param)
+    return values
+
+
+def logit_bias_values(raw: Any, param: str) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` object (or its JSON text) as {token id: bias}.
+
+    Keys are token ids written as integers (``"50256"``; JSON object keys are strings); values
+    are numbers, or strings holding one (the vLLM backend's convention). Their ranges are
+    `SamplingParams`' to check (ids >= 0 and < vocab, biases in [-100, 100], the entry count).
+
+    Raises:
+        RequestError: (``invalid_value``, param ``param``) not an object, a key that is not an
+            integer or names an id twice (``"7"`` and ``"07"``), or a value that is not a
+            finite number.
+    """
+    payload = raw
+    if isinstance(raw, str):
+        try:
+            payload = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError:
+            payload = None
+    if not isinstance(payload, Mapping):
+        raise RequestError(
+            ErrorCode.INVALID_VALUE,
+            param,
+            f"{param} must be a JSON object of token id -> bias, got {short_repr(raw)}",
+        )
+    values: dict[int, float] = {}
+    for key, value in payload.items():
+        token = _to_int(key)
+        if token is None or isinstance(key, float) or token in values:
+            raise RequestError(
+                ErrorCode.INVALID_VALUE,
+                param,
+                f"{param} keys must be distinct token ids (integers), got {short_repr(key)}",
+            )
+        values[token] = _convert(value, "float", f"{param}[{key}]", param)
     return values
 
 
@@ -126,13 +167,15 @@ def _bool(text: str) -> bool | None:
     return True if lowered in _TRUE else False if lowered in _FALSE else None
 
 
-def _convert(value: Any, kind: str, param: str) -> Any:
+def _convert(value: Any, kind: str, label: str, param: str = "") -> Any:
+    """``value`` as ``kind``; raises RequestError (``invalid_value``, param ``param``, default
+    ``label``) naming it ``label`` when it is not one."""
     converted = _CONVERTERS[kind](value)
     if converted is None:
         raise RequestError(
             ErrorCode.INVALID_VALUE,
-            param,
-            f"{param} must be {_EXPECTED[kind]}, got {short_repr(value)}",
+            param or label,
+            f"{label} must be {_EXPECTED[kind]}, got {short_repr(value)}",
         )
     return converted
 
