@@ -305,19 +305,27 @@ def test_hermes_call_accepts_only_a_whole_object_with_object_arguments(body, exp
         assert call_arguments(value) is None, value
 
 
-def test_chat_route_returns_an_invalid_block_as_content_streamed_and_not(tokenizer):
-    """The chat route's two paths agree on an invalid block: content, no tool_calls, "stop"."""
+def _through_the_chat_route(tokenizer, text: str, tool_choice: str, finish_reason: str):
+    """``text`` as the chat route answers it (hermes parser): the non-streamed choice, then the
+    streamed deltas (fed token by token) and the stream that made them."""
     from openai_frontend.generation import Choice
     from openai_frontend.routes.chat import _choice, _ChoiceStream
     from openai_frontend.tools import ToolMode
 
-    text, mode = INVALID_BLOCKS[0], ToolMode("auto")
-    whole = _choice(0, Choice(text, "stop", None), mode, "hermes")
-    assert (whole.message.content, whole.message.tool_calls) == (text, None)
-    assert whole.finish_reason == "stop"
+    mode = ToolMode(tool_choice)
+    whole = _choice(0, Choice(text, finish_reason, None), mode, "hermes")
     stream = _ChoiceStream(mode, "hermes")
     deltas = [d for piece in _token_pieces(tokenizer, text) for d in stream.feed(piece)]
     deltas += stream.finish()
+    return whole, deltas, stream
+
+
+def test_chat_route_returns_an_invalid_block_as_content_streamed_and_not(tokenizer):
+    """The chat route's two paths agree on an invalid block: content, no tool_calls, "stop"."""
+    text = INVALID_BLOCKS[0]
+    whole, deltas, stream = _through_the_chat_route(tokenizer, text, "auto", "stop")
+    assert (whole.message.content, whole.message.tool_calls) == (text, None)
+    assert whole.finish_reason == "stop"
     assert not stream.called and not [d for d in deltas if "tool_calls" in d]
     assert "".join(d["content"] for d in deltas) == text
 
@@ -483,17 +491,10 @@ def test_a_required_array_cut_by_max_tokens_is_content_streamed_and_not(tokenize
     "length") is returned whole as content, with no tool_calls, by the chat route's two paths
     alike (``_choice`` whole, ``_ChoiceStream`` per delta), wherever the cut falls (inside the
     first call, or after a complete one)."""
-    from openai_frontend.generation import Choice
-    from openai_frontend.routes.chat import _choice, _ChoiceStream
-    from openai_frontend.tools import ToolMode
-
-    text, mode = REQUIRED_OUT[:cut], ToolMode("required")
-    whole = _choice(0, Choice(text, "length", None), mode, "hermes")
+    text = REQUIRED_OUT[:cut]
+    whole, deltas, stream = _through_the_chat_route(tokenizer, text, "required", "length")
     assert (whole.message.content, whole.message.tool_calls) == (text, None)
     assert whole.finish_reason == "length"
-    stream = _ChoiceStream(mode, "hermes")
-    deltas = [d for piece in _token_pieces(tokenizer, text) for d in stream.feed(piece)]
-    deltas += stream.finish()
     assert deltas == [{"content": text}] and not stream.called
 
 
