@@ -112,7 +112,9 @@ def call_arguments(value: object) -> str | None:
             or a string holding an object's JSON text (models write both).
     Returns:
         the object re-serialized (``json.dumps``, non-ASCII kept), or None when ``value`` is
-        no object (nor a string that parses to one): such a call is no valid call.
+        no object (nor a string that parses to one), or holds a number JSON cannot carry (a
+        literal like ``1e400`` reads as an infinity, which strict JSON has no text for): such a
+        call is no valid call.
     """
     if isinstance(value, str):
         try:
@@ -121,7 +123,10 @@ def call_arguments(value: object) -> str | None:
             return None
     if not isinstance(value, dict):
         return None
-    return json.dumps(value, ensure_ascii=False)
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # an overflowing number literal (QA: arguments '{"n": -Infinity}')
+        return None
 
 
 def hermes_call(body: str) -> tuple[str, str] | None:
@@ -130,14 +135,15 @@ def hermes_call(body: str) -> tuple[str, str] | None:
     A body is a call only if it is one complete JSON object (whitespace around it allowed)
     with a string ``name`` and ``arguments`` (or ``parameters``) that is an object or a string
     holding one (`call_arguments`). Anything else (malformed JSON, text after the object, a
-    missing name, arguments of another type, NaN) is None: the block stays content. As in
+    missing or empty name, arguments of another type, NaN or an overflowing number) is None:
+    the block stays content. As in
     vLLM's hermes parser, the block is judged by one JSON parse of its whole text.
     """
     try:
         call = _loads(body)
     except (ValueError, RecursionError):
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return None
     arguments = call_arguments(call["arguments"] if "arguments" in call else call.get("parameters"))
     return None if arguments is None else (call["name"], arguments)

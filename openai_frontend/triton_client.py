@@ -555,7 +555,12 @@ class TritonClient:
         else:
             await stream.drain(timeout)
         if not stream.done:
-            log.warning("a stream did not end within %.1f s; cancelling it", timeout)
+            # The request id says whose (a health probe's id starts "health-").
+            log.warning(
+                "stream %s did not end within %.1f s; cancelling it",
+                abort_request_id or "?",
+                timeout,
+            )
             stream.cancel()
 
     def close_soon(self, stream: ResponseStream, abort_request_id: str | None = None) -> None:

@@ -129,6 +129,11 @@ INVALID_BLOCKS = [
     # NaN and Infinity are no JSON (Python's json reads them)
     '<tool_call>\n{"name": "f", "arguments": {"x": NaN}}\n</tool_call>',
     '<tool_call>\n{"name": "f", "arguments": "{\\"x\\": -Infinity}"}\n</tool_call>',
+    # a number too large for a float reads as an infinity, which JSON cannot write back (QA:
+    # arguments '{"n": -Infinity}' went to the client), as an object or inside a string
+    '<tool_call>\n{"name": "f", "arguments": {"n": -1e400}}\n</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": "{\\"n\\": 1e999}"}\n</tool_call>',
+    '<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>',  # an empty name (OpenAI: 1..64)
     # the first end tag closes the block, also inside a string
     '<tool_call>{"name": "f", "arguments": {"html": "</tool_call>"}}</tool_call>',
     "<tool_call></tool_call>",
