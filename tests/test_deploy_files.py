@@ -15,9 +15,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import pytest
@@ -94,6 +96,13 @@ def check_launcher(args: list[str], env: dict[str, str]) -> launch.LaunchConfig:
         assert f"--{flag}-address=0.0.0.0" in command
         assert f"--{flag}-port={getattr(cfg, flag + '_port')}" in command
     assert triton.environment(IMAGE_INSTALL)["TRITONLLM_MODEL"] == model
+    with mock.patch.dict(
+        os.environ, {"TRITONLLM_API_KEY": "sk-tenant", "TRITONLLM_ADMIN_KEY": "a"}
+    ):
+        # the sidecar's keys and the admin key stay out of every model stub's environment
+        assert not {"TRITONLLM_API_KEY", "TRITONLLM_ADMIN_KEY"} & set(
+            triton.environment(IMAGE_INSTALL)
+        )
     assert supervisor.health_url == f"http://127.0.0.1:{cfg.port}/health"
     return cfg
 

@@ -56,6 +56,7 @@ from pathlib import Path
 from .default_model import DEFAULT_MODEL_DIR, is_converted
 from .supervisor import FAILURE_POLICIES, SupervisePolicy, Supervisor
 from .triton_server import (
+    API_KEY_ENV,
     CONTROL_SECRET_ENV,
     DEFAULT_BIND_ADDRESS,
     MODEL_REPOSITORY,
@@ -66,9 +67,8 @@ from .triton_server import (
 
 # The child that converts the built-in model: ``python -m tritonllm.default_model --out DIR``.
 DEFAULT_MODEL_BUILDER = ("-m", "tritonllm.default_model")
-# The sidecar's API keys (comma-separated), read by the launcher and passed on in the
-# sidecar's environment (openai_frontend.security.API_KEY_ENV).
-API_KEY_ENV = "TRITONLLM_API_KEY"
+# API_KEY_ENV: the sidecar's API keys (comma-separated), read by the launcher and passed on in
+# the sidecar's environment only (openai_frontend.security.API_KEY_ENV; tritonserver's drops it).
 # Set by ``make serve API_KEY=...`` beside TRITONLLM_API_KEY: that key was given to make, so
 # the user's shell does not have the variable the startup hint's curl command reads.
 API_KEY_FROM_MAKE_ENV = "TRITONLLM_API_KEY_FROM_MAKE"

@@ -69,6 +69,8 @@ ADMIN_HEADER = "tritonllm-admin-key"
 # (otherwise both are generated per start).
 ADMIN_KEY_ENV = "TRITONLLM_ADMIN_KEY"
 CONTROL_SECRET_ENV = "TRITONLLM_CONTROL_SECRET"
+# The OpenAI API's keys (the sidecar's, ``launch.API_KEY_ENV``): no model reads them.
+API_KEY_ENV = "TRITONLLM_API_KEY"
 # The Python backend's shared memory: each stub's region starts at 1 MiB and grows by 1 MiB
 # steps (the backend's defaults: the regions of every test and benchmark workload stayed at
 # 1 MiB; a prompt of a few MiB grows its stub's region to about three times its size, and a
@@ -293,9 +295,12 @@ class TritonServer:
     def environment(self, install: TritonInstall) -> dict[str, str]:
         """This environment plus the interpreter's ``bin/`` first on PATH (see the module doc),
         the install's libraries on LD_LIBRARY_PATH, ``TRITONLLM_MODEL``, ``self.env`` and the
-        control secret (``TRITONLLM_CONTROL_SECRET``, for the models)."""
+        control secret (``TRITONLLM_CONTROL_SECRET``, for the models); without the admin key
+        and the OpenAI API keys, which the models never need (QA: ``make serve API_KEY=...``
+        left the keys in every stub's environment)."""
         env = dict(os.environ)
-        env.pop(ADMIN_KEY_ENV, None)  # the models need no admin key
+        env.pop(ADMIN_KEY_ENV, None)
+        env.pop(API_KEY_ENV, None)
         env.update(server_paths(install, env))
         if self.model_path is not None:
             env["TRITONLLM_MODEL"] = str(Path(self.model_path).resolve())
