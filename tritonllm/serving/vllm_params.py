@@ -119,12 +119,7 @@ def logit_bias_values(raw: Any, param: str) -> dict[int, float]:
             integer or names an id twice (``"7"`` and ``"07"``), or a value that is not a
             finite number.
     """
-    payload = raw
-    if isinstance(raw, str):
-        try:
-            payload = json.loads(raw) if raw.strip() else {}
-        except json.JSONDecodeError:
-            payload = None
+    payload = _json_value(raw) if isinstance(raw, str) else raw
     if not isinstance(payload, Mapping):
         raise RequestError(
             ErrorCode.INVALID_VALUE,
@@ -144,13 +139,18 @@ def logit_bias_values(raw: Any, param: str) -> dict[int, float]:
     return values
 
 
+def _json_value(text: str) -> Any:
+    """The value of JSON ``text`` (blank: an empty object), or None when it is no JSON."""
+    try:
+        return json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        return None
+
+
 def _object(raw: str | Mapping[str, Any], source: str) -> Mapping[str, Any]:
     if isinstance(raw, Mapping):
         return raw
-    try:
-        payload = json.loads(raw) if raw.strip() else {}
-    except json.JSONDecodeError:
-        payload = None
+    payload = _json_value(raw)
     if not isinstance(payload, dict):
         raise RequestError(ErrorCode.INVALID_INPUT, source, f"{source} must be a JSON object")
     return payload
