@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
 import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Client
+from multiprocessing.connection import Client, Listener
 
 import pytest
 from test_engine_helpers import checkpoint, hf_greedy, prompts
@@ -20,9 +21,11 @@ from test_engine_thread import GREEDY, TIMEOUT, Collector
 
 from tritonllm.config import EngineConfig
 from tritonllm.engine import engine_child
+from tritonllm.engine.client import LoopTimes
+from tritonllm.engine.engine import LLMEngine
 from tritonllm.engine.engine_child import ListenAddress
 from tritonllm.engine.engine_process import EngineConnection, EngineProcess
-from tritonllm.engine.process_messages import decode_message
+from tritonllm.engine.process_messages import CLIENTS, READY, decode_message
 from tritonllm.sampling_params import SamplingParams
 from tritonllm.serving import shared_engine
 
@@ -361,3 +364,41 @@ def _pid_that_exited() -> int:
     child = subprocess.Popen(["true"])
     child.wait()
     return child.pid
+
+
+def test_a_client_accepted_during_a_step_is_announced_while_the_engine_idles(tmp_path):
+    """CI saw the owner count 1 client for 60 s after a second one got its READY: a client
+    accepted while the loop stepped was greeted at the top of `receive`, whose read of the
+    wake-up pipe took that client's wake-up, and the idle loop then waited for a command with
+    the announcement pending. Built here without the race: the client is accepted (its wake-up
+    written) before an idle `receive`, which must return so that `send_step` announces 2."""
+    owner_commands, child_commands = multiprocessing.Pipe(duplex=False)
+    child_results, owner_results = multiprocessing.Pipe(duplex=False)
+    authkey = os.urandom(16)
+    listener = Listener(str(tmp_path / "engine.sock"), "AF_UNIX", authkey=authkey)
+    clients = engine_child._Clients(owner_commands, owner_results, listener)
+    engine = LLMEngine(_config())
+    joined = Client(str(tmp_path / "engine.sock"), "AF_UNIX", authkey=authkey)
+    try:
+        assert select.select([clients._wake_r], [], [], TIMEOUT)[0]  # accepted, wake-up written
+        clients._greet(engine)  # the step's greeting: READY sent, the wake-up read
+        assert joined.recv()[0] == READY
+        received = []  # (a daemon thread: before the fix, receive never returned)
+        idle = threading.Thread(
+            target=lambda: received.append(clients.receive(engine, True)), daemon=True
+        )
+        idle.start()
+        idle.join(timeout=10.0)
+        assert received == [[]], "the idle loop waited with a client's announcement pending"
+        clients.send_step([], engine.stats(), LoopTimes(0.0, 0.0, 0.0, 1))
+        announcements = [
+            m[1]
+            for m in (decode_message(child_results.recv_bytes()) for _ in range(2))
+            if len(m) == 2
+        ]
+        assert announcements == [(CLIENTS, 2)]
+    finally:
+        joined.close()
+        listener.close()
+        for connection in (owner_commands, child_commands, child_results, owner_results):
+            connection.close()

@@ -418,11 +418,15 @@ class _Clients:
         self._greet(engine)
         if block:
             # Idle: wait for a command, retrying the outboxes meanwhile while they hold some
-            # backlog (a wake-up for that alone is no step).
-            while True:
+            # backlog (a wake-up for that alone is no step). A client that joined or left since
+            # the last announcement ends the wait: the loop's next `send_step` announces it (the
+            # greeting above may have taken the wake-up of a client accepted during the step).
+            while not self._joined_or_left:
                 waiting = self._flush()
                 connections = [c.commands for c in self._clients.values()] + [self._wake_r]
-                if wait(connections, timeout=BACKLOG_RETRY_S if waiting else None):
+                if self._joined_or_left or wait(
+                    connections, timeout=BACKLOG_RETRY_S if waiting else None
+                ):
                     break
             self._greet(engine)
         # One readiness check for every client (a `poll()` per connection costs a selector
