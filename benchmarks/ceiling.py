@@ -34,6 +34,7 @@ from pathlib import Path
 from benchmarks import common
 from benchmarks.common import fmt, log
 from benchmarks.load_probe import process_cpu_seconds
+from tritonllm.cli_types import positive_int
 
 REPOSITORY = Path(__file__).resolve().parent / "ceiling_repository"
 STREAM_MODEL = "ceiling_stream"
@@ -337,9 +338,9 @@ def notes(args: argparse.Namespace) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ceiling's flags (shared with `benchmarks.online --ceiling`)."""
     p.add_argument("--ceiling-seconds", type=float, default=4.0, help="window per level (s)")
-    p.add_argument("--ceiling-tokens", type=common.positive_int, default=128)
-    p.add_argument("--ceiling-client-processes", type=common.positive_int, default=4)
-    p.add_argument("--ceiling-instances", type=common.positive_int, default=1)
+    p.add_argument("--ceiling-tokens", type=positive_int, default=128)
+    p.add_argument("--ceiling-client-processes", type=positive_int, default=4)
+    p.add_argument("--ceiling-instances", type=positive_int, default=1)
     p.add_argument("--ceiling-log", help="the ceiling server's log file (default: a temp file)")
 
 

@@ -310,21 +310,6 @@ def field_value(text: str) -> str:
     return text
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1.
-
-    Raises:
-        argparse.ArgumentTypeError: anything else.
-    """
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
 def engine_args(args: argparse.Namespace) -> dict[str, str]:
     """The `--engine-arg FIELD=VALUE` flags as `{field: value}` (strings, as `TRITONLLM_*`)."""
     return dict(kv.split("=", 1) for kv in args.engine_arg)

@@ -33,6 +33,7 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks.structured_decode import SCHEMAS
+from tritonllm.cli_types import positive_int
 from tritonllm.structured.constraint import bitmask_words
 from tritonllm.structured.spec import StructuredOutputs
 
@@ -113,8 +114,8 @@ def main(argv: list[str] | None = None) -> str:
     """CLI entry point; returns the printed table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="a model directory (its tokenizer)")
-    p.add_argument("--rows", type=common.positive_int, default=32)
-    p.add_argument("--steps", type=common.positive_int, default=40)
+    p.add_argument("--rows", type=positive_int, default=32)
+    p.add_argument("--steps", type=positive_int, default=40)
     p.add_argument("--threads", default="1,4,12", help="executor thread counts, comma-separated")
     p.add_argument("--schema", choices=sorted(SCHEMAS), default="maxlength")
     p.add_argument("--ways", default=",".join(WAYS), help="of: " + ", ".join(WAYS))

@@ -38,6 +38,7 @@ from benchmarks.load_probe import DETOKENIZER_REQUESTS, LoadProbe
 from benchmarks.online_report import OnlineRun
 from benchmarks.streaming_client import run_level, served_model_name
 from openai_frontend.triton_client import FUSED_MODEL
+from tritonllm.cli_types import positive_int
 from tritonllm.launch import sidecar_command, sidecar_env
 from tritonllm.processes import child_pids
 from tritonllm.triton_server import (
@@ -370,14 +371,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--sidecar-workers",
-        type=common.positive_int,
+        type=positive_int,
         default=1,
         help="processes of the sidecar this benchmark starts (its --workers; not with "
         "--openai-url)",
     )
     p.add_argument(
         "--generator-instances",
-        type=common.positive_int,
+        type=positive_int,
         default=1,
         help="generator model instances (Triton instance_group) of the tritonserver this "
         "benchmark starts, sharing one engine process (not with --triton-url or --openai-url)",
@@ -385,7 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-log", help="tritonserver log file (default: a temp file)")
     p.add_argument(
         "--tensor-parallel-size",
-        type=common.positive_int,
+        type=positive_int,
         default=1,
         help="ranks (GPUs) both engines split the model across",
     )

@@ -29,6 +29,7 @@ import time
 
 from benchmarks import common
 from benchmarks.offline import engine_config
+from tritonllm.cli_types import positive_int
 from tritonllm.engine.engine import LLMEngine
 from tritonllm.sampling_params import SamplingParams
 
@@ -141,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = common.argument_parser(
         __doc__.splitlines()[0], "extra EngineConfig field, e.g. page_size=32", publishes=False
     )
-    positive = common.positive_int
+    positive = positive_int
     p.add_argument("--decoding", type=positive, default=128, help="requests decoding meanwhile")
     p.add_argument("--decode-prompt-len", type=positive, default=500)
     p.add_argument("--decode-max-tokens", type=positive, default=2000)

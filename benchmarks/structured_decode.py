@@ -51,6 +51,7 @@ import torch
 from benchmarks import common
 from benchmarks.decode_step import time_steps
 from benchmarks.offline import engine_config
+from tritonllm.cli_types import positive_int
 from tritonllm.engine.engine import LLMEngine
 from tritonllm.sampling_params import SamplingParams
 from tritonllm.structured.spec import StructuredOutputs
@@ -233,7 +234,7 @@ def time_structured_step(
 
 def main(argv: list[str] | None = None) -> None:
     p = common.argument_parser(__doc__.splitlines()[0], "extra EngineConfig field")
-    p.add_argument("--batch-size", type=common.positive_int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--constrained-fractions", default="0,0.5,1")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=48)
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host-profile", action="store_true", help="host ms per step by part")
     p.add_argument(
         "--repeats",
-        type=common.positive_int,
+        type=positive_int,
         default=1,
         help="run the fractions this many times in turn; each ratio is against the same "
         "repeat's unconstrained step, and the median ratio of each fraction closes the table",

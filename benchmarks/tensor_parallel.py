@@ -18,7 +18,8 @@ import argparse
 import queue
 from typing import Any
 
-from benchmarks import bandwidth, common
+from benchmarks import bandwidth
+from tritonllm.cli_types import positive_int
 
 
 def add_argument(p: argparse.ArgumentParser) -> None:
@@ -26,7 +27,7 @@ def add_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tensor-parallel-size",
         default=[1],
-        type=lambda text: [common.positive_int(s) for s in text.split(",")],
+        type=lambda text: [positive_int(s) for s in text.split(",")],
         help="tensor-parallel sizes to run, e.g. 1,2 (one engine each; the bound of N ranks "
         "is computed for N GPUs' bandwidth)",
     )

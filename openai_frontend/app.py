@@ -21,6 +21,8 @@ from pathlib import Path
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
+from tritonllm.cli_types import positive_int, positive_seconds, seconds
+
 from . import chat_page, health, metrics, workers
 from .body_limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, BodyLimits
 from .drain import DrainGate, DrainState, server_class
@@ -175,16 +177,6 @@ def default_model_name(model: str | None) -> str:
     return path.resolve().name if path.exists() else model
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _worker_timeout(text: str) -> float:
     try:
         value = float(text)
@@ -217,7 +209,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=9000)
     p.add_argument(
         "--workers",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="sidecar processes serving the one port (default 1: this process alone; more: "
         "this process binds the port and supervises them, openai_frontend/workers.py)",
@@ -261,27 +253,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="warning")
     p.add_argument(
         "--max-request-bytes",
-        type=int,
+        type=positive_int,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="largest accepted request body in bytes (larger: 413)",
     )
     p.add_argument(
         "--body-timeout",
-        type=float,
+        type=seconds,
         default=DEFAULT_BODY_TIMEOUT_S,
         help="seconds a request's whole body may take to arrive after its headers (slower: 408 "
         f"and the connection closed; 0: no limit; default {DEFAULT_BODY_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--stream-idle-timeout",
-        type=float,
+        type=seconds,
         default=DEFAULT_STREAM_IDLE_TIMEOUT_S,
         help="seconds without any response from Triton after which a generation fails "
         "(0: wait forever; the default allows a first request's kernel compilation)",
     )
     p.add_argument(
         "--drain-timeout",
-        type=float,
+        type=seconds,
         default=DEFAULT_DRAIN_TIMEOUT_S,
         help="seconds SIGTERM lets requests in flight finish while new ones get 503 "
         "(0: abort them at once, as SIGINT does)",
@@ -309,7 +301,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--header-timeout",
-        type=float,
+        type=positive_seconds,
         default=DEFAULT_HEADER_TIMEOUT_S,
         help="seconds a connection may take to send a request's headers (idle connections "
         "and half-sent requests are closed after it)",

@@ -757,3 +757,37 @@ def test_startup_hint_reads_the_key_from_the_shell_it_is_pasted_into(monkeypatch
     monkeypatch.delenv(API_KEY_ENV)
     monkeypatch.delenv(API_KEY_FROM_MAKE_ENV)
     assert "Authorization" not in _banner(parse_args([]), "m")
+
+
+def test_sidecar_limit_flags_reach_the_sidecar_and_bad_values_are_usage_errors(tmp_path, capsys):
+    """The launcher's ``--max-request-bytes``, ``--body-timeout``, ``--header-timeout`` and
+    ``--stream-idle-timeout`` run the sidecar with those values, as its own parser reads them
+    (the launcher had none of them: an operator behind a slow proxy could not raise the 30 s
+    body timeout); without them the sidecar keeps its defaults. A negative or non-numeric value
+    is a usage error of either program naming the flag, and so is a header timeout of 0, which
+    made the sidecar close every connection at once."""
+    from openai_frontend.app import parse_args as sidecar_args
+    from tritonllm.launch import build_supervisor
+
+    argv = [
+        "--max-request-bytes", "1048576", "--body-timeout", "60", "--header-timeout", "2.5",
+        "--stream-idle-timeout", "0",
+    ]  # fmt: skip
+    command = build_supervisor(parse_args(argv), str(tmp_path), "m").sidecar_command
+    assert command[1:3] == ["-m", "openai_frontend"]
+    given = sidecar_args(command[3:])
+    assert (given.max_request_bytes, given.body_timeout) == (1048576, 60.0)
+    assert (given.header_timeout, given.stream_idle_timeout) == (2.5, 0.0)
+    default = build_supervisor(parse_args([]), str(tmp_path), "m").sidecar_command
+    limits = ("max_request_bytes", "body_timeout", "header_timeout", "stream_idle_timeout")
+    own, defaults = sidecar_args(default[3:]), sidecar_args([])
+    assert [getattr(own, k) for k in limits] == [getattr(defaults, k) for k in limits]
+    bad = [
+        ("--max-request-bytes", "0"), ("--body-timeout", "-1"), ("--header-timeout", "0"),
+        ("--stream-idle-timeout", "nan"), ("--drain-timeout", "-5"), ("--body-timeout", "soon"),
+    ]  # fmt: skip
+    for flag, value in bad:
+        for parse in (parse_args, sidecar_args):
+            with pytest.raises(SystemExit) as exit_:
+                parse([flag, value])
+            assert exit_.value.code == 2 and flag in capsys.readouterr().err

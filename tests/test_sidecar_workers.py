@@ -341,7 +341,7 @@ def test_fewer_than_one_worker_is_a_usage_error(workers, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--workers", workers])
     assert exit_.value.code == 2
-    assert "--workers: must be at least 1" in capsys.readouterr().err
+    assert "--workers: expected an integer >= 1" in capsys.readouterr().err
     assert parse_args([]).workers == 1
 
 

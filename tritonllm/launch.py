@@ -53,6 +53,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cli_types import positive_int, positive_seconds, seconds
 from .default_model import DEFAULT_MODEL_DIR, is_converted
 from .supervisor import FAILURE_POLICIES, SupervisePolicy, Supervisor
 from .triton_server import (
@@ -76,6 +77,26 @@ API_KEY_FROM_MAKE_ENV = "TRITONLLM_API_KEY_FROM_MAKE"
 # by a test: importing the sidecar here would load its whole app), and the variable that
 # chooses one where the launcher's flags are fixed (a container's CMD).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+#: The sidecar's request limits the launcher passes on, as (flag, argparse type, help): the same
+#: flag of ``python -m openai_frontend``; one not given leaves the sidecar's default.
+SIDECAR_LIMITS = (
+    ("--max-request-bytes", positive_int, "largest request body in bytes (larger: 413)"),
+    (
+        "--body-timeout",
+        seconds,
+        "seconds a request's body may take to arrive after its headers (slower: 408; 0: no limit)",
+    ),
+    (
+        "--header-timeout",
+        positive_seconds,
+        "seconds a connection may take to send a request's headers (then it is closed)",
+    ),
+    (
+        "--stream-idle-timeout",
+        seconds,
+        "seconds without a response from tritonserver before a generation fails (0: wait forever)",
+    ),
+)
 TOOL_CALL_PARSER_ENV = "TRITONLLM_TOOL_CALL_PARSER"
 
 
@@ -106,6 +127,8 @@ class LaunchConfig:
             the sidecar's default, hermes).
         generator_instances: the generator model's Triton instances (``TritonServer``'s
             ``generator_instances``).
+        sidecar_limits: the ``SIDECAR_LIMITS`` flags given, as the sidecar's arguments
+            (``--body-timeout=60.0``).
     """
 
     model: str | None = None
@@ -127,6 +150,7 @@ class LaunchConfig:
     sidecar_workers: int = 1
     tool_call_parser: str | None = None
     generator_instances: int = 1
+    sidecar_limits: tuple[str, ...] = ()
 
     @property
     def base_url(self) -> str:
@@ -186,13 +210,14 @@ def sidecar_command(
     triton_model: str | None = None,
     workers: int = 1,
     tool_call_parser: str | None = None,
+    limits: tuple[str, ...] = (),
 ) -> list[str]:
     """The command line of the OpenAI sidecar (``python -m openai_frontend``): it calls the
     tritonserver gRPC endpoint ``grpc_url`` (``HOST:PORT``) and listens on ``host`` / ``port``;
     ``model_name`` / ``drain_timeout_s`` / ``triton_model`` (the ensemble it streams from) /
     ``tool_call_parser`` None leave the sidecar's defaults; ``workers`` > 1 adds ``--workers``
-    (processes serving the port). Secrets (API keys, the control secret) are never on it:
-    ``sidecar_env``."""
+    (processes serving the port); ``limits`` are ``LaunchConfig.sidecar_limits``. Secrets (API
+    keys, the control secret) are never on it: ``sidecar_env``."""
     command = [sys.executable, "-m", "openai_frontend", f"--triton-url={grpc_url}"]
     if triton_model is not None:
         command.append(f"--triton-model={triton_model}")
@@ -207,7 +232,7 @@ def sidecar_command(
         command.append(f"--workers={workers}")
     if tool_call_parser is not None:
         command.append(f"--tool-call-parser={tool_call_parser}")
-    return command + [f"--host={host}", f"--port={port}"]
+    return command + list(limits) + [f"--host={host}", f"--port={port}"]
 
 
 def sidecar_env(api_keys: tuple[str, ...], control_secret: str) -> dict[str, str]:
@@ -282,6 +307,7 @@ def build_supervisor(cfg: LaunchConfig, model: str, model_name: str) -> Supervis
         cfg.cors_origins,
         workers=cfg.sidecar_workers,
         tool_call_parser=cfg.tool_call_parser,
+        limits=cfg.sidecar_limits,
     )
     health = cfg.base_url.removesuffix("/v1") + "/health"
     control_secret = os.environ.get(CONTROL_SECRET_ENV, "").strip() or secrets.token_hex(32)
@@ -383,7 +409,9 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     p.add_argument("--grpc-port", type=int, default=8001, help="tritonserver gRPC port")
     p.add_argument("--http-port", type=int, default=8000, help="tritonserver HTTP port")
     p.add_argument("--metrics-port", type=int, default=8002, help="tritonserver metrics port")
-    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds per server")
+    p.add_argument(
+        "--startup-timeout", type=positive_seconds, default=600.0, help="seconds per server"
+    )
     p.add_argument("--triton-log", type=Path, default=None, help="tritonserver log file")
     p.add_argument("--tensor-parallel-size", type=int, default=None, help="ranks (GPUs) per model")
     defaults = SupervisePolicy()
@@ -397,13 +425,13 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     )
     p.add_argument(
         "--unhealthy-timeout",
-        type=float,
+        type=positive_seconds,
         default=defaults.unhealthy_timeout_s,
         help="seconds /health may fail in a row before it counts as a failure",
     )
     p.add_argument(
         "--failed-timeout",
-        type=float,
+        type=positive_seconds,
         default=defaults.failed_timeout_s,
         help="restart tritonserver when /health still fails this many seconds after reporting "
         "backend_failed (a stub answered with an error, e.g. a dead generator instance: Triton "
@@ -411,13 +439,13 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     )
     p.add_argument(
         "--health-interval",
-        type=float,
+        type=positive_seconds,
         default=defaults.health_interval_s,
         help="seconds between health checks",
     )
     p.add_argument(
         "--drain-timeout",
-        type=float,
+        type=seconds,
         default=defaults.drain_timeout_s,
         help="seconds SIGTERM lets requests in flight finish (new ones get 503)",
     )
@@ -464,6 +492,8 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         "(Qwen2.5/Qwen3/Hermes <tool_call> blocks) or llama3_json (Llama 3.x); the sidecar's "
         f"flag (default: ${TOOL_CALL_PARSER_ENV}, else the sidecar's default, hermes)",
     )
+    for flag, type_, help_ in SIDECAR_LIMITS:
+        p.add_argument(flag, type=type_, default=None, help=f"{help_} (default: the sidecar's)")
     a = p.parse_args(argv)
     if a.sidecar_workers < 1:
         p.error(f"--sidecar-workers must be at least 1, got {a.sidecar_workers}")
@@ -513,6 +543,11 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         sidecar_workers=a.sidecar_workers,
         tool_call_parser=a.tool_call_parser,
         generator_instances=a.generator_instances,
+        sidecar_limits=tuple(
+            f"{flag}={value}"
+            for flag, _, _ in SIDECAR_LIMITS
+            if (value := getattr(a, flag[2:].replace("-", "_"))) is not None
+        ),
     )
 
 
