@@ -262,6 +262,9 @@ class ChatCompletionRequest(SamplingFields, ToolFields, StructuredOutputFields):
     honours and refused (``sampling.check_service_options``) at the others: ``store`` (false:
     nothing is stored), ``metadata`` (empty: it only annotates stored completions),
     ``service_tier`` (``auto`` / ``default``: the one tier), ``modalities`` (``["text"]``).
+    ``safety_identifier`` and ``prompt_cache_key`` (OpenAI's successors of ``user``) are served
+    at any value, as ``user`` is: nothing here monitors end users, and the radix prefix cache
+    reuses every prompt's cached prefix (within its ``cache_salt``) without a key.
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -275,6 +278,8 @@ class ChatCompletionRequest(SamplingFields, ToolFields, StructuredOutputFields):
     metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
     service_tier: str | None = None
     modalities: list[str] | None = Field(default=None, min_length=1)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     @property
     def wants_logprobs(self) -> bool:

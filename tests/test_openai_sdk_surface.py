@@ -131,6 +131,10 @@ def test_async_client_chat_and_completions(sidecar):
             n=2,
             logprobs=True,
             top_logprobs=1,
+            # end-user and cache hints newer SDK users send (they were 400s)
+            user="u-1",
+            safety_identifier="u-1-hash",
+            prompt_cache_key="support-bot",
         )
         completion = client.completions.create(
             model=sidecar.model_name, prompt=PROMPTS, max_tokens=4, temperature=0

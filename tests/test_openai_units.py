@@ -735,7 +735,8 @@ OPENAI_NULLABLE = {
     "chat": (
         "audio frequency_penalty function_call functions logit_bias logprobs max_completion_tokens"
         " max_tokens metadata modalities n parallel_tool_calls prediction presence_penalty"
-        " reasoning_effort response_format seed service_tier stop store stream stream_options"
+        " prompt_cache_key reasoning_effort response_format safety_identifier seed service_tier"
+        " stop store stream stream_options"
         " temperature tool_choice tools top_logprobs top_p user verbosity web_search_options"
     ).split(),
     "completion": (
@@ -798,11 +799,13 @@ def test_openais_nullable_fields_given_null_are_requests_without_them(endpoint, 
         {"service_tier": "default"},
         {"modalities": ["text"]},
         {"stream": True, "stream_options": {"include_obfuscation": False}},
+        {"safety_identifier": "user-7f3a", "prompt_cache_key": "support-bot-v2"},
     ],
 )
 def test_service_options_at_values_this_server_honours_are_served(extra):
-    """Nothing stored, one tier, text out, no stream padding: the request is the same as
-    without them."""
+    """Nothing stored, one tier, text out, no stream padding, no end-user monitoring, a prefix
+    cache that needs no key: the request is the same as without them (safety_identifier and
+    prompt_cache_key, which the openai SDK sends as it sends ``user``, were 400s)."""
     streamed = {"stream": True} if "stream" in extra else {}
     bare = chat_inputs(ChatCompletionRequest(**_CHAT, **streamed), FULL_SPECS, True)
     assert chat_inputs(ChatCompletionRequest(**_CHAT, **extra), FULL_SPECS, True) == bare
