@@ -10,7 +10,10 @@ included, is refused: it cannot be honoured),
 ``allowed_token_ids`` and ``bad_words``. ``guided_whitespace_pattern`` is not declared: JSON is
 always compact here (``spec``), so ``extensions.py`` refuses it by name (as ``spec`` refuses
 ``whitespace_pattern``). At most one constraint per request (a named or
-``required`` tool choice is one too); they all travel as one ``structured_outputs`` input in
+``required`` tool choice is one too), except that ``response_format`` gives way to a named or
+``required`` tool choice (it shapes content, which a forced call has none of; OpenAI and
+vLLM take both, and the OpenAI Agents SDK sends both for an agent with an ``output_type`` and
+``tool_choice="required"``); they all travel as one ``structured_outputs`` input in
 vLLM's object form. The generator validates the schema, pattern or grammar with llguidance
 (the sidecar has no grammar library): its error names ``structured_outputs.<kind>``, which
 ``rename_param`` turns back into the client's own field.
@@ -119,6 +122,14 @@ class StructuredOutputFields(BaseModel):
         return given[0] if given else None
 
 
+def _gives_way(constraint: tuple[str, dict[str, Any]] | None) -> bool:
+    """Whether the client's constraint gives way to a named or ``required`` tool choice's:
+    OpenAI's ``response_format`` shapes the assistant's content, which a forced call has none
+    of (OpenAI and vLLM take both; the Agents SDK sends both when an agent with an
+    ``output_type`` forces a tool). vLLM's own constraint fields still conflict with it."""
+    return constraint is None or constraint[0].startswith("response_format")
+
+
 def constraint_inputs(
     req: StructuredOutputFields,
     specs: Mapping[str, InputSpec],
@@ -132,6 +143,8 @@ def constraint_inputs(
     """
     inputs: dict[str, InputValue] = {}
     constraint = req.output_constraint()
+    if tool_constraint is not None and _gives_way(constraint):
+        constraint = None
     if constraint is not None and tool_constraint is not None:
         raise OpenAIError(
             f"{constraint[0]} cannot be combined with a required or named tool_choice",
@@ -158,6 +171,8 @@ def rename_param(exc: OpenAIError, req: StructuredOutputFields, tool_field: str 
     if exc.param is None or not exc.param.startswith(BACKEND_PARAM):
         return
     constraint = req.output_constraint()
+    if tool_field is not None and _gives_way(constraint):
+        constraint = None  # the tool choice's constraint was sent (constraint_inputs)
     field = constraint[0] if constraint is not None else tool_field
     if field is not None and field != BACKEND_PARAM:
         if exc.message.startswith(exc.param):

@@ -12,7 +12,9 @@ tiny random-weight Qwen3, the openai SDK and LangChain as clients):
   name first, then argument fragments), with OpenAI's finish_reason; ``parallel_tool_calls``
   false gives one call; a history with assistant tool calls and tool results is rendered;
   a ``required`` array cut by ``max_tokens`` is the content (finish_reason ``length``, no
-  tool_calls), streamed and not; a cut named call keeps its incomplete arguments.
+  tool_calls), streamed and not; a cut named call keeps its incomplete arguments; a
+  ``response_format`` given with a forced choice gives way to it (vLLM's own constraint fields
+  still conflict).
 - The openai SDK's ``chat.completions.parse`` and LangChain's ``with_structured_output``
   (json_schema and function_calling) and ``bind_tools`` return valid objects.
 """
@@ -314,6 +316,70 @@ def test_forced_tool_calls_stream_as_openai_deltas(client, sidecar, choice):
         jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
     if choice == "named":
         assert [c["name"] for c in calls.values()] == ["get_weather"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_a_forced_tool_choice_wins_over_response_format(client, sidecar, choice, stream):
+    """QA: an agent of the OpenAI Agents SDK with an ``output_type`` and
+    ``tool_choice="required"`` sends ``response_format`` json_schema with the forced choice,
+    which OpenAI and vLLM take (response_format shapes content; a forced call has none); it was
+    a 400. The forced call's constraint applies, the calls validate."""
+    tool_choice = (
+        {"type": "function", "function": {"name": "get_time"}} if choice == "named" else "required"
+    )
+    kwargs = dict(
+        model=sidecar.model_name,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        response_format=_format({"type": "object", "properties": {"answer": {"type": "string"}}}),
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+    )
+    if not stream:
+        c = client.chat.completions.create(**kwargs).choices[0]
+        calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+        reason = c.finish_reason
+    else:
+        with client.chat.completions.stream(**kwargs) as s:
+            final = s.get_final_completion()
+        calls = [
+            (t.function.name, t.function.arguments) for t in final.choices[0].message.tool_calls
+        ]
+        reason = final.choices[0].finish_reason
+    assert reason == ("stop" if choice == "named" else "tool_calls")
+    assert calls and (choice == "required" or [n for n, _ in calls] == ["get_time"])
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), PARAMS[name])
+
+
+def test_vllm_constraints_still_conflict_with_a_forced_tool_choice(client, sidecar):
+    """Only OpenAI's response_format gives way to a forced call; a constraint of vLLM's own
+    fields with one is still a 400 naming it, and an invalid tool schema under a forced choice
+    with a response_format names the tool's parameters."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=sidecar.model_name,
+            messages=USER,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=5,
+            extra_body={"structured_outputs": {"regex": "[0-9]+"}},
+        )
+    assert info.value.body["param"] == "structured_outputs", info.value.body
+    assert "cannot be combined" in info.value.body["message"], info.value.body
+    bad = {"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=sidecar.model_name,
+            messages=USER,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": bad}}],
+            tool_choice={"type": "function", "function": {"name": "f"}},
+            response_format={"type": "json_object"},
+            max_tokens=5,
+        )
+    assert info.value.body["param"] == "tools[0].function.parameters", info.value.body
 
 
 # Tools whose calls are ASCII JSON (enums and integers), so the token texts join to the output.
