@@ -330,3 +330,48 @@ def test_generator_without_input_ids_is_an_error(stream):
     stream.send("generator", {"max_tokens": 2})
     with pytest.raises(InferenceServerException, match="input_ids is required"):
         stream.next()
+
+
+@pytest.mark.parametrize(
+    ("model", "inputs", "code"),
+    [
+        ("tokenizer", [("messages", "BYTES", [1], ["[{not json"])], "invalid_input"),
+        ("tokenizer", [("input_ids", "INT32", [1], [10**9])], "invalid_value"),
+        (
+            "detokenizer",
+            [
+                ("output_ids", "INT32", [1], [10**8]),
+                ("prefix_ids", "INT32", [0], []),
+                ("finish_reason", "BYTES", [1], [""]),
+                ("num_output_tokens", "INT32", [1], [1]),
+            ],
+            "invalid_value",
+        ),
+    ],
+    ids=["tokenizer-bad-json", "tokenizer-id-out-of-range", "detokenizer-id-out-of-range"],
+)
+def test_a_request_fault_on_a_direct_call_is_a_client_error(triton_server, model, inputs, code):
+    """QA: a KServe ``/infer`` (or gRPC ``ModelInfer``) of the tokenizer or detokenizer with a
+    bad input answered HTTP 500 / ``INTERNAL`` (the Python backend's default error code), which
+    tells clients and their retry policies that the server failed; Triton's own input checks
+    answer 400. A request's fault is now ``INVALID_ARG``: 400 and ``INVALID_ARGUMENT``."""
+    body = {
+        "inputs": [
+            {"name": name, "datatype": dtype, "shape": shape, "data": data}
+            for name, dtype, shape, data in inputs
+        ]
+    }
+    url = f"http://{triton_server.http_url}/v2/models/{model}/infer"
+    response = requests.post(url, json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert f'"code":"{code}"' in response.json()["error"]
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    tensors = []
+    for name, dtype, shape, data in inputs:
+        tensor = grpcclient.InferInput(name, shape, dtype)
+        tensor.set_data_from_numpy(np.array(data, dtype=object if dtype == "BYTES" else np.int32))
+        tensors.append(tensor)
+    with pytest.raises(InferenceServerException) as info:
+        client.infer(model, tensors)
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT", info.value
+    client.close()

@@ -109,6 +109,17 @@ def _valid(payload: object) -> bool:
     return known and isinstance(message, str) and (param is None or isinstance(param, str))
 
 
+def triton_status(text: str) -> str:
+    """The name of the ``pb_utils.TritonError`` code a model answers an error message with:
+    ``INVALID_ARG`` for a request's own fault in wire form, else ``INTERNAL`` (the Python
+    backend's default). Triton reports that code as the status of a direct call of a
+    non-decoupled model (KServe ``/infer``: 400 against 500; gRPC ``ModelInfer``:
+    ``INVALID_ARGUMENT`` against ``INTERNAL``), as its own input checks answer a bad request;
+    the wire code in the message stays what clients read."""
+    error = decode_error(text)
+    return "INVALID_ARG" if error is not None and error.code.is_request_fault else "INTERNAL"
+
+
 def short_repr(value: object, limit: int = 80) -> str:
     """``repr(value)`` cut to ``limit`` characters: messages never echo a huge input whole."""
     text = repr(value)
@@ -123,4 +134,5 @@ __all__ = [
     "decode_error",
     "encode_error",
     "short_repr",
+    "triton_status",
 ]

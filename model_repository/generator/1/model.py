@@ -26,6 +26,7 @@ try:
 except ImportError:  # not pip-installed: use the checkout that holds this repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from tritonllm.contract.errors import triton_status
 from tritonllm.contract.tensors import GENERATOR
 from tritonllm.engine.client import EngineClient
 from tritonllm.engine.engine import LLMEngine
@@ -57,6 +58,12 @@ from tritonllm.triton_config import (
 )
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _triton_error(message):
+    """A ``pb_utils.TritonError`` with the code Triton reports as the status
+    (``contract.errors.triton_status``: a request's fault is ``INVALID_ARG``)."""
+    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, triton_status(message)))
 
 
 def _int32(name, value):
@@ -180,7 +187,7 @@ class _Sink:
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags)
 
     def send_error(self, message):
-        error = pb_utils.TritonError(message)
+        error = _triton_error(message)
         self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
 
     def is_cancelled(self):
