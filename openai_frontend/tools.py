@@ -11,7 +11,7 @@ What each ``tool_choice`` does (OpenAI's semantics; the guarantees are vLLM's de
   with ``parallel_tool_calls: false``), so it always parses and validates;
   finish_reason ``"tool_calls"``;
 - a named function: the output is constrained to that function's ``parameters`` schema and is
-  the call's arguments; finish_reason ``"stop"`` (OpenAI's, for a forced function).
+  the call's arguments (``{}`` for a function without ``parameters``: an empty parameter list); finish_reason ``"stop"`` (OpenAI's, for a forced function).
 
 An output cut short by ``max_tokens`` keeps finish_reason ``"length"`` and everything it
 generated, as OpenAI keeps a cut output: a named function's call has the arguments generated so
@@ -33,7 +33,10 @@ from pydantic import BaseModel, ConfigDict, StrictBool
 from .errors import OpenAIError
 from .tool_parsers import ToolCall, new_call_id
 
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# A function without ``parameters`` (or with ``{}``) has an empty parameter list (OpenAI's
+# reference: "Omitting parameters defines a function with an empty parameter list"): its
+# forced call's arguments are ``{}``.
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 class FunctionDef(BaseModel):
@@ -127,7 +130,7 @@ class ToolFields(BaseModel):
         a ``required`` or named tool choice (the named tool's ``parameters``, or ``tools``)."""
         if mode.kind == "named":
             i = [t.function.name for t in self.tools or ()].index(mode.name or "")
-            parameters = (self.tools or [])[i].function.parameters or ANY_OBJECT
+            parameters = (self.tools or [])[i].function.parameters or NO_PARAMETERS
             return (f"tools[{i}].function.parameters", {"json": parameters})
         if mode.kind != "required":
             return None
@@ -135,7 +138,7 @@ class ToolFields(BaseModel):
         # rebased there, so "#/$defs/..." (pydantic's nested models) still resolves.
         tools = list(self.tools or ())
         defs = {
-            f"tool_{i}": _rebase_refs(t.function.parameters or ANY_OBJECT, f"#/$defs/tool_{i}")
+            f"tool_{i}": _rebase_refs(t.function.parameters or NO_PARAMETERS, f"#/$defs/tool_{i}")
             for i, t in enumerate(tools)
         }
         items = [

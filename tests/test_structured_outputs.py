@@ -14,7 +14,7 @@ tiny random-weight Qwen3, the openai SDK and LangChain as clients):
   a ``required`` array cut by ``max_tokens`` is the content (finish_reason ``length``, no
   tool_calls), streamed and not; a cut named call keeps its incomplete arguments; a
   ``response_format`` given with a forced choice gives way to it (vLLM's own constraint fields
-  still conflict).
+  still conflict); a forced function without ``parameters`` is called with ``{}``.
 - The openai SDK's ``chat.completions.parse`` and LangChain's ``with_structured_output``
   (json_schema and function_calling) and ``bind_tools`` return valid objects.
 """
@@ -352,6 +352,37 @@ def test_a_forced_tool_choice_wins_over_response_format(client, sidecar, choice,
     assert calls and (choice == "required" or [n for n, _ in calls] == ["get_time"])
     for name, arguments in calls:
         jsonschema.validate(json.loads(arguments), PARAMS[name])
+
+
+@pytest.mark.parametrize("parameters", [None, {}])
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_a_forced_function_without_parameters_is_called_with_no_arguments(
+    client, sidecar, choice, parameters
+):
+    """QA: a forced function without ``parameters`` was constrained to any JSON object, and the
+    random model wrote keys of its own until max_tokens (never a whole call). OpenAI: omitting
+    ``parameters`` defines a function with an empty parameter list, so its arguments are
+    ``{}``."""
+    function: dict = {"name": "now", "description": "The current time."}
+    if parameters is not None:
+        function["parameters"] = parameters
+    tool_choice = (
+        {"type": "function", "function": {"name": "now"}} if choice == "named" else "required"
+    )
+    (c,) = client.chat.completions.create(
+        model=sidecar.model_name,
+        messages=USER,
+        tools=[{"type": "function", "function": function}],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        max_tokens=40,
+        temperature=1.0,
+        seed=5,
+    ).choices
+    assert c.finish_reason == ("stop" if choice == "named" else "tool_calls"), c
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == [
+        ("now", {})
+    ]
 
 
 def test_vllm_constraints_still_conflict_with_a_forced_tool_choice(client, sidecar):
