@@ -1,4 +1,5 @@
-"""BLS calls the Triton models make to each other (inside a Python stub only).
+"""BLS calls the Triton models make to each other, and the errors they answer with (inside a
+Python stub only).
 
 ``pb_utils`` is the stub's ``triton_python_backend_utils`` module, passed in by the model that
 calls: it exists only inside a Triton Python backend stub.
@@ -9,6 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from tritonllm.contract.errors import triton_status
+
+
+def triton_error(pb_utils: Any, message: str) -> Any:
+    """The ``pb_utils.TritonError`` a model answers with ``message`` (an error in wire form):
+    its code is ``contract.errors.triton_status``'s (a request's own fault: ``INVALID_ARG``,
+    which a direct call reports as HTTP 400 / gRPC ``INVALID_ARGUMENT``; else ``INTERNAL``)."""
+    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, triton_status(message)))
 
 
 def abort_generation(pb_utils: Any, request_id: str, control_secret: str | None) -> list[str]:

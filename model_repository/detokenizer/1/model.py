@@ -32,9 +32,9 @@ try:
 except ImportError:  # not pip-installed: use the checkout that holds this repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tritonllm.contract.errors import ErrorCode, RequestError, encode_error, triton_status
+from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
 from tritonllm.model_config import ModelConfig
-from tritonllm.serving.bls import abort_generation
+from tritonllm.serving.bls import abort_generation, triton_error
 from tritonllm.serving.cancel_watch import CancelWatch
 from tritonllm.serving.text_outputs import text_outputs
 from tritonllm.tokenization.detokenizer import Detokenizer
@@ -52,12 +52,6 @@ OPTIONAL_PASS_THROUGH = (
 )
 LOGPROB_INPUTS = ("output_logprobs", "top_logprob_ids", "top_logprobs")
 PROMPT_SCORE_INPUTS = ("prompt_token_logprobs", "prompt_top_logprob_ids", "prompt_top_logprobs")
-
-
-def _triton_error(message):
-    """A ``pb_utils.TritonError`` with the code Triton reports as the status
-    (``contract.errors.triton_status``: a request's fault is ``INVALID_ARG``)."""
-    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, triton_status(message)))
 
 
 def _inputs(request):
@@ -164,6 +158,6 @@ class TritonPythonModel:
                     message = exc.wire()
                 else:
                     message = encode_error(ErrorCode.INTERNAL_ERROR, f"detokenizer: {exc}")
-                error = _triton_error(message)
+                error = triton_error(pb_utils, message)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
         return responses

@@ -25,9 +25,9 @@ try:
 except ImportError:  # not pip-installed: use the checkout that holds this repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tritonllm.contract.errors import ErrorCode, RequestError, encode_error, triton_status
+from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
 from tritonllm.contract.tensors import TRTLLM_ENSEMBLE
-from tritonllm.serving.bls import abort_generation
+from tritonllm.serving.bls import abort_generation, triton_error
 from tritonllm.serving.trtllm_convention import OutputState, llm_inputs
 from tritonllm.triton_config import model_parameters, serving_config
 
@@ -36,14 +36,8 @@ CANCEL_CHECK_S = 0.2
 LLM_OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "index"]
 
 
-def _triton_error(message):
-    """A ``pb_utils.TritonError`` with the code Triton reports as the status
-    (``contract.errors.triton_status``: a request's fault is ``INVALID_ARG``)."""
-    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, triton_status(message)))
-
-
 def _send_error(sender, message):
-    error = _triton_error(message)
+    error = triton_error(pb_utils, message)
     sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
 
 

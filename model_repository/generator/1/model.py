@@ -26,12 +26,12 @@ try:
 except ImportError:  # not pip-installed: use the checkout that holds this repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tritonllm.contract.errors import triton_status
 from tritonllm.contract.tensors import GENERATOR
 from tritonllm.engine.client import EngineClient
 from tritonllm.engine.engine import LLMEngine
 from tritonllm.engine.engine_process import EngineProcess
 from tritonllm.engine.engine_thread import EngineThread
+from tritonllm.serving.bls import triton_error
 from tritonllm.serving.generator_core import GeneratorCore
 from tritonllm.serving.logprobs import flatten_top_logprobs
 from tritonllm.serving.metrics import (
@@ -58,12 +58,6 @@ from tritonllm.triton_config import (
 )
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-
-def _triton_error(message):
-    """A ``pb_utils.TritonError`` with the code Triton reports as the status
-    (``contract.errors.triton_status``: a request's fault is ``INVALID_ARG``)."""
-    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, triton_status(message)))
 
 
 def _int32(name, value):
@@ -187,7 +181,7 @@ class _Sink:
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags)
 
     def send_error(self, message):
-        error = _triton_error(message)
+        error = triton_error(pb_utils, message)
         self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
 
     def is_cancelled(self):

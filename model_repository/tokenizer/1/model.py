@@ -28,18 +28,13 @@ except ImportError:  # not pip-installed: use the checkout that holds this repos
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tritonllm.contract import limits
-from tritonllm.contract.errors import ErrorCode, RequestError, encode_error, triton_status
+from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
+from tritonllm.serving.bls import triton_error
 from tritonllm.serving.inputs import scalar
 from tritonllm.tokenization.chat import render_chat, render_prompt
 from tritonllm.tokenization.prompt_limits import PromptLimits, max_token_chars
 from tritonllm.tokenization.tools import parse_tools_json
 from tritonllm.triton_config import engine_config, model_parameters, served_model_dir
-
-
-def _triton_error(message):
-    """A ``pb_utils.TritonError`` with the code Triton reports as the status
-    (``contract.errors.triton_status``: a request's fault is ``INVALID_ARG``)."""
-    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, triton_status(message)))
 
 
 def _input(request, name):
@@ -155,6 +150,6 @@ class TritonPythonModel:
                     message = exc.wire()
                 else:
                     message = encode_error(ErrorCode.INTERNAL_ERROR, f"tokenizer: {exc}")
-                error = _triton_error(message)
+                error = triton_error(pb_utils, message)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
         return responses
