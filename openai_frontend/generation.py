@@ -101,6 +101,7 @@ class Delta:
             delta's tokens (possibly ``[]``); None otherwise.
         prompt_logprobs: in a choice's first delta of a request that scores its prompt, the
             same entries for every prompt token (the first with ``logprob`` None); else None.
+        num_output_tokens: the choice's tokens generated so far, this delta's included.
     """
 
     index: int
@@ -108,6 +109,7 @@ class Delta:
     finish_reason: str | None
     logprobs: list[dict[str, Any]] | None
     prompt_logprobs: list[dict[str, Any]] | None = None
+    num_output_tokens: int = 0
 
 
 @dataclass
@@ -280,12 +282,21 @@ class Generation:
                     unfinished -= 1
                 self.finish_reasons[chunk.index] = chunk.finish_reason
                 self._backend_finished = unfinished == 0
-                yield Delta(chunk.index, chunk.text, chunk.finish_reason, logprobs, scores)
+                yield Delta(
+                    chunk.index,
+                    chunk.text,
+                    chunk.finish_reason,
+                    logprobs,
+                    scores,
+                    chunk.num_output_tokens,
+                )
                 if unfinished == 0:
                     await self._drain()
                     return
             elif chunk.text or logprobs or scores:
-                yield Delta(chunk.index, chunk.text, None, logprobs, scores)
+                yield Delta(
+                    chunk.index, chunk.text, None, logprobs, scores, chunk.num_output_tokens
+                )
             chunk = await self._read()
         raise OpenAIError(
             "the backend ended the stream without a finish reason", 500, "server_error"

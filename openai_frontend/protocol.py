@@ -93,14 +93,16 @@ class _Lenient(_NullIsDefault):
 
 class StreamOptions(_NullIsDefault):
     """``stream_options``: ``include_usage`` adds a usage-only chunk before ``[DONE]``.
-    ``include_obfuscation`` (OpenAI's random padding of stream events, against network side
-    channels) may be false or null: this server adds none; true is refused by
-    ``sampling.sampling_inputs``. Any other key is a 400 naming it (``stream_options.<key>``):
-    vLLM's ``continuous_usage_stats``, a typo; none is silently ignored."""
+    ``continuous_usage_stats`` (vLLM's) gives every chunk that carries a choice the usage of
+    the stream so far (``sse.ChunkEncoder``). ``include_obfuscation`` (OpenAI's random padding
+    of stream events, against network side channels) may be false or null: this server adds
+    none; true is refused by ``sampling.sampling_inputs``. Any other key is a 400 naming it
+    (``stream_options.<key>``): a typo is never silently ignored."""
 
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
     include_obfuscation: StrictBool | None = None
 
 
@@ -197,6 +199,12 @@ class SamplingFields(_Lenient):
     def include_usage(self) -> bool:
         """``stream_options.include_usage`` (False when ``stream_options`` is absent)."""
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """``stream_options.continuous_usage_stats`` (False when ``stream_options`` is
+        absent)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def wants_logprobs(self) -> bool:

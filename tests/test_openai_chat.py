@@ -76,6 +76,39 @@ def test_stream_chunk_protocol(client, sidecar, tokenizer):
     assert usage.prompt_tokens == len(chat_prompt_ids(tokenizer, MESSAGES))
 
 
+def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(client, sidecar, tokenizer):
+    """vLLM's ``stream_options.continuous_usage_stats`` (aiperf's ``--per-chunk-usage``; it
+    was a 400): every chunk with a choice carries the prompt's tokens and the tokens sent so
+    far, 0 in the role chunk, rising to max_tokens, and the usage-only last chunk agrees;
+    without ``include_usage`` there is no usage-only chunk."""
+    prompt_tokens = len(chat_prompt_ids(tokenizer, MESSAGES))
+    for include_usage in (True, False):
+        options = {"include_usage": include_usage, "continuous_usage_stats": True}
+        chunks, _ = _stream(
+            client,
+            sidecar.model_name,
+            messages=MESSAGES,
+            max_tokens=6,
+            temperature=0,
+            stream_options=options,
+        )
+        with_choices = [c for c in chunks if c.choices]
+        assert all(c.usage is not None for c in with_choices)
+        assert {c.usage.prompt_tokens for c in with_choices} == {prompt_tokens}
+        counts = [c.usage.completion_tokens for c in with_choices]
+        assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 6
+        assert all(
+            c.usage.total_tokens == prompt_tokens + c.usage.completion_tokens for c in chunks
+        )
+        # A content chunk counts its own tokens: each one's count is above the one before.
+        content = [c for c in with_choices if c.choices[0].delta.content]
+        assert len({c.usage.completion_tokens for c in content}) == len(content)
+        if include_usage:
+            assert chunks[-1].choices == [] and chunks[-1].usage == with_choices[-1].usage
+        else:
+            assert chunks[-1].choices
+
+
 def test_non_stream_usage_and_length(client, sidecar, tokenizer):
     """usage counts the HF-rendered prompt and exactly max_tokens when the limit ends it."""
     response = client.chat.completions.create(

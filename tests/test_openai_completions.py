@@ -74,6 +74,30 @@ def test_stream_usage_chunk(client, sidecar, tokenizer):
     assert chunks[-1].usage.prompt_tokens == len(tokenizer.encode(PROMPT, add_special_tokens=False))
 
 
+def test_continuous_usage_stats_sum_every_prompt_and_choice(client, sidecar, tokenizer):
+    """With two prompts and n=2, each chunk's usage is both prompts' tokens and the tokens
+    of the four choices sent so far; the last chunk with a choice counts them all."""
+    prompts = [PROMPT, PROMPT + " again"]
+    chunks = list(
+        client.completions.create(
+            model=sidecar.model_name,
+            prompt=prompts,
+            n=2,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    prompt_tokens = sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
+    with_choices = [c for c in chunks if c.choices]
+    assert {c.usage.prompt_tokens for c in with_choices} == {prompt_tokens}
+    counts = [c.usage.completion_tokens for c in with_choices]
+    assert counts == sorted(counts) and counts[-1] == 16
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+
+
 def test_stop_token_id_ends_with_stop(client, sidecar, tokenizer, hf_greedy):
     """stop_token_ids on the 4th greedy token: "stop" after exactly 4 tokens (stop id included)."""
     _, new_ids = hf_greedy(PROMPT, 8)

@@ -683,9 +683,9 @@ def test_an_assistant_message_may_leave_content_out():
             "/v1/chat/completions",
             {
                 "stream": True,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                "stream_options": {"include_usage": True, "include_usages": True},
             },
-            "stream_options.continuous_usage_stats",
+            "stream_options.include_usages",
         ),
         # OpenAI requires json_schema.name, of at most 64 of [a-zA-Z0-9_-].
         (

@@ -68,7 +68,8 @@ async def create_chat_completion(
     if body.stream:
         choice = ChatChunkChoice(delta=DeltaMessage())
         template = ChatCompletionChunk(id=gen.request_id, model=state.model_name, choices=[choice])
-        encoder = ChunkEncoder(template, body.include_usage)
+        prompt_usage = gen.usage if body.continuous_usage else None
+        encoder = ChunkEncoder(template, body.include_usage, prompt_usage)
         events = _events(gen, encoder, mode, state.tool_call_parser)
         return stream_response(gen, events, encoder, rename)
     try:
@@ -195,10 +196,14 @@ async def _events(
         logprobs = chat_logprobs(piece.logprobs)
         if piece.logprobs and not deltas:
             deltas = [{"content": ""}]
+        tokens = piece.num_output_tokens
         for j, delta in enumerate(deltas):
             yield encoder.event(
-                index=piece.index, logprobs=logprobs if j == 0 else None, delta=delta
+                index=piece.index,
+                logprobs=logprobs if j == 0 else None,
+                num_output_tokens=tokens,
+                delta=delta,
             )
         if piece.finish_reason:
             reason = _finish_reason(piece.finish_reason, mode, stream.called)
-            yield encoder.event(reason, index=piece.index, delta={})
+            yield encoder.event(reason, index=piece.index, num_output_tokens=tokens, delta={})

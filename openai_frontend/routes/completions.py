@@ -112,7 +112,8 @@ async def create_completion(
     rename = lambda exc: rename_param(exc, body, None)  # noqa: E731  # the client's field
     if body.stream:
         template = Completion(id=completion_id, model=model, choices=[CompletionChoice(text="")])
-        encoder = ChunkEncoder(template, body.include_usage)
+        prompt_usage = gens.usage if body.continuous_usage else None
+        encoder = ChunkEncoder(template, body.include_usage, prompt_usage)
         return stream_response(gens, _events(body, gens, encoder), encoder, rename)
     try:
         per_prompt = await asyncio.gather(*(collect_choices(request, g) for g in gens.gens))
@@ -177,4 +178,10 @@ async def _events(
         index = p * n + delta.index
         entries = _choice_logprobs(body, delta)
         logprobs, offsets[index] = completion_logprobs(entries, offsets[index])
-        yield encoder.event(delta.finish_reason, index=index, logprobs=logprobs, text=delta.text)
+        yield encoder.event(
+            delta.finish_reason,
+            index=index,
+            logprobs=logprobs,
+            num_output_tokens=delta.num_output_tokens,
+            text=delta.text,
+        )

@@ -53,23 +53,43 @@ class ChunkEncoder:
         template: a ``ChatCompletionChunk`` or a ``Completion`` with exactly one choice.
         include_usage: ``stream_options.include_usage``: every chunk carries ``"usage": null``
             and ``usage()`` gives the usage-only last chunk (OpenAI's format); else no ``usage``.
+        prompt_usage: with ``stream_options.continuous_usage_stats`` (vLLM's), the stream's
+            prompt counts (its completion counts are not read): every chunk then carries the
+            usage so far instead of null, these prompt tokens and the tokens of the choices'
+            chunks sent so far (``event``'s ``num_output_tokens``), as vLLM's chunks do.
     """
 
-    def __init__(self, template: BaseModel, include_usage: bool) -> None:
+    def __init__(
+        self, template: BaseModel, include_usage: bool, prompt_usage: Usage | None = None
+    ) -> None:
         self.include_usage = include_usage
-        self._chunk = template.model_dump(exclude=None if include_usage else {"usage"})
+        with_usage = include_usage or prompt_usage is not None
+        self._chunk = template.model_dump(exclude=None if with_usage else {"usage"})
         (self._choice,) = self._chunk["choices"]
+        self._prompt = None if prompt_usage is None else prompt_usage.model_dump()
+        self._outputs: dict[int, int] = {}  # choice index -> its tokens sent so far
 
     def event(
         self,
         finish_reason: str | None = None,
         index: int = 0,
         logprobs: dict[str, Any] | None = None,
+        num_output_tokens: int | None = None,
         **fields: Any,
     ) -> str:
         """A chunk whose choice ``index`` has ``fields`` (``text=`` or ``delta=``),
-        ``logprobs`` (in the endpoint's format) and ``finish_reason``."""
+        ``logprobs`` (in the endpoint's format) and ``finish_reason``; ``num_output_tokens``:
+        the choice's tokens generated up to this chunk (None: as in its last chunk)."""
         self._choice.update(fields, finish_reason=finish_reason, index=index, logprobs=logprobs)
+        if self._prompt is not None:
+            if num_output_tokens is not None:
+                self._outputs[index] = num_output_tokens
+            completion = sum(self._outputs.values())
+            self._chunk["usage"] = {
+                **self._prompt,
+                "completion_tokens": completion,
+                "total_tokens": self._prompt["prompt_tokens"] + completion,
+            }
         return _dumps(self._chunk)
 
     def usage(self, usage: Usage) -> str:
