@@ -298,6 +298,52 @@ def test_trtllm_log_probs_and_choices(triton_server, tokenizer, hf_greedy, hf_lo
     assert {int(r.as_numpy("sequence_index")[0, 0]) for r in results} == {0, 1}
 
 
+def test_trtllm_sequences_without_streaming_come_whole_one_response_each(
+    triton_server, tokenizer, hf_greedy, hf_logprobs
+):
+    """``num_return_sequences`` 2 without streaming (QA: a 400 naming ``n``, "n > 1 requires
+    stream=true", a parameter the client never sent): one response per sequence, each with
+    its whole text (the prompt first, exclude_input_in_output false), its logprobs and their
+    sum, as TensorRT-LLM answers; greedy, both equal transformers' text."""
+    prompt = PROMPTS[0]
+    inputs = trtllm_inputs(
+        prompt,
+        5,
+        False,
+        num_return_sequences=np.array([[2]], np.int32),
+        return_log_probs=np.array([[True]]),
+    )
+    names = ("text_output", "sequence_index", "output_log_probs", "cum_log_probs")
+    results, errors = trtllm_run(triton_server.grpc_url, inputs, names)
+    assert not errors
+    assert sorted(int(r.as_numpy("sequence_index")[0, 0]) for r in results) == [0, 1]
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    new_ids = hf_greedy(prompt_ids, 5)
+    oracle = hf_logprobs(prompt_ids, new_ids)[range(len(new_ids)), new_ids].numpy()
+    for r in results:
+        text = r.as_numpy("text_output").reshape(-1)[0].decode()
+        assert text == prompt + greedy_text(tokenizer, hf_greedy, prompt, 5)
+        logprobs = r.as_numpy("output_log_probs").reshape(-1)
+        np.testing.assert_allclose(logprobs, oracle, atol=2e-3)
+        assert float(r.as_numpy("cum_log_probs")[0, 0]) == pytest.approx(
+            float(oracle.sum()), abs=1e-2
+        )
+
+
+def test_trtllm_errors_of_llm_name_the_inputs_the_client_sent(triton_server):
+    """An error ``llm`` raises about an input made from a TensorRT-LLM one names the client's
+    input (QA: ``num_return_sequences`` 99 was refused naming ``n``, which it never sent)."""
+    for extra, name in (
+        ({"num_return_sequences": np.array([[99]], np.int32)}, "num_return_sequences"),
+        ({"random_seed": np.array([[2**63]], np.uint64)}, "random_seed"),
+        ({"min_length": np.array([[-1]], np.int32)}, "min_length"),
+    ):
+        results, errors = trtllm_run(triton_server.grpc_url, trtllm_inputs("Hi", 4, True, **extra))
+        (error,) = errors
+        assert f'"param":"{name}"' in str(error), error
+        assert not results
+
+
 @pytest.mark.parametrize(
     ("extra", "name"),
     [
@@ -359,8 +405,11 @@ def test_trtllm_translation_maps_names_and_refuses_what_it_cannot_honour():
         "stop": [b"\n\n"],
         "stop_token_ids": [7],
         "ignore_eos": [True],
-        "stream": [False],  # absent: TensorRT-LLM's default, not llm's
+        "stream": [True],  # absent is TensorRT-LLM's false, but n > 1 streams from llm
     }
+    assert llm_inputs(batch).whole_sequences  # ... and each sequence goes out whole
+    one = llm_inputs({**batch, "num_return_sequences": np.array([[1]], np.int32)})
+    assert one.inputs["stream"].tolist() == [False] and not one.whole_sequences
     too_big = {**batch, "seed": np.array([[2**63]], np.uint64)}
     for bad, code, param in [
         ({"random_seed": np.array([[2**63]], np.uint64)}, ErrorCode.INVALID_VALUE, "random_seed"),

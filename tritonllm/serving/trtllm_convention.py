@@ -14,7 +14,9 @@ TensorRT-LLM input                          ``llm`` input
 ``temperature``, ``top_k``, ``top_p``,
 ``repetition_penalty``, ``presence_penalty``,
 ``frequency_penalty``, ``exclude_input_in_output``
-``num_return_sequences``                    ``n``
+``num_return_sequences``                    ``n`` (n > 1 without streaming: ``llm`` streams
+                                             and each sequence is sent whole when it ends,
+                                             a response per sequence, as TensorRT-LLM does)
 ``seed`` / ``random_seed`` (UINT64)          ``seed`` (INT64: below 2**63)
 ``min_tokens`` / ``min_length``              ``min_tokens``
 ``stop_words`` (BYTES list)                  ``stop`` (stop strings, OpenAI semantics)
@@ -34,14 +36,20 @@ TensorRT-LLM input                          ``llm`` input
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from tritonllm.contract import limits
-from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
+from tritonllm.contract.errors import (
+    ErrorCode,
+    RequestError,
+    decode_error,
+    encode_error,
+    short_repr,
+)
 from tritonllm.serving.inputs import scalar, text
 
 # Inputs passed on under the same name (value unchanged, the batch dimension dropped).
@@ -58,6 +66,15 @@ SAME_NAME = (
     "exclude_input_in_output",
 )
 RENAMED = {"num_return_sequences": "n", "min_length": "min_tokens", "min_tokens": "min_tokens"}
+# ``llm`` input -> the TensorRT-LLM inputs it is made from (an error names the one given).
+CLIENT_NAMES = {
+    "n": ("num_return_sequences",),
+    "min_tokens": ("min_tokens", "min_length"),
+    "seed": ("seed", "random_seed"),
+    "stop": ("stop_words",),
+    "stop_token_ids": ("end_id",),
+    "logprobs": ("return_log_probs",),
+}
 # Flags this service cannot honour when true.
 UNSUPPORTED_FLAGS = ("return_context_logits", "return_generation_logits", "return_perf_metrics")
 
@@ -69,10 +86,14 @@ class Translation:
     Attributes:
         inputs: ``llm`` input name -> rank-1 numpy array.
         return_log_probs: whether responses carry ``output_log_probs`` / ``cum_log_probs``.
+        whole_sequences: the client streams not but asked for several sequences, which
+            ``llm`` sends only streamed: ``llm`` streams, and ``OutputState`` sends each
+            sequence whole, once, when it ends.
     """
 
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
     return_log_probs: bool = False
+    whole_sequences: bool = False
 
 
 def _unsupported(name: str, value: Any, why: str) -> RequestError:
@@ -123,6 +144,10 @@ def llm_inputs(inputs: Mapping[str, np.ndarray | None]) -> Translation:
             if target in out.inputs and out.inputs[target].tolist() != value.tolist():
                 raise RequestError(ErrorCode.INVALID_VALUE, target, f"{name} and {target} differ")
             out.inputs[target] = value
+    n = scalar(out.inputs.get("n"), "num_return_sequences", int, 1)
+    if n > 1 and not scalar(out.inputs["stream"], "stream", bool):
+        out.inputs["stream"] = np.array([True])
+        out.whole_sequences = True
     seed = _seed(given)
     if seed is not None:
         out.inputs["seed"] = np.array([seed], dtype=np.int64)
@@ -151,6 +176,21 @@ def llm_inputs(inputs: Mapping[str, np.ndarray | None]) -> Translation:
     return out
 
 
+def client_error(message: str, given: Collection[str]) -> str:
+    """An ``llm`` error message as a TensorRT-LLM client reads it: an error in wire form whose
+    ``param`` is an ``llm`` input made from another name (``CLIENT_NAMES``) names the input
+    the client sent (of ``given``, its input names) instead; any other message is returned
+    unchanged (the wording keeps ``llm``'s names)."""
+    error = decode_error(message)
+    if error is None or error.param is None:
+        return message
+    head = error.param.split(".", 1)[0].split("[", 1)[0]
+    sent = [name for name in CLIENT_NAMES.get(head, ()) if name in given]
+    if not sent:
+        return message
+    return encode_error(error.code, error.message, sent[0] + error.param[len(head) :])
+
+
 def _words(array: np.ndarray | None, name: str) -> list[str]:
     """A BYTES word list's non-empty strings (TensorRT-LLM clients pad lists with "")."""
     if array is None:
@@ -161,27 +201,50 @@ def _words(array: np.ndarray | None, name: str) -> list[str]:
 
 class OutputState:
     """Per request: the running sum of each choice's logprobs (TensorRT-LLM's
-    ``cum_log_probs``)."""
+    ``cum_log_probs``) and, for ``Translation.whole_sequences``, each unfinished sequence's
+    text and logprobs so far.
 
-    def __init__(self) -> None:
+    Args:
+        whole_sequences: ``Translation.whole_sequences``: ``outputs`` gives a sequence's
+            outputs only once it ends, with its whole text and logprobs.
+    """
+
+    def __init__(self, whole_sequences: bool = False) -> None:
         self._cumulative: dict[int, float] = {}
         self._num_input = np.zeros((1, 1), np.int32)  # llm sends it in a choice's first response
+        self._pieces: dict[int, tuple[list[bytes], list[np.ndarray]]] | None = (
+            {} if whole_sequences else None
+        )
 
-    def outputs(self, llm: Mapping[str, np.ndarray], return_log_probs: bool) -> dict[str, Any]:
-        """TensorRT-LLM outputs (batch dimension 1) of one ``llm`` response's outputs."""
+    def outputs(
+        self, llm: Mapping[str, np.ndarray], return_log_probs: bool
+    ) -> dict[str, Any] | None:
+        """TensorRT-LLM outputs (batch dimension 1) of one ``llm`` response's outputs; None
+        while a whole sequence is being collected."""
         index = int(np.asarray(llm["index"]).reshape(-1)[0]) if "index" in llm else 0
         if "num_input_tokens" in llm:
             self._num_input = _int32(llm, "num_input_tokens")
+        text_output = np.asarray(llm["text_output"], dtype=np.object_).reshape(1, 1)
+        finish_reason = np.asarray(llm["finish_reason"], dtype=np.object_).reshape(1, 1)
+        logprobs = np.asarray(llm.get("output_logprobs", []), dtype=np.float32).reshape(-1)
+        if self._pieces is not None:
+            texts, scores = self._pieces.setdefault(index, ([], []))
+            texts.append(bytes(text_output[0, 0]))
+            scores.append(logprobs)
+            if not finish_reason[0, 0]:
+                return None
+            del self._pieces[index]
+            text_output = np.array([[b"".join(texts)]], dtype=np.object_)
+            logprobs = np.concatenate(scores)
         out = {
-            "text_output": np.asarray(llm["text_output"], dtype=np.object_).reshape(1, 1),
-            "finish_reason": np.asarray(llm["finish_reason"], dtype=np.object_).reshape(1, 1),
+            "text_output": text_output,
+            "finish_reason": finish_reason,
             "num_input_tokens": self._num_input,
             "num_output_tokens": _int32(llm, "num_output_tokens"),
             "sequence_index": np.array([[index]], dtype=np.int32),
             "batch_index": np.array([[0]], dtype=np.int32),
         }
         if return_log_probs:
-            logprobs = np.asarray(llm.get("output_logprobs", []), dtype=np.float32).reshape(-1)
             total = self._cumulative.get(index, 0.0) + float(logprobs.sum())
             self._cumulative[index] = total
             out["output_log_probs"] = logprobs.reshape(1, 1, -1)

@@ -28,7 +28,7 @@ except ImportError:  # not pip-installed: use the checkout that holds this repos
 from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
 from tritonllm.contract.tensors import TRTLLM_ENSEMBLE
 from tritonllm.serving.bls import abort_generation, triton_error
-from tritonllm.serving.trtllm_convention import OutputState, llm_inputs
+from tritonllm.serving.trtllm_convention import OutputState, client_error, llm_inputs
 from tritonllm.triton_config import model_parameters, serving_config
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -63,12 +63,12 @@ def _generate(request, sender, control_secret):
         request_id=key,
         parameters=_parameters(request),
     )
-    state, checked, aborted = OutputState(), time.monotonic(), False
+    state, checked, aborted = OutputState(translation.whole_sequences), time.monotonic(), False
     num_choices = int(translation.inputs.get("n", [1])[0])
     finished = set()  # choices that sent their finish_reason: the last one carries FINAL
     for response in llm.exec(decoupled=True):
-        if response.has_error():
-            _send_error(sender, response.error().message())
+        if response.has_error():  # (named as the client's inputs)
+            _send_error(sender, client_error(response.error().message(), inputs))
             return
         outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
         if not outputs or aborted:
@@ -81,6 +81,8 @@ def _generate(request, sender, control_secret):
                 aborted = True
                 continue
         tensors = state.outputs(outputs, translation.return_log_probs)
+        if tensors is None:
+            continue  # a sequence sent whole, not ended yet
         if tensors["finish_reason"][0, 0]:
             finished.add(int(tensors["sequence_index"][0, 0]))
         reply = [pb_utils.Tensor(name, value) for name, value in tensors.items()]
