@@ -8,8 +8,6 @@
 #   bash benchmarks/gpu_suite.sh decode offline  # decode-step table, offline table (+ plot)
 #   bash benchmarks/gpu_suite.sh online          # online serving table with the platform ceiling (+ plots)
 #   bash benchmarks/gpu_suite.sh ceiling         # the platform ceiling alone (no GPU used)
-#   bash benchmarks/gpu_suite.sh fa3             # FlashInfer's FA3 decode (Hopper): its GPU tests,
-#       the attention kernels at the 0.6B and 8B shapes, the offline table with fa2 then fa3
 #   bash benchmarks/gpu_suite.sh offline8b online8b  # the same tables for the Qwen3-8B shape
 #   bash benchmarks/gpu_suite.sh bench           # = decode offline online
 #   bash benchmarks/gpu_suite.sh bench8b         # = offline8b online8b
@@ -35,14 +33,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage() {
-  echo "usage: $0 tests|kernels|gemm|profile|decode|offline|online|ceiling|fa3|offline8b|online8b|bench|bench8b|tests-tp2|offline-tp2|online-tp2|bench-tp2 ..." >&2
+  echo "usage: $0 tests|kernels|gemm|profile|decode|offline|online|ceiling|offline8b|online8b|bench|bench8b|tests-tp2|offline-tp2|online-tp2|bench-tp2 ..." >&2
   exit 2
 }
 # Every step name is checked before anything is built or written.
 [ $# -gt 0 ] || usage
 for step in "$@"; do
   case "$step" in
-  tests | kernels | gemm | profile | decode | offline | online | ceiling | fa3 | offline8b | online8b | bench | bench8b) ;;
+  tests | kernels | gemm | profile | decode | offline | online | ceiling | offline8b | online8b | bench | bench8b) ;;
   tests-tp2 | offline-tp2 | online-tp2 | bench-tp2) ;;
   *) usage ;;
   esac
@@ -103,7 +101,7 @@ build() { # build SHAPE: the random-weight checkpoint models/SHAPE (skipped when
 
 for step in "${steps[@]}"; do
   case "$step" in
-  tests | profile | decode | offline | online | fa3 | tests-tp2 | offline-tp2 | online-tp2)
+  tests | profile | decode | offline | online | tests-tp2 | offline-tp2 | online-tp2)
     build qwen3-0.6b
     break
     ;;
@@ -140,20 +138,6 @@ for step in "${steps[@]}"; do
     run online 600 "$out/online.log" python3 -m benchmarks.online --benchmarks-md "$md" \
       --model models/qwen3-0.6b --server-log "$out/server.log" --plots-dir "$plots" \
       --ceiling --ceiling-log "$out/ceiling-server.log" ${ONLINE_ARGS:-}
-    ;;
-  fa3)
-    run tests-fa3 300 "$out/gpu-tests-fa3.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
-      -k fa3 tests/test_gpu_backends.py tests/test_gpu_engine.py >/dev/null
-    tail -5 "$out/gpu-tests-fa3.log"
-    for shape in qwen3-0.6b qwen3-8b; do
-      run "attention-$shape" 240 "$out/attention-$shape.log" python3 -m kernels.bench_attention \
-        --shape "$shape" --mixed-only
-    done
-    for kernel in fa2 fa3; do # the same workload, one engine after the other
-      run "offline-$kernel" 300 "$out/offline-$kernel.log" python3 -m benchmarks.offline \
-        --benchmarks-md "$md" --model models/qwen3-0.6b --hf-subset 0 \
-        --engine-arg "flashinfer_decode_kernel=$kernel"
-    done
     ;;
   ceiling)
     run ceiling 240 "$out/ceiling.log" python3 -m benchmarks.ceiling --benchmarks-md "$md" \

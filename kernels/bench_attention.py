@@ -1,31 +1,20 @@
 """Decode-attention bandwidth on the GPU: Triton kernel vs FlashInfer vs the copy roofline.
 
-`python -m kernels.bench_attention [--shape qwen3-0.6b|qwen3-8b] [--mixed-only]` (CUDA only).
-For Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, bf16; page size 16,
-some cases 64) or Qwen3-8B's (32 query heads, 8 KV heads) and several batch sizes and context
-lengths (equal, and spread over 100..2047 tokens as in the offline workload's mid-run batches),
-it times one layer's decode attention and reports the KV bytes read per second, next to the
-device-to-device copy bandwidth measured in the same run (the physical bound). `--mixed-only`
-runs only the mid-run batches with 64-token pages (the engine's CUDA default).
-
-Kernels: this project's Triton split-KV kernel, FlashInfer's decode wrapper on CUDA cores and on
-tensor cores (its FA2 prefill kernels), each planned plainly and for CUDA graphs, and, on Hopper,
-FlashInfer's paged prefill wrapper with its FA3 backend and one query row per sequence (`fa3`),
-the kernel family SGLang decodes with on Hopper."""
+`python -m kernels.bench_attention` (CUDA only). For Qwen3-0.6B's attention shape (16 query
+heads, 8 KV heads, head_dim 128, bf16, page size 16, some cases 64) and several batch sizes and
+context lengths (equal, and spread over 100..2047 tokens as in the offline workload's mid-run
+batches), it times one layer's decode attention and reports the KV bytes read per second, next
+to the device-to-device copy bandwidth measured in the same run (the physical bound)."""
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
 
 from kernels.decode_attention import decode_attention, decode_workspace, default_num_kv_splits
-from tritonllm.attention.flashinfer_backend import PrefillAsDecode
 
-HEAD_DIM, PAGE = 128, 16
-# (query heads, KV heads) of each model shape
-SHAPES = {"qwen3-0.6b": (16, 8), "qwen3-8b": (32, 8)}
+HQ, HKV, HEAD_DIM, PAGE = 16, 8, 128, 16
 
 
 def _time(fn, iters: int = 50) -> float:
@@ -49,28 +38,21 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 
 def bench_case(
-    lens: list[int],
-    copy_bw: float,
-    flashinfer,
-    label: str = "",
-    page: int = PAGE,
-    heads: tuple[int, int] = SHAPES["qwen3-0.6b"],
+    lens: list[int], copy_bw: float, flashinfer, label: str = "", page: int = PAGE
 ) -> str:
     """One line: Triton (and FlashInfer, if given) decode bandwidth for sequences of `lens`
     tokens (one per batch row; pages of `page` tokens scattered at random over the pool).
 
     FlashInfer runs four ways: CUDA-core or tensor-core kernels (`-tc`), each planned by a
     plain wrapper or by a `use_cuda_graph=True` wrapper (`-graph`, what the engine's CUDA-graph
-    decode replays; its plan may split KV differently); on Hopper also its paged prefill wrapper
-    with the FA3 backend (`fa3`: the engine's `PrefillAsDecode`, one query row per sequence, not
-    causal). `heads`: (query heads, KV heads). Bandwidth = K/V bytes of all `lens` tokens over the kernel time.
+    decode replays; its plan may split KV differently). Bandwidth = K/V bytes of all `lens`
+    tokens over the kernel time.
     """
-    hq, hkv = heads
     dev = torch.device("cuda")
     batch, ctx = len(lens), max(lens)
     num_seq_pages = [math.ceil(n / page) for n in lens]
     num_pages = sum(num_seq_pages) + 1
-    k_cache = torch.randn(num_pages, page, hkv, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    k_cache = torch.randn(num_pages, page, HKV, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     v_cache = torch.randn_like(k_cache)
     perm = (torch.randperm(num_pages - 1, device=dev) + 1).int()
     max_pages = max(num_seq_pages)
@@ -80,10 +62,10 @@ def bench_case(
         table[b, :n] = perm[indptr[-1] : indptr[-1] + n]
         indptr.append(indptr[-1] + n)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-    q = torch.randn(batch, hq, HEAD_DIM, dtype=torch.bfloat16, device=dev)
-    kv_bytes = 2 * sum(lens) * hkv * HEAD_DIM * 2
-    splits = default_num_kv_splits(batch, hkv, ctx, dev)
-    ws = decode_workspace(batch, hq, splits, HEAD_DIM, dev)
+    q = torch.randn(batch, HQ, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    kv_bytes = 2 * sum(lens) * HKV * HEAD_DIM * 2
+    splits = default_num_kv_splits(batch, HKV, ctx, dev)
+    ws = decode_workspace(batch, HQ, splits, HEAD_DIM, dev)
     out = torch.empty_like(q)
 
     def triton_decode():
@@ -99,7 +81,6 @@ def bench_case(
     indptr_t = torch.tensor(indptr, dtype=torch.int32)
     indices = torch.cat([table[b, :n] for b, n in enumerate(num_seq_pages)])
     last = torch.tensor([(n - 1) % page + 1 for n in lens], dtype=torch.int32)
-    wrappers = []
     for tensor_cores in (False, True):
         for graph in (False, True):
             workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
@@ -117,32 +98,25 @@ def bench_case(
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 workspace, "NHD", use_tensor_cores=tensor_cores, **extra
             )
+            wrapper.plan(
+                indptr_t,
+                indices,
+                last,
+                HQ,
+                HKV,
+                HEAD_DIM,
+                page,
+                q_data_type=torch.bfloat16,
+                kv_data_type=torch.bfloat16,
+            )
+
+            def flashinfer_decode(wrapper=wrapper):
+                return wrapper.run(q, (k_cache, v_cache))
+
+            torch.testing.assert_close(flashinfer_decode(), out, atol=2e-2, rtol=2e-2)
+            t = _time(flashinfer_decode)
             name = "flashinfer" + ("-tc" if tensor_cores else "") + ("-graph" if graph else "")
-            wrappers.append((name, wrapper))
-    if torch.cuda.get_device_capability(dev)[0] == 9:
-        workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
-        fa3 = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa3")
-        wrappers.append(("fa3", PrefillAsDecode(fa3)))  # the engine's FA3 decode
-    for name, wrapper in wrappers:
-        wrapper.plan(
-            indptr_t,
-            indices,
-            last,
-            hq,
-            hkv,
-            HEAD_DIM,
-            page,
-            sm_scale=HEAD_DIM**-0.5,
-            q_data_type=torch.bfloat16,
-            kv_data_type=torch.bfloat16,
-        )
-
-        def flashinfer_decode(wrapper=wrapper):
-            return wrapper.run(q, (k_cache, v_cache))
-
-        torch.testing.assert_close(flashinfer_decode(), out, atol=2e-2, rtol=2e-2)
-        t = _time(flashinfer_decode)
-        line += f"  {name} {kv_bytes / t / 1e12:5.2f} TB/s ({kv_bytes / t / copy_bw:4.0%})"
+            line += f"  {name} {kv_bytes / t / 1e12:5.2f} TB/s ({kv_bytes / t / copy_bw:4.0%})"
     return line
 
 
@@ -155,37 +129,26 @@ def mixed_lengths(batch: int, lo: int, hi: int, order: str, seed: int = 0) -> li
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
-    parser.add_argument("--mixed-only", action="store_true")
-    args = parser.parse_args()
-    heads = SHAPES[args.shape]
     copy_bw = copy_bandwidth()
-    print(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s; shape {args.shape}, heads {heads}")
+    print(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s")
     try:
         import flashinfer
     except ImportError:
         flashinfer = None
-    if args.mixed_only:
-        for batch in (64, 150, 256):
-            lens = mixed_lengths(batch, 100, 2047, "descending")
-            label = f"B={batch:4d} ctx=100..2047 page 64 desc"
-            print(bench_case(lens, copy_bw, flashinfer, label, 64, heads), flush=True)
-        return
     cases = [(1, 512), (1, 4096), (32, 1024), (64, 640), (128, 640), (256, 640), (256, 4096)]
     for batch, ctx in cases:
-        print(bench_case([ctx] * batch, copy_bw, flashinfer, heads=heads), flush=True)
+        print(bench_case([ctx] * batch, copy_bw, flashinfer), flush=True)
     # Mid-run batches of the offline workload: contexts spread over 100..2047 tokens.
     for batch in (64, 150, 256):
         for order in ("random", "descending"):
             lens = mixed_lengths(batch, 100, 2047, order)
             label = f"B={batch:4d} ctx=100..2047 {order:10s}"
-            print(bench_case(lens, copy_bw, flashinfer, label, heads=heads), flush=True)
+            print(bench_case(lens, copy_bw, flashinfer, label), flush=True)
     # The same longest-first batches (the engine's decode order) with 64-token pages.
     for batch in (64, 150, 256):
         lens = mixed_lengths(batch, 100, 2047, "descending")
         label = f"B={batch:4d} ctx=100..2047 page 64 desc"
-        print(bench_case(lens, copy_bw, flashinfer, label, 64, heads), flush=True)
+        print(bench_case(lens, copy_bw, flashinfer, label, page=64), flush=True)
 
 
 if __name__ == "__main__":

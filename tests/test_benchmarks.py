@@ -435,35 +435,6 @@ def test_gpu_suite_runs_the_issue16_steps_and_packs_their_results(tmp_path):
     )
 
 
-def test_gpu_suite_runs_the_fa3_decode_ab(tmp_path):
-    """fa3: the FA3 decode's GPU tests, the attention kernels at both shapes, then the offline
-    table with the engine on fa2 and on fa3, on the built 0.6B checkpoint."""
-    result, calls, out = _suite(tmp_path, ["fa3"])
-    assert result.returncode == 0, result.stderr
-    assert [c.split()[:2] for c in calls] == [
-        ["-m", "tritonllm.build_model"],
-        ["-m", "pytest"],
-        ["-m", "kernels.bench_attention"],
-        ["-m", "kernels.bench_attention"],
-        ["-m", "benchmarks.offline"],
-        ["-m", "benchmarks.offline"],
-    ]
-    assert "-k fa3 tests/test_gpu_backends.py tests/test_gpu_engine.py" in calls[1]
-    assert "--shape qwen3-0.6b --mixed-only" in calls[2]
-    assert "--shape qwen3-8b --mixed-only" in calls[3]
-    assert calls[4].endswith("--engine-arg flashinfer_decode_kernel=fa2")
-    assert calls[5].endswith("--engine-arg flashinfer_decode_kernel=fa3")
-    summary = (out / "suite-summary.txt").read_text().splitlines()
-    assert [line.split()[0] for line in summary] == [
-        "build-qwen3-0.6b",
-        "tests-fa3",
-        "attention-qwen3-0.6b",
-        "attention-qwen3-8b",
-        "offline-fa2",
-        "offline-fa3",
-    ]
-
-
 def test_gpu_suite_runs_the_tensor_parallel_steps_of_issue20(tmp_path):
     """tests-tp2 runs the two-GPU tests on the built 0.6B checkpoint; bench-tp2 the offline
     table at sizes 1 and 2 and one online level at size 2, with their logs packed."""

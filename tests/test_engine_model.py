@@ -120,8 +120,7 @@ def test_loader_rejects_incomplete_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_engine_settings_reach_layers_sampler_and_backend_as_constructor_arguments(fused):
-    """`EngineConfig.fused_layers`, `linear_kernel`, `tensor_core_decode_min_batch` and
-    `flashinfer_decode_kernel` are
+    """`EngineConfig.fused_layers`, `linear_kernel` and `tensor_core_decode_min_batch` are
     handed to every layer, the sampler and the attention backend when the engine is built
     (no module reads them from the environment); the greedy ids do not depend on them on CPU."""
     from tritonllm.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLUMLP
@@ -133,7 +132,6 @@ def test_engine_settings_reach_layers_sampler_and_backend_as_constructor_argumen
         fused_layers=fused,
         linear_kernel="auto",
         tensor_core_decode_min_batch=16,
-        flashinfer_decode_kernel="fa3",  # a FlashInfer option: the CPU's torch backend ignores it
     )
     engine = LLMEngine(config)
     runner = engine.runner
@@ -144,7 +142,6 @@ def test_engine_settings_reach_layers_sampler_and_backend_as_constructor_argumen
     assert modes == {"auto" if fused else "cublas"}  # auto with the layer kernels off: cuBLAS
     assert runner.sampler.fused is fused
     assert runner.backend.options.tensor_core_decode_min_batch == 16
-    assert runner.backend.options.flashinfer_decode_kernel == "fa3"
     prompt = prompts([7], seed=9)[0]
     greedy = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0]
     reference = LLMEngine(EngineConfig(model=checkpoint("qwen3"), page_size=4, num_pages=64))

@@ -19,7 +19,7 @@ import kernels
 
 pytest.importorskip("triton")
 from tritonllm.attention import get_attention_backend  # noqa: E402
-from tritonllm.attention.base import AttentionMetadata, AttentionOptions  # noqa: E402
+from tritonllm.attention.base import AttentionMetadata  # noqa: E402
 from tritonllm.config import ModelConfig  # noqa: E402
 from tritonllm.engine.kv_cache import KVCache  # noqa: E402
 
@@ -47,16 +47,6 @@ TRITON_CUDA = pytest.param("triton", marks=gpu_only)
 FLASHINFER_CUDA = pytest.param(
     "flashinfer",
     marks=[*gpu_only, pytest.mark.skipif(not _has_flashinfer(), reason="flashinfer not installed")],
-)
-HOPPER = HAS_CUDA and torch.cuda.get_device_capability(0)[0] == 9
-# FlashInfer with its tensor-core decode on the FA3 kernels, for every decode batch.
-FLASHINFER_FA3 = pytest.param(
-    "flashinfer-fa3",
-    marks=[
-        *gpu_only,
-        pytest.mark.skipif(not _has_flashinfer(), reason="flashinfer not installed"),
-        pytest.mark.skipif(not HOPPER, reason="FA3 needs a Hopper GPU"),
-    ],
 )
 
 
@@ -129,16 +119,9 @@ class Setup:
         )
 
     def backends(self, name: str):
-        """(torch reference, backend `name`); "flashinfer-fa3" is flashinfer with FA3 decode
-        for every decode batch."""
-        dev = torch.device(self.device)
-        ref = get_attention_backend("torch")(self.cfg, self.ref_cache, dev)
-        if name == "flashinfer-fa3":
-            options = AttentionOptions(
-                tensor_core_decode_min_batch=0, flashinfer_decode_kernel="fa3"
-            )
-            return ref, get_attention_backend("flashinfer")(self.cfg, self.cache, dev, options)
-        return ref, get_attention_backend(name)(self.cfg, self.cache, dev)
+        ref = get_attention_backend("torch")(self.cfg, self.ref_cache, torch.device(self.device))
+        test = get_attention_backend(name)(self.cfg, self.cache, torch.device(self.device))
+        return ref, test
 
 
 def _compare_step(setup: Setup, ref, test, meta: AttentionMetadata, layers=(0, 1)) -> None:
@@ -183,7 +166,7 @@ def test_triton_backend_matches_torch_backend_interpreted(case):
     _compare_step(setup, *setup.backends("triton"), setup.metadata(prefix, extend))
 
 
-@pytest.mark.parametrize("name", [TRITON_CUDA, FLASHINFER_CUDA, FLASHINFER_FA3])
+@pytest.mark.parametrize("name", [TRITON_CUDA, FLASHINFER_CUDA])
 @pytest.mark.parametrize("case", CPU_CASES + GPU_CASES)
 def test_gpu_backend_matches_torch_backend(name, case):
     hq, hkv, d, page_size, prefix, extend = case
@@ -225,7 +208,7 @@ GRAPH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", [TRITON_CUDA, FLASHINFER_CUDA, FLASHINFER_FA3])
+@pytest.mark.parametrize("name", [TRITON_CUDA, FLASHINFER_CUDA])
 @pytest.mark.parametrize(("bs", "batches"), GRAPH_CASES, ids=["bs8", "bs96"])
 def test_gpu_backend_cuda_graph_decode_replays_new_batches(name, bs, batches):
     cfg = model_config(16, 8, 128)
@@ -238,8 +221,6 @@ def test_gpu_backend_cuda_graph_decode_replays_new_batches(name, bs, batches):
     if name == "flashinfer":
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         assert test._graph_no_split[bs] == (bs > 2 * sms // hkv and bs >= 64)
-    if name == "flashinfer-fa3":
-        assert not test._graph_no_split[bs] and test.fa3_decode
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up (compiles kernels) outside the capture

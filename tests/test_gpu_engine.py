@@ -377,37 +377,6 @@ def test_attention_backends_give_the_torch_backends_greedy_ids(backend, dtype):
 
 
 @pytest.mark.gpu
-@needs_flashinfer
-@pytest.mark.skipif(
-    not HAS_CUDA or torch.cuda.get_device_capability(0)[0] != 9, reason="FA3 needs a Hopper GPU"
-)
-def test_fa3_decode_gives_the_torch_backends_greedy_ids():
-    """Every decode batch (eager and CUDA-graph replays) on FlashInfer's FA3 kernels."""
-    model = checkpoint_hd128()
-    work = {
-        f"b{i}": (p, SP(max_tokens=24, temperature=0, logprobs=2, ignore_eos=True))
-        for i, p in enumerate(prompts([1, 7, 16, 33, 70, 5, 12, 3, 40], seed=6))
-    }
-    common = dict(device="cuda", dtype="bfloat16", max_prefill_tokens=40)
-    ref_engine = _engine(model, attention_backend="torch", **common)
-    expected = run_all(ref_engine, work)
-    _release(ref_engine)
-    engine = _engine(
-        model,
-        attention_backend="flashinfer",
-        flashinfer_decode_kernel="fa3",
-        tensor_core_decode_min_batch=0,
-        cuda_graph_max_bs=4,  # 9 requests: eager decode batches first, graph replays later
-        **common,
-    )
-    assert engine.runner.backend.fa3_decode
-    got = run_all(engine, work)
-    assert assert_same_until_low_margin(got, expected, BF16_GAP) >= 30
-    assert engine.runner.graph_runner.num_replays > 0
-    _release(engine)
-
-
-@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_seeded_sampling_is_batch_independent_on_gpu():
     model = checkpoint_hd128()

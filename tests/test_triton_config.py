@@ -159,24 +159,19 @@ def test_kernel_and_diagnostic_settings_are_engine_config_fields(tmp_path):
         "TRITONLLM_LINEAR_KERNEL": "auto",
         "TRITONLLM_PDL": "off",
         "TRITONLLM_TENSOR_CORE_DECODE_MIN_BATCH": "16",
-        "TRITONLLM_FLASHINFER_DECODE_KERNEL": "fa3",
         "TRITONLLM_ENGINE_PROFILE": str(tmp_path / "engine.prof"),
     }
     config = engine_config({"model": str(tmp_path)}, env)
     assert (config.fused_layers, config.linear_kernel, config.pdl) == (False, "auto", False)
     assert config.tensor_core_decode_min_batch == 16
-    assert config.flashinfer_decode_kernel == "fa3"
     assert config.engine_profile == str(tmp_path / "engine.prof")
     default = engine_config({"model": str(tmp_path)}, {"TRITONLLM_DEVICE": "cpu"})
     assert (default.fused_layers, default.linear_kernel, default.pdl) == (True, "cublas", True)
     assert default.tensor_core_decode_min_batch == 64 and default.engine_profile is None
-    assert default.flashinfer_decode_kernel == "fa2"
     with pytest.raises(ValueError, match="linear_kernel"):
         engine_config({"linear_kernel": "fast"}, {"TRITONLLM_DEVICE": "cpu"})
     with pytest.raises(ValueError, match="tensor_core_decode_min_batch"):
         engine_config({"tensor_core_decode_min_batch": "-1"}, {"TRITONLLM_DEVICE": "cpu"})
-    with pytest.raises(ValueError, match="flashinfer_decode_kernel"):
-        engine_config({"flashinfer_decode_kernel": "fa4"}, {"TRITONLLM_DEVICE": "cpu"})
 
 
 def test_grammar_threads_is_a_setting_derived_from_the_cores(tmp_path, monkeypatch):

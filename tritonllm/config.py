@@ -65,10 +65,6 @@ LINEAR_KERNELS = ("auto", "cublas", "triton")
 # best offline result of 1, 64 and 128 on the H200 (BENCHMARKS.md, "Offline: tensor-core
 # decode threshold").
 TENSOR_CORE_DECODE_MIN_BATCH = 64
-# Kernels of FlashInfer's tensor-core decode (EngineConfig.flashinfer_decode_kernel): "fa2", its
-# decode wrapper (FA2-style prefill kernels), or "fa3", its paged prefill wrapper on the FA3
-# backend with one query row per sequence (Hopper only).
-FLASHINFER_DECODE_KERNELS = ("fa2", "fa3")
 # Most threads of the derived EngineConfig.grammar_threads (llguidance's own default: 80% of
 # the cores, at most 32).
 MAX_GRAMMAR_THREADS = 32
@@ -136,8 +132,6 @@ class EngineConfig:
         pdl: programmatic dependent launch for the Triton kernels on sm_90+ (`kernels.pdl`).
         tensor_core_decode_min_batch: FlashInfer decode batches of at least this many
             sequences run its tensor-core kernels (see `TENSOR_CORE_DECODE_MIN_BATCH`); 0: all.
-        flashinfer_decode_kernel: which kernels those tensor-core decode batches run (see
-            `FLASHINFER_DECODE_KERNELS`; "fa3", experimental, needs a Hopper GPU, sm_90).
         engine_profile: diagnostics: a file path; the engine process (`EngineProcess`) then
             runs its loop under cProfile and writes the stats (pstats format) there every 10 s
             and when it exits. None: no profile.
@@ -182,7 +176,6 @@ class EngineConfig:
     linear_kernel: str = "cublas"
     pdl: bool = True
     tensor_core_decode_min_batch: int = TENSOR_CORE_DECODE_MIN_BATCH
-    flashinfer_decode_kernel: str = "fa2"
     engine_profile: str | None = None
     tensor_parallel_size: int = 1
     grammar_threads: int | None = None
@@ -218,11 +211,6 @@ class EngineConfig:
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(
                 f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}"
-            )
-        if self.flashinfer_decode_kernel not in FLASHINFER_DECODE_KERNELS:
-            raise ValueError(
-                f"flashinfer_decode_kernel must be one of {FLASHINFER_DECODE_KERNELS}, "
-                f"got {self.flashinfer_decode_kernel!r}"
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

@@ -62,9 +62,6 @@ is a field of ``EngineConfig``; each can be set by the environment variable
 ``TRITONLLM_TENSOR_CORE_DECODE_MIN_BATCH``
                                        FlashInfer decode batches of at least this many
                                        sequences use its tensor-core kernels (64)
-``TRITONLLM_FLASHINFER_DECODE_KERNEL``
-                                       those tensor-core decode batches' kernels: ``fa2``
-                                       (default) or ``fa3`` (experimental; Hopper only)
 ``TRITONLLM_GRAMMAR_THREADS``          structured outputs: threads that fill token masks
                                        (default: 80% of the cores, as llguidance's own)
 ``TRITONLLM_DEFER_GRAMMAR_SAMPLING``   ``true``/``false``: a grammar step's masks fill while

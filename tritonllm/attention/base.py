@@ -60,12 +60,9 @@ class AttentionOptions:
     Attributes:
         tensor_core_decode_min_batch: `flashinfer`: decode batches of at least this many
             sequences run FlashInfer's tensor-core kernels (0: all of them).
-        flashinfer_decode_kernel: `flashinfer`: "fa2" or "fa3", the kernels of those
-            tensor-core decode batches (`tritonllm.config.FLASHINFER_DECODE_KERNELS`).
     """
 
     tensor_core_decode_min_batch: int = TENSOR_CORE_DECODE_MIN_BATCH
-    flashinfer_decode_kernel: str = "fa2"
 
 
 class AttentionBackend(ABC):

@@ -32,12 +32,6 @@ plan points them at a real sequence), then the batch's shortest sequence (a one-
 row whenever the batch is smaller than the graph): a padding CTA recomputes that sequence's
 tile and writes the same values again. Pointing them at sequence 0, often the longest, made
 the attention slower than with split-KV on (BENCHMARKS.md, "Session 6 diagnostics").
-
-FA3 decode (`AttentionOptions.flashinfer_decode_kernel = "fa3"`, Hopper only): the tensor-core
-decode batches, eager and in graphs, run FlashInfer's paged prefill wrapper on its FA3 backend
-(`BatchPrefillWithPagedKVCacheWrapper(backend="fa3")`) with one query row per sequence and no
-causal mask (`PrefillAsDecode`), the kernel family SGLang decodes with on Hopper. Its graph
-wrappers keep FlashInfer's own plan (the unsplit-plan handling above is FA2's).
 """
 
 from __future__ import annotations
@@ -131,71 +125,10 @@ def replay_kv_args(meta: AttentionMetadata, bs: int, page_size: int) -> PagedKVA
 
 @dataclass
 class _GraphBuffers:
-    qo_indptr: torch.Tensor  # [max_bs + 1] int32, 0..max_bs (FA3 decode: one row per sequence)
     kv_indptr: torch.Tensor  # [max_bs + 1] int32
     kv_indices: torch.Tensor  # [max_bs * max_pages_per_seq] int32
     kv_last_page_len: torch.Tensor  # [max_bs] int32
     out_cache_loc: torch.Tensor  # [max_bs] int64
-
-
-class PrefillAsDecode:
-    """A FlashInfer paged prefill wrapper used as a decode wrapper: `plan` takes the decode
-    wrapper's arguments and plans one query row per sequence, not causal (a decode row attends to
-    its whole context); `run` is the wrapper's.
-
-    Args:
-        wrapper: a `flashinfer.BatchPrefillWithPagedKVCacheWrapper` (here on the FA3 backend; in
-            CUDA-graph mode its `qo_indptr_buf` must be `[bs + 1]` long).
-    """
-
-    def __init__(self, wrapper) -> None:
-        self.wrapper = wrapper
-        self._rows = torch.arange(1, dtype=torch.int32)  # host qo_indptr 0..B, grown as needed
-
-    def plan(
-        self,
-        kv_indptr: torch.Tensor,
-        kv_indices: torch.Tensor,
-        kv_last_page_len: torch.Tensor,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        page_size: int,
-        *,
-        sm_scale: float,
-        q_data_type: torch.dtype,
-        kv_data_type: torch.dtype,
-        disable_split_kv: bool = False,
-    ) -> None:
-        """Plan a decode batch of B sequences, with the decode wrapper's page list: `kv_indptr`
-        `[B + 1]`, `kv_indices` `[pages]`, `kv_last_page_len` `[B]`, int32 on the host (see
-        `paged_kv_args`). `disable_split_kv` must be False (FA3 plans its own split).
-
-        Raises:
-            ValueError: FlashInfer's, e.g. a CUDA-graph wrapper planned for another B.
-        """
-        assert not disable_split_kv, "the FA3 decode keeps FlashInfer's plan"
-        bs = kv_last_page_len.shape[0]
-        if self._rows.shape[0] <= bs:
-            self._rows = torch.arange(bs + 1, dtype=torch.int32)
-        self.wrapper.plan(
-            self._rows[: bs + 1],
-            kv_indptr,
-            kv_indices,
-            kv_last_page_len,
-            num_qo_heads,
-            num_kv_heads,
-            head_dim,
-            page_size,
-            causal=False,
-            sm_scale=sm_scale,
-            q_data_type=q_data_type,
-            kv_data_type=kv_data_type,
-        )
-
-    def run(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """`q` `[B, Hq, D]` → `[B, Hq, D]`."""
-        return self.wrapper.run(q, kv_cache)
 
 
 @register_backend("flashinfer")
@@ -232,18 +165,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         # faster through its tensor-core (prefill) kernels (the same rule SGLang applies).
         self.use_tensor_cores = self.num_q_heads // self.num_kv_heads >= 4
         self.tensor_core_min_batch = self.options.tensor_core_decode_min_batch
-        self.fa3_decode = self.options.flashinfer_decode_kernel == "fa3"
-        self._fa3_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self.fa3_decode and (
-            device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9
-        ):
-            raise ValueError("flashinfer_decode_kernel 'fa3' needs a Hopper GPU (sm_90); use 'fa2'")
         # "Must be initialized to 0 for its first use" (FlashInfer docs).
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._decode = self._decode_wrapper(self.use_tensor_cores)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        )
         self._decode_large = self._decode  # decode batches >= tensor_core_min_batch
         if not self.use_tensor_cores:
-            self._decode_large = self._decode_wrapper(tensor_cores=True)
+            self._decode_large = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_tensor_cores=True
+            )
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._wrapper = self._decode
         # This forward's K/V slots (the batch's, or the graph buffer's); empty until `prepare`.
@@ -262,45 +193,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         # FlashInfer's max_batch_size_if_split for its tensor-core decode plan (2 CTAs per SM)
         self._max_batch_if_split = 2 * num_sms // self.num_kv_heads
-
-    def _decode_wrapper(self, tensor_cores: bool, bs: int | None = None):
-        """A new decode wrapper: FlashInfer's decode wrapper on CUDA cores or tensor cores, or
-        for tensor cores with `fa3_decode` a `PrefillAsDecode` on FA3; with `bs`, a CUDA-graph
-        one for `bs` sequences over slices of the graph buffers."""
-        fa3 = tensor_cores and self.fa3_decode
-        graph = {}
-        if bs is not None:
-            g = self._graph
-            assert g is not None
-            graph = dict(
-                use_cuda_graph=True,
-                paged_kv_indptr_buf=g.kv_indptr[: bs + 1],
-                paged_kv_indices_buf=g.kv_indices,
-                paged_kv_last_page_len_buf=g.kv_last_page_len[:bs],
-            )
-            if fa3:
-                graph["qo_indptr_buf"] = g.qo_indptr[: bs + 1]
-        if fa3:
-            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace, "NHD", backend="fa3", **graph
-            )
-            # Each FA3 wrapper allocates 64 MiB of per-token K/V offsets, written at the start
-            # of each run and read by that run only: one stream, so all share the first one's.
-            if self._fa3_offsets is None:
-                self._fa3_offsets = (
-                    wrapper._vector_sparse_indices_buffer,
-                    wrapper._vector_sparse_indptr_buffer,
-                )
-            (
-                wrapper._vector_sparse_indices_buffer,
-                wrapper._vector_sparse_indptr_buffer,
-            ) = self._fa3_offsets
-            return PrefillAsDecode(wrapper)
-        # FlashInfer's decode wrapper names its graph buffers `..._buffer`.
-        graph = {k.replace("_buf", "_buffer"): v for k, v in graph.items()}
-        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=tensor_cores, **graph
-        )
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Plan the decode or prefill wrapper for `meta` (host-side; no device sync)."""
@@ -387,7 +279,6 @@ class FlashInferAttentionBackend(AttentionBackend):
             )
         dev = self.device
         self._graph = _GraphBuffers(
-            qo_indptr=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
             kv_indices=torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=dev),
             kv_last_page_len=torch.ones(max_bs, dtype=torch.int32, device=dev),
@@ -409,13 +300,20 @@ class FlashInferAttentionBackend(AttentionBackend):
         wrapper = self._graph_wrappers.get(bs)
         if wrapper is None:
             tensor_cores = self.use_tensor_cores or bs >= self.tensor_core_min_batch
-            wrapper = self._decode_wrapper(tensor_cores, bs)
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=tensor_cores,
+                paged_kv_indptr_buffer=g.kv_indptr[: bs + 1],
+                paged_kv_indices_buffer=g.kv_indices,
+                paged_kv_last_page_len_buffer=g.kv_last_page_len[:bs],
+            )
             # FlashInfer 0.5's private pinned plan-staging buffer (module docstring): a version
             # without it keeps FlashInfer's split-KV plan rather than fail at capture.
             staging = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)
             no_split = False
-            fa2_tensor_cores = tensor_cores and not self.fa3_decode
-            if staging is not None and fa2_tensor_cores and bs > self._max_batch_if_split:
+            if staging is not None and tensor_cores and bs > self._max_batch_if_split:
                 staging.zero_()  # padding CTAs then read sequence 0 (module docstring)
                 no_split = True
             self._graph_wrappers[bs] = wrapper

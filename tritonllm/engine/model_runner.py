@@ -151,10 +151,7 @@ class ModelRunner:
             local, self.num_pages, config.page_size, config.torch_dtype, self.device
         )
         backend_cls = get_attention_backend(config.resolved_attention_backend)
-        options = AttentionOptions(
-            tensor_core_decode_min_batch=config.tensor_core_decode_min_batch,
-            flashinfer_decode_kernel=config.flashinfer_decode_kernel,
-        )
+        options = AttentionOptions(tensor_core_decode_min_batch=config.tensor_core_decode_min_batch)
         self.backend = backend_cls(local, self.kv_cache, self.device, options)
         self.model.set_attention_backend(self.backend)
         self.sampler = Sampler(
