@@ -332,6 +332,14 @@ def test_generator_without_input_ids_is_an_error(stream):
         stream.next()
 
 
+DETOKENIZER_BASE = [
+    ("output_ids", "INT32", [1], [10]),
+    ("prefix_ids", "INT32", [0], []),
+    ("finish_reason", "BYTES", [1], [""]),
+    ("num_output_tokens", "INT32", [1], [1]),
+]
+
+
 @pytest.mark.parametrize(
     ("model", "inputs", "code"),
     [
@@ -347,8 +355,32 @@ def test_generator_without_input_ids_is_an_error(stream):
             ],
             "invalid_value",
         ),
+        # QA (stop 39): these three were 500s with a bare KeyError / ValueError as message.
+        (
+            "detokenizer",
+            [*DETOKENIZER_BASE, ("output_logprobs", "FP32", [1], [-0.5])],
+            "invalid_input",
+        ),
+        (
+            "detokenizer",
+            [
+                *DETOKENIZER_BASE,
+                ("output_logprobs", "FP32", [1], [-0.5]),
+                ("top_logprob_ids", "INT32", [3], [1, 2, 3]),
+                ("top_logprobs", "FP32", [2], [-1.0, -2.0]),
+            ],
+            "invalid_input",
+        ),
+        ("detokenizer", [*DETOKENIZER_BASE, ("trim_chars", "INT32", [1], [-3])], "invalid_value"),
     ],
-    ids=["tokenizer-bad-json", "tokenizer-id-out-of-range", "detokenizer-id-out-of-range"],
+    ids=[
+        "tokenizer-bad-json",
+        "tokenizer-id-out-of-range",
+        "detokenizer-id-out-of-range",
+        "detokenizer-logprobs-without-top",
+        "detokenizer-top-lengths-differ",
+        "detokenizer-negative-trim",
+    ],
 )
 def test_a_request_fault_on_a_direct_call_is_a_client_error(triton_server, model, inputs, code):
     """QA: a KServe ``/infer`` (or gRPC ``ModelInfer``) of the tokenizer or detokenizer with a
@@ -369,7 +401,8 @@ def test_a_request_fault_on_a_direct_call_is_a_client_error(triton_server, model
     tensors = []
     for name, dtype, shape, data in inputs:
         tensor = grpcclient.InferInput(name, shape, dtype)
-        tensor.set_data_from_numpy(np.array(data, dtype=object if dtype == "BYTES" else np.int32))
+        numpy_type = {"BYTES": object, "INT32": np.int32, "FP32": np.float32}[dtype]
+        tensor.set_data_from_numpy(np.array(data, dtype=numpy_type))
         tensors.append(tensor)
     with pytest.raises(InferenceServerException) as info:
         client.infer(model, tensors)

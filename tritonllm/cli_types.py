@@ -23,18 +23,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+
+
 def seconds(text: str) -> float:
     """A finite number of seconds >= 0 (a timeout where 0 means none).
 
     Raises:
         argparse.ArgumentTypeError: not a number, negative, infinite or NaN.
     """
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    value = _number(text)
     if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
     return value
 
 
@@ -44,7 +48,7 @@ def positive_seconds(text: str) -> float:
     Raises:
         argparse.ArgumentTypeError: not a number, not above 0, infinite or NaN.
     """
-    value = seconds(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    value = _number(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
     return value

@@ -36,6 +36,7 @@ from tritonllm.contract.errors import ErrorCode, RequestError, encode_error
 from tritonllm.model_config import ModelConfig
 from tritonllm.serving.bls import abort_generation, triton_error
 from tritonllm.serving.cancel_watch import CancelWatch
+from tritonllm.serving.inputs import scalar
 from tritonllm.serving.text_outputs import text_outputs
 from tritonllm.tokenization.detokenizer import Detokenizer
 from tritonllm.triton_config import model_parameters, served_model_dir, serving_config
@@ -75,8 +76,21 @@ def _token_ids(array, name, vocab_size):
     return flat.tolist()
 
 
-def _first_text(array):
-    return array.reshape(-1)[0].decode("utf-8")
+def _group(inputs, names):
+    """The inputs ``names``, given together or not at all, as flat lists (None: none given).
+
+    Raises:
+        RequestError: (``invalid_input``) some given without the others.
+    """
+    missing = [name for name in names if name not in inputs]
+    if len(missing) == len(names):
+        return None
+    if missing:
+        given = next(name for name in names if name in inputs)
+        raise RequestError(
+            ErrorCode.INVALID_INPUT, missing[0], f"{given} needs {', '.join(missing)} too"
+        )
+    return [inputs[name].reshape(-1).tolist() for name in names]
 
 
 class TritonPythonModel:
@@ -99,34 +113,41 @@ class TritonPythonModel:
     def _response(self, request):
         inputs = _inputs(request)
         passed = {name: inputs[name] for name in PASS_THROUGH}
-        finish_reason = passed["finish_reason"].reshape(-1)[0].decode("utf-8")
+        finish_reason = scalar(passed["finish_reason"], "finish_reason", str)
         final = finish_reason != ""
         index = inputs.get("index")
-        self._watch_cancellation(request, inputs.get("request_key"), final and index is None)
+        key = scalar(inputs.get("request_key"), "request_key", str)
+        self._watch_cancellation(request, key, final and index is None)
         new_ids = _token_ids(inputs["output_ids"], "output_ids", self.vocab_size)
-        trim = inputs.get("trim_chars")
-        echo = inputs.get("echo_text")
+        trim = scalar(inputs.get("trim_chars"), "trim_chars", int, 0)
+        if trim < 0:
+            raise RequestError(ErrorCode.INVALID_VALUE, "trim_chars", f"trim_chars {trim} < 0")
+        echo = scalar(inputs.get("echo_text"), "echo_text", str)
         for name in OPTIONAL_PASS_THROUGH:
             if name in inputs:
                 passed[name] = inputs[name]
-        logprobs = None
-        if "output_logprobs" in passed:
-            logprobs = tuple(passed[name].reshape(-1).tolist() for name in LOGPROB_INPUTS)
+        group = _group(inputs, LOGPROB_INPUTS)
+        logprobs = None if group is None else tuple(group)
         prompt_scores = None
-        if "prompt_ids" in inputs:
+        group = _group(inputs, ("prompt_ids", *PROMPT_SCORE_INPUTS))
+        if group is not None:
             prompt_ids = _token_ids(inputs["prompt_ids"], "prompt_ids", self.vocab_size)
-            values = [inputs[name].reshape(-1).tolist() for name in PROMPT_SCORE_INPUTS]
-            prompt_scores = (prompt_ids, *values)
-        out = text_outputs(
-            self.detokenizer,
-            new_ids,
-            _token_ids(inputs["prefix_ids"], "prefix_ids", self.vocab_size),
-            finish_reason,
-            0 if trim is None else int(trim.reshape(-1)[0]),
-            None if echo is None else _first_text(echo),
-            logprobs,
-            prompt_scores,
-        )
+            prompt_scores = (prompt_ids, *group[1:])
+        try:
+            out = text_outputs(
+                self.detokenizer,
+                new_ids,
+                _token_ids(inputs["prefix_ids"], "prefix_ids", self.vocab_size),
+                finish_reason,
+                trim,
+                echo,
+                logprobs,
+                prompt_scores,
+            )
+        except RequestError:
+            raise
+        except ValueError as exc:  # text_outputs' own: logprob lengths that do not fit the ids
+            raise RequestError(ErrorCode.INVALID_INPUT, None, str(exc)) from exc
         shape = passed["finish_reason"].shape
         passed["index"] = np.zeros(shape, np.int32) if index is None else index
         strings = {"text_output": out.text, "logprobs_json": out.logprobs_json}
@@ -141,8 +162,8 @@ class TritonPythonModel:
 
     def _watch_cancellation(self, request, key, final):
         """Abort the generation in the generator when its client cancelled (module doc);
-        ``key``: the ``request_key`` input (None when absent)."""
-        request_id = request.request_id() if key is None else _first_text(key)
+        ``key``: the ``request_key`` input's text (None when absent)."""
+        request_id = request.request_id() if key is None else key
         if not self.cancel_watch.should_abort(request_id, final, request.is_cancelled):
             return
         for error in abort_generation(pb_utils, request_id, self.control_secret):
