@@ -54,6 +54,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from tritonllm.contract.errors import ErrorCode, decode_error
+from tritonllm.contract.tensors import HEALTH_PROBE_ID_PREFIX
 
 from .drain import DRAIN_HEADERS
 from .errors import OpenAIError
@@ -65,7 +66,7 @@ log = logging.getLogger(__name__)
 # The probe: a prompt every tokenizer encodes and one greedy token. Its request id says what it
 # is in Triton's logs and statistics.
 PROBE_INPUTS: dict[str, InputValue] = {"text_input": "health", "max_tokens": 1, "temperature": 0.0}
-PROBE_ID_PREFIX = "health-"
+PROBE_ID_PREFIX = HEALTH_PROBE_ID_PREFIX  # (the generator's latency histograms leave them out)
 # The probe's ensemble: the one that goes through every stub.
 PROBE_MODEL = "llm"
 # Probes in a row that must go through to clear a held failure before its hold ends.

@@ -404,3 +404,53 @@ def test_generator_exports_latency_histograms_to_triton(client, sidecar):
             break
         time.sleep(0.2)
     assert set(counts) == set(names) and all(v > 0 for v in counts.values()), counts
+
+
+def _ttft_count(metrics_url: str) -> float:
+    text = httpx.get(metrics_url, timeout=10).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "tritonllm_time_to_first_token_seconds_count"
+    )
+
+
+def test_health_probe_generations_are_no_latency_samples(client, sidecar, triton_server):
+    """Generations whose request id is the sidecar's probe prefix (``health-``) add no TTFT
+    sample (QA: on an idle server the probes, one every few seconds, were most of the TTFT /
+    end-to-end samples); a client's request still adds one."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from tritonllm.contract.tensors import HEALTH_PROBE_ID_PREFIX
+
+    def settled() -> float:  # the count once a tick has passed with nothing new
+        last, deadline = _ttft_count(sidecar.metrics_url), time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(1.5)
+            now = _ttft_count(sidecar.metrics_url)
+            if now == last:
+                return now
+            last = now
+        return last
+
+    before = settled()
+    grpc = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    done: list = []
+    grpc.start_stream(callback=lambda result, error: done.append(error or result))
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"health"], dtype=object))
+    tokens = grpcclient.InferInput("max_tokens", [1], "INT32")
+    tokens.set_data_from_numpy(np.array([1], np.int32))
+    for i in range(3):
+        grpc.async_stream_infer("llm", [text, tokens], request_id=f"{HEALTH_PROBE_ID_PREFIX}t{i}")
+    grpc.stop_stream()
+    grpc.close()
+    assert not [d for d in done if isinstance(d, Exception)], done
+    assert settled() == before
+    client.completions.create(model=sidecar.model_name, prompt=PROMPTS[1], max_tokens=2)
+    deadline = time.monotonic() + 30
+    while _ttft_count(sidecar.metrics_url) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert settled() == before + 1

@@ -151,6 +151,9 @@ TOKENIZER = ModelSpec(
 # Control requests carry one of these instead of input_ids.
 ABORT_REQUEST_ID = _opt("abort_request_id", "BYTES")  # abort that request id
 HEALTH_PROBE = _opt("health_probe", "BOOL")  # only reports whether the engine runs
+# The request id prefix of the sidecar's probe generations (``openai_frontend.health``): synthetic
+# traffic, which the generator leaves out of its latency histograms.
+HEALTH_PROBE_ID_PREFIX = "health-"
 # A lease: the request stays open, unanswered, until its client renews it (or 1 s without
 # renewal); once its client cancels it (or dies: its gRPC stream closes), or leaves it unrenewed
 # for 30 s, every live request whose id starts with "<lease>/" is aborted. The sidecar holds one,

@@ -96,7 +96,8 @@ ABORT_ID, LEASE_RENEWED, LEASE_ENDED = "abort_id", "lease_renewed", "lease_ended
 @dataclass
 class _Entry:
     """A live request: its sink, one stream state per choice, when it arrived and when each
-    choice last sent ids (monotonic seconds; for the latency histograms)."""
+    choice last sent ids (monotonic seconds; for the latency histograms), and whether it is the
+    sidecar's health probe (``tensors.HEALTH_PROBE_ID_PREFIX``: no latency samples)."""
 
     sink: ResponseSink
     states: list[StreamState]
@@ -104,6 +105,7 @@ class _Entry:
     cancelled: bool = False  # aborted here: its remaining engine outputs are dropped
     arrival: float = 0.0
     last_sent: list[float | None] = field(default_factory=list)
+    probe: bool = False
 
 
 class _GuardedSink:
@@ -330,7 +332,8 @@ class GeneratorCore:
             return
         params = request.params
         now = time.monotonic()
-        entry = _Entry(sink, [], checked_at=now, arrival=now)
+        probe = request_id.startswith(tensors.HEALTH_PROBE_ID_PREFIX)
+        entry = _Entry(sink, [], checked_at=now, arrival=now, probe=probe)
         key = self.requests.add(request_id, entry)
         own_key = None if key == request_id else key
         scored = None if params.prompt_logprobs is None else request.prompt_ids
@@ -514,7 +517,10 @@ class GeneratorCore:
     def _record(
         self, entry: _Entry, output: RequestOutput, chunk: ResponseChunk, final: bool, now: float
     ) -> None:
-        """The latencies of a response just sent (``LatencySamples`` says which)."""
+        """The latencies of a response just sent (``LatencySamples`` says which); none of a
+        health probe's (synthetic: on an idle server it would be most of the samples)."""
+        if entry.probe:
+            return
         samples, index = self._latencies, output.index
         if chunk.output_ids:
             last = entry.last_sent[index]
