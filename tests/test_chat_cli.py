@@ -184,6 +184,25 @@ def test_ctrl_c_aborts_the_reply_frees_its_kv_and_keeps_the_chat(smollm2_service
     assert child.exitstatus == 0
 
 
+def test_a_reply_that_never_ends_stops_at_the_default_limit(smollm2_service):
+    """Without ``--max-tokens`` a reply gets ``DEFAULT_MAX_TOKENS`` (QA: greedy SmolLM2 looped
+    for minutes, up to the service's 16,384 tokens); the chat then goes on."""
+    from tritonllm.chat import DEFAULT_MAX_TOKENS
+
+    child = spawn_chat(f"--url={smollm2_service.base_url}", "--no-start", "--temperature=0")
+    try:
+        child.expect_exact(PROMPT)
+        child.sendline(LONG_PROMPT)
+        child.expect(STATS)
+        assert (int(child.match.group(1)), child.match.group(4)) == (DEFAULT_MAX_TOKENS, "length")
+        child.expect_exact(PROMPT)
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux /proc")
 def test_chat_starts_a_service_when_none_runs_and_stops_it(tiny_model_dir):
     """The service it starts requires the key the chat sends: the first of

@@ -54,6 +54,9 @@ DEFAULT_URL = "http://127.0.0.1:9000/v1"
 API_KEY_ENV = "TRITONLLM_API_KEY"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 HELP = "/reset, /system <text>, /exit; Ctrl-C stops a reply, Ctrl-D exits"
+# Tokens per reply unless --max-tokens says otherwise: a small model at temperature 0 can
+# repeat itself until the service's limit (16,384 tokens, minutes on a CPU).
+DEFAULT_MAX_TOKENS = 512
 
 
 @dataclass
@@ -347,7 +350,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--max-tokens", type=int, default=None, help="per reply (default: no limit)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"per reply (default {DEFAULT_MAX_TOKENS}, so a model that repeats itself stops; "
+        "0: the service's limit)",
+    )
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--no-start", action="store_true", help="never start a service")
     p.add_argument(
@@ -372,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     key = resolve_api_key(args.api_key, os.environ)
     # The client needs some key: without one, a placeholder only a keyless service accepts.
     client = openai.OpenAI(base_url=args.url, api_key=key.value or "none", max_retries=0)
-    sampling = Sampling(args.temperature, args.top_p, args.max_tokens)
+    sampling = Sampling(args.temperature, args.top_p, args.max_tokens or None)
     name = _service_alive(client, key)
     if name is not None:
         sys.exit(run_chat(client, name, sampling, args.system))
