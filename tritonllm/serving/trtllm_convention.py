@@ -86,9 +86,9 @@ class Translation:
     Attributes:
         inputs: ``llm`` input name -> rank-1 numpy array.
         return_log_probs: whether responses carry ``output_log_probs`` / ``cum_log_probs``.
-        whole_sequences: the client streams not but asked for several sequences, which
-            ``llm`` sends only streamed: ``llm`` streams, and ``OutputState`` sends each
-            sequence whole, once, when it ends.
+        whole_sequences: the client asked for several sequences without streaming, and
+            ``llm`` sends several only streamed: ``llm`` streams, and ``OutputState`` sends
+            each sequence whole, once, when it ends.
     """
 
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
