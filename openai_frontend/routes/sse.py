@@ -68,6 +68,7 @@ class ChunkEncoder:
         (self._choice,) = self._chunk["choices"]
         self._prompt = None if prompt_usage is None else prompt_usage.model_dump()
         self._outputs: dict[int, int] = {}  # choice index -> its tokens sent so far
+        self._completion = 0  # their sum
 
     def event(
         self,
@@ -83,8 +84,9 @@ class ChunkEncoder:
         self._choice.update(fields, finish_reason=finish_reason, index=index, logprobs=logprobs)
         if self._prompt is not None:
             if num_output_tokens is not None:
+                self._completion += num_output_tokens - self._outputs.get(index, 0)
                 self._outputs[index] = num_output_tokens
-            completion = sum(self._outputs.values())
+            completion = self._completion
             self._chunk["usage"] = {
                 **self._prompt,
                 "completion_tokens": completion,

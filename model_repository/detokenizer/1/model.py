@@ -76,21 +76,19 @@ def _token_ids(array, name, vocab_size):
     return flat.tolist()
 
 
-def _group(inputs, names):
-    """The inputs ``names``, given together or not at all, as flat lists (None: none given).
+def _given(inputs, names):
+    """Whether the inputs ``names``, which come together or not at all, were given.
 
     Raises:
         RequestError: (``invalid_input``) some given without the others.
     """
     missing = [name for name in names if name not in inputs]
-    if len(missing) == len(names):
-        return None
-    if missing:
+    if missing and len(missing) < len(names):
         given = next(name for name in names if name in inputs)
         raise RequestError(
             ErrorCode.INVALID_INPUT, missing[0], f"{given} needs {', '.join(missing)} too"
         )
-    return [inputs[name].reshape(-1).tolist() for name in names]
+    return not missing
 
 
 class TritonPythonModel:
@@ -126,13 +124,14 @@ class TritonPythonModel:
         for name in OPTIONAL_PASS_THROUGH:
             if name in inputs:
                 passed[name] = inputs[name]
-        group = _group(inputs, LOGPROB_INPUTS)
-        logprobs = None if group is None else tuple(group)
+        logprobs = None
+        if _given(inputs, LOGPROB_INPUTS):
+            logprobs = tuple(inputs[name].reshape(-1).tolist() for name in LOGPROB_INPUTS)
         prompt_scores = None
-        group = _group(inputs, ("prompt_ids", *PROMPT_SCORE_INPUTS))
-        if group is not None:
+        if _given(inputs, ("prompt_ids", *PROMPT_SCORE_INPUTS)):
             prompt_ids = _token_ids(inputs["prompt_ids"], "prompt_ids", self.vocab_size)
-            prompt_scores = (prompt_ids, *group[1:])
+            values = [inputs[name].reshape(-1).tolist() for name in PROMPT_SCORE_INPUTS]
+            prompt_scores = (prompt_ids, *values)
         try:
             out = text_outputs(
                 self.detokenizer,
