@@ -99,6 +99,16 @@ def warm_up(engine: Any, device: str) -> None:
     run_engine(engine, Workload([list(range(1000, 1032))], [8]), device, tag="warmup")
 
 
+def prefill_alone(engine: Any, workload: Workload, device: str) -> ThroughputRun:
+    """Time the workload's prefill by itself: the same prompt lengths, every request at once
+    with one output token (the token a prefill emits; the bandwidth bound counts only the
+    steps after it). Every id is shifted by one (modulo the largest id plus one), so the
+    prefix cache holds none of these prompts after the workload's own run."""
+    top = max(max(p) for p in workload.prompts) + 1
+    shifted = [[(t + 1) % top for t in p] for p in workload.prompts]
+    return run_engine(engine, Workload(shifted, [1] * len(shifted)), device, tag="prefill")
+
+
 def run_engine(
     engine: Any,
     workload: Workload,
@@ -198,6 +208,9 @@ class OfflineResult:
     hf: ThroughputRun | None
     weight_bytes: int
     kv_bytes_per_token: int
+    prefill: dict[int, ThroughputRun]  # `prefill_alone` at each tensor-parallel size
+    matmul_rate: float  # FLOP/s of one GPU's large GEMM (`bandwidth.measure_matmul_rate`)
+    flops: bandwidth.ModelFlops
 
     @property
     def engine(self) -> ThroughputRun:
@@ -212,6 +225,20 @@ class OfflineResult:
     def bound_seconds_at(self, size: int) -> float:
         """The same on `size` GPUs (`benchmarks.tensor_parallel`)."""
         return self.traffic.bound_seconds(self.copy_bandwidth * size)
+
+    def roofline_at(self, size: int) -> bandwidth.Roofline:
+        """The workload's roofline bound on `size` GPUs (`bandwidth.roofline`: each step at
+        the slower of its reads and its FLOPs, `size` times one GPU's bandwidth and GEMM rate)."""
+        w = self.workload
+        return bandwidth.roofline(
+            [len(p) for p in w.prompts],
+            w.output_lens,
+            self.weight_bytes,
+            self.kv_bytes_per_token,
+            self.flops,
+            self.copy_bandwidth * size,
+            self.matmul_rate * size,
+        )
 
 
 def workload_bound(
@@ -248,9 +275,14 @@ def run(args: argparse.Namespace) -> OfflineResult:
         ), "workload drifted"
     # Bandwidth first, while the GPUs are empty (the engine's KV pool takes most of the memory).
     copy_bw = tensor_parallel.copy_bandwidth(args.device, max(args.tensor_parallel_size))
+    dtype = engine_config(
+        model, args.device, args.attention_backend, engine_args=common.engine_args(args)
+    ).torch_dtype
+    rate = bandwidth.measure_matmul_rate(args.device, dtype)
+    log(f"copy bandwidth {fmt_bytes(copy_bw, 'B/s')}; GEMM {rate / 1e12:,.1f} TFLOP/s ({dtype})")
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    results = {}
+    results, prefills = {}, {}
     for size in args.tensor_parallel_size:
         config = engine_config(
             model,
@@ -263,7 +295,9 @@ def run(args: argparse.Namespace) -> OfflineResult:
         warm_up(engine, args.device)
         results[size] = result = run_engine(engine, workload, args.device, args.temperature)
         log(f"engine TP={size}: {result.output_tokens:,} tokens in {result.seconds:.2f} s")
-        stats = engine.stats()  # warm-up included
+        prefills[size] = prefill = prefill_alone(engine, workload, args.device)
+        log(f"prefill alone TP={size}: {prefill.prompt_tokens:,} tokens in {prefill.seconds:.2f} s")
+        stats = engine.stats()  # warm-up and prefill-alone included
         log(
             f"engine steps: {stats.num_steps:,}, of which {stats.num_prefill_steps:,} "
             f"prefill/extend ({stats.num_mixed_steps:,} mixed with decode rows), "
@@ -277,12 +311,17 @@ def run(args: argparse.Namespace) -> OfflineResult:
     traffic, weight_bytes, kv_per_token = workload_bound(
         model, workload, config.torch_dtype.itemsize
     )
+    from tritonllm.config import ModelConfig
+
+    flops = bandwidth.ModelFlops.from_config(ModelConfig.from_pretrained(str(model)))
     hf = None
     if args.hf_subset > 0:
         from benchmarks.hf_peer import hf_generate  # it imports this module
 
         hf = hf_generate(model, workload.subset(args.hf_subset), args.device)
-    return OfflineResult(workload, results, copy_bw, traffic, hf, weight_bytes, kv_per_token)
+    return OfflineResult(
+        workload, results, copy_bw, traffic, hf, weight_bytes, kv_per_token, prefills, rate, flops
+    )
 
 
 def report(res: OfflineResult, args: argparse.Namespace) -> tuple[str, list[str]]:
@@ -311,16 +350,28 @@ def report(res: OfflineResult, args: argparse.Namespace) -> tuple[str, list[str]
             of_bound,
         ]
 
-    rows = []
+    rows, prefill_notes = [], []
     for size, run in res.engines.items():
         tp = "" if size == 1 else f", TP={size}"
         bound_s = res.bound_seconds_at(size)
         of_bound = f"{bound_s / run.seconds:.1%}"
         rows.append(row(f"tritonllm engine ({args.attention_backend}{tp})", run, of_bound))
+        prefill = res.prefill[size]
+        rows.append(row(f"its prefill alone (max_tokens 1{tp})", prefill, "-"))
+        decode_s = run.seconds - prefill.seconds
+        prefill_notes.append(
+            f"prefill alone{tp}: the same prompt lengths with shifted ids (no prefix-cache "
+            f"hits), one output token each, all at once: {prefill.seconds:.2f} s, "
+            f"{prefill.seconds / run.seconds:.0%} of the engine's time; the engine's time less "
+            f"it, {decode_s:.2f} s, is {bound_s / decode_s:.1%} of the bandwidth bound"
+            if decode_s > 0
+            else f"prefill alone{tp}: {prefill.seconds:.2f} s, not less than the engine's run"
+        )
     for size in res.engines:
         bound = ThroughputRun(
             len(w), w.num_prompt_tokens, w.num_output_tokens, res.bound_seconds_at(size)
         )
+        roof = res.roofline_at(size)
         gpus = "" if size == 1 else f"{size} GPUs, "
         rows.append(
             row(
@@ -329,10 +380,19 @@ def report(res: OfflineResult, args: argparse.Namespace) -> tuple[str, list[str]
                 "100%",
             )
         )
+        roof_run = ThroughputRun(len(w), w.num_prompt_tokens, w.num_output_tokens, roof.seconds)
+        rows.append(
+            row(
+                f"roofline bound ({gpus}copy and {res.matmul_rate / 1e12:,.1f} TFLOP/s GEMM)",
+                roof_run,
+                f"{bound.seconds / roof.seconds:.1%}",
+            )
+        )
     if res.hf is not None:
         rows.append(
             row(f"HF transformers generate (batch {res.hf.num_requests}, padded)", res.hf, "-")
         )
+    roof = res.roofline_at(next(iter(res.engines)))
     notes = [
         f"engine: device {args.device}, temperature {args.temperature} (nano-vllm uses 0.6; "
         "ignore_eos fixes the output lengths), all requests submitted at once",
@@ -341,6 +401,14 @@ def report(res: OfflineResult, args: argparse.Namespace) -> tuple[str, list[str]
         f"{fmt_bytes(res.traffic.total_bytes)} over {fmt_bytes(res.copy_bandwidth, 'B/s')} "
         "measured device-to-device copy bandwidth (read + written; N GPUs: N times it, the "
         "slowest GPU's, see benchmarks.tensor_parallel)",
+        "roofline bound (benchmarks.bandwidth.roofline): each decode step at the slower of its "
+        "reads over the copy bandwidth and its FLOPs over the GEMM rate measured in the same run "
+        "(a large square product), then the prompts' FLOPs where they do not fit in the steps' "
+        f"slack: decode "
+        f"{roof.decode_seconds:.2f} s ({roof.compute_bound_steps:,} of {roof.steps:,} steps "
+        f"bound by FLOPs), prefill {roof.prefill_seconds:.2f} s of which "
+        f"{roof.hidden_seconds:.2f} s fits in the slack",
+        *prefill_notes,
     ]
     if res.hf is not None:
         notes.append(

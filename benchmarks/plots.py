@@ -146,6 +146,14 @@ def offline_summary(res: Any, attention_backend: str, model: str) -> dict[str, A
             "output_tokens_per_s": w.num_output_tokens / res.bound_seconds,
         },
     ]
+    roofline = res.roofline_at(next(iter(res.engines))).seconds
+    rows.append(
+        {
+            "system": "roofline bound",
+            "seconds": roofline,
+            "output_tokens_per_s": w.num_output_tokens / roofline,
+        }
+    )
     if res.hf is not None:
         rows.append(
             {
@@ -158,6 +166,9 @@ def offline_summary(res: Any, attention_backend: str, model: str) -> dict[str, A
         "model": model,
         "rows": rows,
         "of_bound": res.bound_seconds / res.engine.seconds,
+        "of_roofline": roofline / res.engine.seconds,
+        "matmul_rate": res.matmul_rate,
+        "prefill_alone_seconds": res.prefill[next(iter(res.engines))].seconds,
         "copy_bandwidth": res.copy_bandwidth,
         "weight_bytes": res.weight_bytes,
         "kv_bytes_per_token": res.kv_bytes_per_token,

@@ -108,6 +108,65 @@ def test_decode_schedule_sums_prompt_plus_generated_tokens():
     assert serial.kv_bytes == traffic.kv_bytes
 
 
+def test_model_flops_count_every_matrix_but_the_embedding_once():
+    """Qwen3-8B's per-token matrix weights (q, k, v, o, gate, up, down over 36 layers) plus its
+    untied LM head are every 2-D parameter of the checkpoint but the embedding; attention costs
+    4 x 32 heads x 128 x 36 layers FLOPs per (query, cached token) pair."""
+    from tritonllm.build_model import make_config, parameter_shapes
+    from tritonllm.config import ModelConfig
+
+    hf_config = make_config("qwen3-8b")
+    shapes = parameter_shapes(hf_config)
+    matrices = {n: math.prod(s) for n, s in shapes.items() if len(s) == 2}
+    flops = bandwidth.ModelFlops.from_config(ModelConfig.from_dict(hf_config.to_dict()))
+    assert flops.head_params == matrices["lm_head.weight"] == 4096 * 151_936
+    assert flops.body_params + flops.head_params == (
+        sum(matrices.values()) - matrices["model.embed_tokens.weight"]
+    )
+    assert flops.attention_per_pair == 4 * 32 * 128 * 36
+    # A 3-token prompt: 3 tokens through the layers, 6 causal pairs, one LM-head row.
+    assert flops.prefill(3) == 6 * flops.body_params + 2 * flops.head_params + 6 * (
+        flops.attention_per_pair
+    )
+    assert flops.decode_step(2, 10) == 4 * (flops.body_params + flops.head_params) + 10 * (
+        flops.attention_per_pair
+    )
+
+
+def test_roofline_takes_the_slower_of_reads_and_flops_each_step():
+    prompts, outputs = [5, 7, 3], [4, 1, 2]
+    flops = bandwidth.ModelFlops(body_params=10, head_params=5, attention_per_pair=1)
+    traffic = bandwidth.decode_bytes(prompts, outputs, weight_bytes=100, kv_bytes_per_token=2)
+    prefill_flops = sum(flops.prefill(p) for p in prompts)
+    # FLOPs free: the decode steps are the bandwidth bound, and any prefill hides in them.
+    free = bandwidth.roofline(prompts, outputs, 100, 2, flops, bandwidth=1.0, flop_rate=1e30)
+    assert free.decode_seconds == pytest.approx(traffic.bound_seconds(1.0))
+    assert free.seconds == pytest.approx(traffic.bound_seconds(1.0))
+    assert free.compute_bound_steps == 0 and free.steps == traffic.decode_steps
+    # Reads free: every step is bound by its FLOPs, and no prefill hides.
+    reads_free = bandwidth.roofline(prompts, outputs, 100, 2, flops, 1e30, flop_rate=1.0)
+    steps = list(bandwidth.decode_schedule(prompts, outputs))
+    assert reads_free.decode_seconds == pytest.approx(
+        sum(flops.decode_step(r, kv) for r, kv in steps)
+    )
+    assert reads_free.hidden_seconds == pytest.approx(0, abs=1e-20)
+    assert reads_free.seconds == pytest.approx(reads_free.decode_seconds + prefill_flops)
+    assert reads_free.compute_bound_steps == len(steps) == 3
+    # In between: the prefill fills the slack of the read-bound steps and the rest adds.
+    rate = 4.0
+    mixed = bandwidth.roofline(prompts, outputs, 100, 2, flops, bandwidth=1.0, flop_rate=rate)
+    reads = [100 + 2 * kv for _, kv in steps]
+    computes = [flops.decode_step(r, kv) / rate for r, kv in steps]
+    slack = sum(max(0.0, a - b) for a, b in zip(reads, computes, strict=True))
+    assert mixed.decode_seconds == pytest.approx(sum(map(max, reads, computes)))
+    assert mixed.hidden_seconds == pytest.approx(min(slack, prefill_flops / rate))
+    assert mixed.seconds >= traffic.bound_seconds(1.0)
+
+
+def test_matmul_rate_is_positive_on_cpu():
+    assert bandwidth.measure_matmul_rate("cpu", torch.float32, n=64, repeats=2) > 0
+
+
 def test_checkpoint_weight_bytes_counts_each_parameter_once(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -179,6 +238,13 @@ def test_offline_benchmark_generates_exactly_the_workload(tiny_model_dir):
     assert res.bound_seconds_at(2) == pytest.approx(res.bound_seconds_at(1) / 2)
     assert res.traffic.decode_steps == max(w.output_lens) - 1
     assert res.copy_bandwidth > 0 and res.bound_seconds > 0
+    # Each size's prefill alone: every prompt once, one token each; the roofline bound (with
+    # the GEMM rate of the same run) is never below the bandwidth bound.
+    for size, prefill in res.prefill.items():
+        assert (prefill.num_requests, prefill.output_tokens) == (4, 4)
+        assert prefill.prompt_tokens == w.num_prompt_tokens and prefill.seconds > 0
+        assert res.roofline_at(size).seconds >= res.bound_seconds_at(size) * (1 - 1e-12)
+    assert res.matmul_rate > 0
     # HF's padded batch runs every row to the longest output of the subset.
     assert res.hf.output_tokens == sum(w.output_lens[:2])
     assert res.hf.generated_tokens == 2 * max(w.output_lens[:2])
