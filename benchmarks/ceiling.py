@@ -3,9 +3,12 @@ backend delivers when the model does nothing else.
 
     python -m benchmarks.ceiling [--concurrency 1,16,64,256] [--ceiling-seconds 4]
         [--ceiling-tokens 128] [--ceiling-client-processes 4] [--ceiling-instances 1]
+        [--ceiling-sender-threads 4]
 
 A tritonserver on `benchmarks/ceiling_repository` serves `ceiling_stream`, a decoupled Python
-model whose one sender thread streams one-token responses with the generator's tensors, alone
+model whose sender threads (as many as the generator's: `--ceiling-sender-threads`, default the
+generator's 4 with its engine in its own process) stream one-token responses with the
+generator's tensors, alone
 inside `ceiling_llm`, an ensemble shaped like `llm` (a Python step before it, and one after
 it batched as the detokenizer is: one request per response), and inside `ceiling_fused`, shaped
 like `llm_fused` (the Python step before it only; the stream answers text itself). At each concurrency level, closed-loop clients
@@ -35,6 +38,7 @@ from benchmarks import common
 from benchmarks.common import fmt, log
 from benchmarks.load_probe import process_cpu_seconds
 from tritonllm.cli_types import positive_int
+from tritonllm.triton_config import ServingConfig
 
 REPOSITORY = Path(__file__).resolve().parent / "ceiling_repository"
 STREAM_MODEL = "ceiling_stream"
@@ -175,15 +179,21 @@ class CeilingServer:
 
     Args:
         instances: `ceiling_stream` instances.
+        sender_threads: sender threads of each instance (`CEILING_SENDER_THREADS`).
         client_processes: most client processes per level (a level of concurrency c uses
             min(c, client_processes)).
         log_path: the server's log (default: a temporary file).
     """
 
     def __init__(
-        self, instances: int = 1, client_processes: int = 4, log_path: Path | None = None
+        self,
+        instances: int = 1,
+        client_processes: int = 4,
+        log_path: Path | None = None,
+        sender_threads: int = 1,
     ) -> None:
         self.instances, self.client_processes, self.log_path = instances, client_processes, log_path
+        self.sender_threads = sender_threads
 
     def __enter__(self) -> CeilingServer:
         from tritonllm.triton_server import TritonServer, repository_with_instances
@@ -191,7 +201,11 @@ class CeilingServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="ceiling-")
         tmp = Path(self._tmp.name)
         repo = repository_with_instances(REPOSITORY, STREAM_MODEL, self.instances, tmp)
-        self.server = TritonServer(model_repository=repo, log_path=self.log_path)
+        self.server = TritonServer(
+            model_repository=repo,
+            log_path=self.log_path,
+            env={"CEILING_SENDER_THREADS": str(self.sender_threads)},
+        )
         self.pool = None
         try:
             self.server.start(timeout=180)
@@ -262,8 +276,10 @@ def run_ceiling(
     client_processes: int = 4,
     instances: int = 1,
     log_path: Path | None = None,
+    sender_threads: int = 1,
 ) -> dict[str, dict[int, CeilingLevel]]:
-    """Every level of `concurrency` for both modes (after one short warm-up stream each).
+    """Every level of `concurrency` for every mode (after one short warm-up stream each), with
+    `instances` instances of `ceiling_stream` of `sender_threads` sender threads each.
 
     Returns:
         mode (a key of `MODES`) -> concurrency -> its `CeilingLevel`.
@@ -271,7 +287,7 @@ def run_ceiling(
         RuntimeError: the server did not start, or a warm-up stream failed.
     """
     out: dict[str, dict[int, CeilingLevel]] = {mode: {} for mode in MODES}
-    with CeilingServer(instances, client_processes, log_path) as bench:
+    with CeilingServer(instances, client_processes, log_path, sender_threads) as bench:
         for mode in MODES:
             warm = bench.level(mode, 1, 8, 0.2)
             if warm.errors or not warm.requests:
@@ -326,8 +342,9 @@ def report(levels: dict[str, dict[int, CeilingLevel]]) -> str:
 def notes(args: argparse.Namespace) -> list[str]:
     """The section notes of a ceiling run with `args` (`add_arguments`' flags)."""
     return [
-        f"ceiling: {args.ceiling_instances} instance(s) of ceiling_stream (one sender thread "
-        "each, the generator's tensors per one-token response: 4, 6 in a stream's first and last), alone, as the middle step "
+        f"ceiling: {args.ceiling_instances} instance(s) of ceiling_stream "
+        f"({args.ceiling_sender_threads} sender thread(s) each, the generator's tensors per "
+        "one-token response: 4, 6 in a stream's first and last), alone, as the middle step "
         f"of ceiling_llm (shaped like llm) and as the last step of ceiling_fused (shaped like "
         f"llm_fused); closed-loop gRPC streams of {args.ceiling_tokens} "
         f"responses from {args.ceiling_client_processes} client processes (at most); responses "
@@ -341,6 +358,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ceiling-tokens", type=positive_int, default=128)
     p.add_argument("--ceiling-client-processes", type=positive_int, default=4)
     p.add_argument("--ceiling-instances", type=positive_int, default=1)
+    p.add_argument(
+        "--ceiling-sender-threads",
+        type=positive_int,
+        default=ServingConfig().senders(own_process=True),
+        help="sender threads per ceiling_stream instance (default: the generator's, with its "
+        "engine in its own process as on a GPU)",
+    )
     p.add_argument("--ceiling-log", help="the ceiling server's log file (default: a temp file)")
 
 
@@ -353,6 +377,7 @@ def from_args(args: argparse.Namespace) -> dict[str, dict[int, CeilingLevel]]:
         args.ceiling_client_processes,
         args.ceiling_instances,
         Path(args.ceiling_log) if args.ceiling_log else None,
+        args.ceiling_sender_threads,
     )
 
 

@@ -44,7 +44,11 @@ def test_ceiling_levels_stream_exact_responses_alone_and_through_the_ensemble(tm
     from openai_frontend.triton_client import TritonError
 
     log = tmp_path / "ceiling-server.log"
-    with ceiling.CeilingServer(instances=2, client_processes=2, log_path=log) as bench:
+    # 3 sender threads per instance, as the generator sends from several: each stream stays
+    # exact (the clients check every response's count, text and final flag).
+    with ceiling.CeilingServer(
+        instances=2, client_processes=2, log_path=log, sender_threads=3
+    ) as bench:
         url = bench.server.grpc_url
         # One stream read by hand per ensemble: ids counted up, their text written out by the
         # ensemble's last step (ceiling_post, or the stream itself in the fused shape).

@@ -1,7 +1,9 @@
 """The platform ceiling's decoupled stream: ``max_tokens`` one-token responses per request.
 
-``execute`` only hands each request to the sender thread. The thread sends one response to each
-live request in turn (round robin) with the tensors the generator sends per response (n = 1, no
+``execute`` only hands each request to a sender thread, the requests in turn over
+``CEILING_SENDER_THREADS`` threads (environment; default 1), each request always to the same one
+as the generator's ``ResponseStreamer`` does. A thread sends one response to each of its live
+requests in turn (round robin) with the tensors the generator sends per response (n = 1, no
 logprobs): ``output_ids`` [1], ``prefix_ids`` (up to 8 ids sent before), ``finish_reason``
 (``""``; ``"length"`` with the last one, which carries the final flag), ``num_output_tokens``,
 and in the first and last responses only ``num_input_tokens`` and ``cached_tokens`` (0);
@@ -10,7 +12,8 @@ and in the first and last responses only ``num_input_tokens`` and ``cached_token
 token written out as ``text_output`` in place of ``output_ids`` and ``prefix_ids``, as the
 generator then answers text. Nothing else runs: the
 responses per second it reaches are Triton's own limit for one Python model instance whose
-responses all leave from one thread, as the generator's do.
+responses leave from that many threads (the generator sends from 4 when its engine runs in its
+own process, ``ServingConfig.senders``).
 """
 
 import os
@@ -49,9 +52,17 @@ class TritonPythonModel:
         # As in the generator: once tritonserver is gone a pb_utils call never returns and
         # would keep this stub alive, so the thread stops sending when the parent changed.
         self.parent_pid = os.getppid()
-        self.incoming = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="ceiling-sender", daemon=True)
-        self.thread.start()
+        count = int(os.environ.get("CEILING_SENDER_THREADS", "1"))
+        if count < 1:
+            raise pb_utils.TritonModelException(f"CEILING_SENDER_THREADS must be >= 1: {count}")
+        self.queues = [queue.SimpleQueue() for _ in range(count)]
+        self.next_queue = 0
+        self.threads = [
+            threading.Thread(target=self._run, args=(q,), name=f"ceiling-sender-{i}", daemon=True)
+            for i, q in enumerate(self.queues)
+        ]
+        for thread in self.threads:
+            thread.start()
 
     def execute(self, requests):
         for request in requests:
@@ -66,19 +77,20 @@ class TritonPythonModel:
                 continue
             wanted = request.requested_output_names()
             text = "text_output" in wanted and "output_ids" not in wanted
-            self.incoming.put(_Stream(sender, int(ids.size), max_tokens, text))
+            self.queues[self.next_queue].put(_Stream(sender, int(ids.size), max_tokens, text))
+            self.next_queue = (self.next_queue + 1) % len(self.queues)
         return None
 
-    def _run(self):
+    def _run(self, incoming):
         live = []
         while True:
             try:
-                item = self.incoming.get(block=not live)
+                item = incoming.get(block=not live)
                 while True:
                     if item is _STOP:
                         return
                     live.append(item)
-                    item = self.incoming.get_nowait()
+                    item = incoming.get_nowait()
             except queue.Empty:
                 pass
             if os.getppid() != self.parent_pid:
@@ -118,5 +130,7 @@ class TritonPythonModel:
             stream.sent = stream.max_tokens
 
     def finalize(self):
-        self.incoming.put(_STOP)
-        self.thread.join(5.0)
+        for q in self.queues:
+            q.put(_STOP)
+        for thread in self.threads:
+            thread.join(5.0)
