@@ -1,7 +1,7 @@
 """The generator's response path on CPU, without a GPU or a model: what one response costs.
 
     python -m benchmarks.response_path [--concurrency 256] [--step-ms 10] [--tokens 128]
-        [--seconds 5] [--budget 2000] [--profile 25] [--against DIR]
+        [--seconds 5] [--budget 2000] [--profile 25] [--against DIR] [--text MODEL_DIR]
 
 A benchmark harness, not a test and not an engine: `SyntheticEngine` (below) stands in for the
 engine front (an `EngineClient`). It "decodes" one token for every live request every
@@ -23,7 +23,8 @@ thread (cProfile, its own time). `--against DIR` runs the same measurement on an
 (e.g. a `git worktree` of main) in alternation with this one, three rounds each, for an A/B in
 one run. `--sender-threads K --send-sleeps` models several sender threads (Triton's send waits
 for tritonserver without the GIL); then only responses/s compares (the CPU columns count the
-first sender thread only).
+first sender thread only). `--text MODEL_DIR` answers text as through `llm_fused` (the
+generator detokenizes, with that model's tokenizer) instead of ids for a detokenizer step.
 """
 
 from __future__ import annotations
@@ -97,9 +98,16 @@ def measure(args: argparse.Namespace) -> dict:
     }
     counter = [0]
 
+    detokenizer = None
+    if args.text:  # the llm_fused path: the generator answers text (one detokenizer shared)
+        from tritonllm.tokenization.detokenizer import Detokenizer
+        from tritonllm.tokenization.loading import load_tokenizer
+
+        detokenizer = Detokenizer(load_tokenizer(args.text))
+
     def submit(slot):
         counter[0] += 1
-        sink = model._Sink(Sender(slot, finished.put, stats))
+        sink = model._Sink(Sender(slot, finished.put, stats), detokenizer)
         core.execute(f"r{slot}-{counter[0]}", inputs, "", sink)
 
     for slot in range(args.concurrency):
@@ -233,6 +241,12 @@ def main(argv: list[str] | None = None) -> None:
         help="a send's base cost is slept, not spun (Triton's send waits without the GIL)",
     )
     p.add_argument("--sender-threads", type=int, default=1, help="GeneratorCore sender_threads")
+    p.add_argument(
+        "--text",
+        metavar="MODEL_DIR",
+        help="answer text as through llm_fused, detokenized with MODEL_DIR's tokenizer (its "
+        "vocabulary must hold the synthetic ids, < 151,936: a Qwen tokenizer); default: ids",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON line (no table)")
     p.add_argument(
         "--triton", type=int, metavar="N", help="time each pb_utils call N times in a real stub"

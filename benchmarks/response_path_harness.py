@@ -66,7 +66,7 @@ class FakeTriton(types.ModuleType):
         log_error = log_info = log_warn
 
     class MetricFamily:
-        GAUGE, COUNTER = 0, 1
+        GAUGE, COUNTER, HISTOGRAM = 0, 1, 2
 
         class _Metric:
             def set(self, value):
@@ -75,10 +75,13 @@ class FakeTriton(types.ModuleType):
             def increment(self, value):
                 _spin(COSTS_US["ipc"])
 
+            def observe(self, value):
+                _spin(COSTS_US["ipc"])
+
         def __init__(self, name, description, kind):
             pass
 
-        def Metric(self, labels=None):  # noqa: N802  (pb_utils' name)
+        def Metric(self, labels=None, buckets=None):  # noqa: N802  (pb_utils' name)
             return self._Metric()
 
 

@@ -688,3 +688,22 @@ def test_cpu_prefill_chunks_counts_the_steps_of_one_prompt(tiny_model_dir):
 
     total, steps, longest = cpu_prefill_chunks.prefill_seconds(str(tiny_model_dir), 16, 40)
     assert steps == 3 and 0 < longest <= total
+
+
+@pytest.mark.parametrize("text", [False, True], ids=["ids", "text"])
+def test_response_path_harness_runs_the_served_sender_path(text, tiny_model_dir, capsys):
+    """`benchmarks.response_path` drives the generator adapter's real sender path over its
+    stand-in `pb_utils` (histograms included), answering ids as through `llm` or text as
+    through `llm_fused` (`--text`); every output becomes a response. Speed is not asserted."""
+    from benchmarks import response_path
+
+    argv = ["--json", "--no-triton-cost", "--concurrency", "8", "--tokens", "16"]
+    argv += ["--step-ms", "5", "--seconds", "0.4", "--warm-s", "0.1", "--budget", "0"]
+    if text:
+        argv += ["--text", str(tiny_model_dir)]
+    response_path.main(argv)
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["responses_per_s"] > 0
+    assert result["tokens_per_response"] >= 1.0
+    # ids: output_ids, prefix_ids and the progress tensors; text: text_output in their place
+    assert result["tensors_per_response"] >= (2.0 if text else 3.0)
