@@ -62,9 +62,10 @@ def measure(args: argparse.Namespace) -> dict:
     SEND_RELEASES_GIL[0] = args.send_sleeps
     model = adapter()
     engine = SyntheticEngine(args.step_ms / 1e3)
+    metrics = model._Metrics(lambda: True, print)
     core = GeneratorCore(
         engine,
-        on_tick=model._Metrics().update,
+        on_tick=metrics.update,
         parent_alive=lambda: True,
         log_warning=print,
         log_error=print,
@@ -126,6 +127,7 @@ def measure(args: argparse.Namespace) -> dict:
     spun = SPUN_S[0] - spun0
     engine_cpu = engine.cpu_s
     core.finalize()
+    metrics.observer.close()
     wall = end[0] - window[0]
     responses = end[1]["responses"] - window[1]["responses"]
     busy = end[2].busy_s - window[2].busy_s

@@ -382,8 +382,18 @@ def test_metrics_count_requests_tokens_and_latencies(http, client, sidecar):
 
 def test_generator_exports_latency_histograms_to_triton(client, sidecar):
     """The generator's Triton custom metrics include the TTFT / ITL / queue / e2e histograms
-    (observed on the sender thread's tick, so polled)."""
-    client.completions.create(model=sidecar.model_name, prompt=PROMPTS[1], max_tokens=3)
+    (observed on their own thread after the sender thread's tick, so polled). The request
+    streams at least two responses with tokens, so that it has an inter-token gap of its own
+    (run alone, a 3-token request could come back in one coalesced response: no ITL sample)."""
+    stream = client.completions.create(
+        model=sidecar.model_name,
+        prompt=PROMPTS[1],
+        max_tokens=32,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = [c for c in stream if c.choices and c.choices[0].text]
+    assert len(chunks) >= 2, chunks
     names = (
         "tritonllm_time_to_first_token_seconds_count",
         "tritonllm_inter_token_latency_seconds_count",

@@ -389,3 +389,63 @@ def test_bad_logit_bias_input_is_invalid_value_naming_it(text, message):
     with pytest.raises(ValueError, match=message) as info:
         sampling_params({"logit_bias": np.array([text], dtype=object)})
     assert (info.value.code.value, info.value.param) == ("invalid_value", "logit_bias")
+
+
+class _Histogram:
+    """A stand-in histogram metric: records observed values and the thread observing them."""
+
+    def __init__(self, fail_on: float | None = None) -> None:
+        self.values: list[float] = []
+        self.threads: set[str] = set()
+        self.fail_on = fail_on
+
+    def observe(self, value: float) -> None:
+        if value == self.fail_on:
+            raise RuntimeError("tritonserver refused")
+        self.values.append(value)
+        self.threads.add(threading.current_thread().name)
+
+
+def test_histogram_observer_observes_every_sample_off_the_calling_thread():
+    from tritonllm.serving.metrics import HistogramObserver, LatencySamples
+
+    ttft, itl = _Histogram(), _Histogram(fail_on=-1.0)
+    errors: list[str] = []
+    observer = HistogramObserver([(ttft, "ttft_s"), (itl, "itl_s")], lambda: True, 8, errors.append)
+    observer.put(LatencySamples(ttft_s=[0.1], itl_s=[0.01, 0.02]))
+    observer.put(LatencySamples())  # an idle tick queues nothing
+    observer.put(LatencySamples(itl_s=[-1.0]))  # a failing observe is logged, not fatal
+    observer.put(LatencySamples(ttft_s=[0.2], itl_s=[0.03]))
+    observer.close()
+    assert ttft.values == [0.1, 0.2] and itl.values == [0.01, 0.02, 0.03]
+    assert ttft.threads == itl.threads == {"tritonllm-observe"}
+    assert len(errors) == 1 and "tritonserver refused" in errors[0]
+    assert observer.dropped == 0
+
+
+def test_histogram_observer_stops_once_the_server_is_gone_and_bounds_its_backlog():
+    from tritonllm.serving.metrics import HistogramObserver, LatencySamples
+
+    # Server gone: nothing more is observed (a pb_utils call would never return).
+    gone = _Histogram()
+    observer = HistogramObserver([(gone, "e2e_s")], lambda: False)
+    observer.put(LatencySamples(e2e_s=[1.0]))
+    observer.close(timeout=2)
+    assert gone.values == []
+    # A stuck observe: at most max_pending ticks wait, the rest is dropped and counted.
+    release = threading.Event()
+
+    class _Stuck(_Histogram):
+        def observe(self, value: float) -> None:
+            release.wait(10)
+            super().observe(value)
+
+    stuck = _Stuck()
+    observer = HistogramObserver([(stuck, "queue_s")], lambda: True, max_pending=2)
+    for i in range(6):
+        observer.put(LatencySamples(queue_s=[float(i), float(i)]))
+    # the thread holds the first tick; two wait; the other three ticks (6 samples) are dropped
+    assert observer.dropped in (6, 8)
+    release.set()
+    observer.close()
+    assert len(stuck.values) == 12 - observer.dropped

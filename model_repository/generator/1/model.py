@@ -40,6 +40,7 @@ from tritonllm.serving.metrics import (
     LATENCY_HISTOGRAMS,
     SENDER_COUNTERS,
     TIME_COUNTERS,
+    HistogramObserver,
     counter_values,
     gauge_values,
 )
@@ -195,14 +196,15 @@ class _Sink:
 class _Metrics:
     """The ``tritonllm_*`` Triton custom metrics (``serving.metrics`` names them). Triton
     counters only increment: the cumulative ``TIME_COUNTERS`` go in as deltas. The latency
-    histograms are Triton histograms, one ``observe`` per sample.
+    histograms are Triton histograms, one ``observe`` per sample, made on a thread of their own
+    (``HistogramObserver``), not on the sender thread that runs ``update``.
 
     Instances of one model that create a metric of the same name and labels share it (Triton's
     custom metrics API): with a shared engine, every instance adds its own tokens, sender
     times and latencies, and only the one that owns the engine (``engine_wide``) reports the
     engine's gauges and loop counters."""
 
-    def __init__(self, engine_wide=True):
+    def __init__(self, alive, log_error, engine_wide=True):
         self.engine_wide = engine_wide
         labels = {"model": "generator"}
         # A family must outlive its metrics: keep references to both.
@@ -231,6 +233,7 @@ class _Metrics:
             self.families.append(family)
             metric = family.Metric(labels=labels, buckets=list(spec.buckets))
             self.histograms.append((metric, attr))
+        self.observer = HistogramObserver(self.histograms, alive, on_error=log_error)
 
     def update(self, stats, new_tokens, loop_times, sender_times, latencies):
         # Each set/increment is an IPC round trip to tritonserver: only changes are sent (an
@@ -248,9 +251,7 @@ class _Metrics:
             if total > self.totals[name]:
                 self.counters[name].increment(total - self.totals[name])
                 self.totals[name] = total
-        for metric, attr in self.histograms:
-            for value in getattr(latencies, attr):
-                metric.observe(value)
+        self.observer.put(latencies)
 
 
 class TritonPythonModel:
@@ -284,11 +285,16 @@ class TritonPythonModel:
             engine = EngineProcess(config, server_pid=parent_pid)
         else:
             engine = EngineThread(LLMEngine(config))
+
+        def parent_alive():
+            return os.getppid() == parent_pid
+
+        # The engine's gauges and loop counters come from the instance that owns it.
+        self.metrics = _Metrics(parent_alive, logger.log_error, engine_wide=owner)
         self.core = GeneratorCore(
             engine,
-            # The engine's gauges and loop counters come from the instance that owns it.
-            on_tick=_Metrics(engine_wide=owner).update,
-            parent_alive=lambda: os.getppid() == parent_pid,
+            on_tick=self.metrics.update,
+            parent_alive=parent_alive,
             log_warning=logger.log_warn,
             log_error=logger.log_error,
             metrics_interval_s=serving.metrics_interval_s,
@@ -321,3 +327,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.core.finalize()
+        self.metrics.observer.close()

@@ -5,11 +5,15 @@ generator's sender thread makes per response (``model_repository/generator/1/mod
 generator's 7 output tensors built (``pb_utils.Tensor``), an ``InferenceResponse`` of them,
 ``send`` of such a response (N non-final responses the client receives), ``send`` of a response
 of 4 tensors (``output_ids``, ``prefix_ids``, ``finish_reason``, ``num_output_tokens``),
-``is_cancelled()``, a gauge's ``set`` and a counter's ``increment``; then ``send_4`` again from
-2 and 4 threads at once, each thread on its own request (the client's earlier requests with
-``count`` 0, held open until then): wall µs per response over all threads, below the single
-thread's when ``send`` releases the GIL while it waits for tritonserver. The final response's
-``report`` output is a JSON object: µs per call of each.
+``is_cancelled()``, a gauge's ``set``, a counter's ``increment`` and a histogram's ``observe``
+(one per response sent: the generator's latency histograms); then ``send_4`` again from 2 and 4
+threads at once, each thread on its own request (the client's earlier requests with ``count`` 0,
+held open until then): wall µs per response over all threads, below the single thread's when
+``send`` releases the GIL while it waits for tritonserver; and ``send_4`` on one thread while a
+second thread calls ``observe`` without pause (``send_4_beside_observe``, with the observes it
+made per second, ``observes_per_s_beside_send``): a send slowed as much as by an observe of its
+own means that ``observe`` holds the GIL while it waits. The final response's ``report`` output
+is a JSON object: µs per call of each.
 """
 
 import json
@@ -41,6 +45,12 @@ class TritonPythonModel:
             "rp_counter", "bench", pb_utils.MetricFamily.COUNTER
         )
         self.counter = self.counter_family.Metric(labels={"model": "rp"})
+        self.histogram_family = pb_utils.MetricFamily(
+            "rp_histogram", "bench", pb_utils.MetricFamily.HISTOGRAM
+        )
+        self.histogram = self.histogram_family.Metric(
+            labels={"model": "rp"}, buckets=[0.001, 0.01, 0.1, 1.0]
+        )
         self.helpers = []  # senders of requests with count 0, for the threaded sends
 
     def execute(self, requests):
@@ -70,6 +80,24 @@ class TritonPythonModel:
             timed("is_cancelled", lambda k, s=sender: s.is_cancelled())
             timed("gauge_set", lambda k: self.gauge.set(k))
             timed("counter_increment", lambda k: self.counter.increment(1))
+            timed("histogram_observe", lambda k: self.histogram.observe(0.005))
+            stop, observed = threading.Event(), [0]
+
+            def observe_until_stopped(stop=stop, observed=observed):
+                while not stop.is_set():
+                    self.histogram.observe(0.005)
+                    observed[0] += 1
+
+            observer = threading.Thread(target=observe_until_stopped)
+            observer.start()
+            start = time.perf_counter()
+            timed(
+                "send_4_beside_observe",
+                lambda k, s=sender: s.send(pb_utils.InferenceResponse(_tensors(k, full=False)), 0),
+            )
+            stop.set()
+            observer.join()
+            us["observes_per_s_beside_send"] = observed[0] / (time.perf_counter() - start)
             for threads in (2, 4):
                 if len(self.helpers) < threads:
                     break
