@@ -94,8 +94,10 @@ class ToolFields(BaseModel):
         (``check_parameters``), whatever the choice.
 
         Raises:
-            OpenAIError: 400 for a tool_choice without tools or naming an unknown one, or a
-                ``parameters`` that is no valid JSON schema.
+            OpenAIError: 400 for a tool_choice without tools or naming an unknown one, two
+                tools of one function name (a call names its function: which one it means, and
+                whose ``parameters`` apply, would be a guess), or a ``parameters`` that is no
+                valid JSON schema.
         """
         choice = self.tool_choice
         parallel = self.parallel_tool_calls is not False
@@ -105,7 +107,16 @@ class ToolFields(BaseModel):
                     "tool_choice needs tools", param="tool_choice", code="invalid_value"
                 )
             return ToolMode("off")
+        seen: set[str] = set()
         for i, tool in enumerate(self.tools):
+            if tool.function.name in seen:
+                raise OpenAIError(
+                    f"tools[{i}] repeats the function name {tool.function.name!r}; each tool "
+                    "needs a name of its own",
+                    param=f"tools[{i}].function.name",
+                    code="invalid_value",
+                )
+            seen.add(tool.function.name)
             if tool.function.parameters is not None:
                 check_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
         if isinstance(choice, NamedToolChoice):

@@ -181,6 +181,17 @@ def test_guided_regex_choice_grammar_and_structured_outputs_match(sidecar):
             "tools[0].function.parameters",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        # two tools of one name: a call could not say which it means (any tool_choice)
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f"}},
+                    {"type": "function", "function": {"name": "g"}},
+                    {"type": "function", "function": {"name": "f", "parameters": {}}},
+                ]
+            },
+            "tools[2].function.name",
+        ),
     ],
 )
 def test_an_invalid_constraint_is_a_400_naming_the_field(client, sidecar, extra, param):
