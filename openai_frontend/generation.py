@@ -164,7 +164,9 @@ class Generation:
             server's generations in flight, aborted together on shutdown).
         idle_timeout_s: most seconds to wait for the next response; past it the generation
             fails with a 504 (a backend that stopped answering, e.g. a dead generator stub,
-            which Triton never reports for requests in flight). None: wait forever.
+            which Triton never reports for requests in flight). None: wait forever. A
+            non-streamed request's one response comes at its end: it waits on while
+            ``backend_ok`` says the backend is healthy.
         backend_ok: the sidecar's health check (True: healthy), which classifies Triton's
             own errors (``backend_error``); None: they are 500s.
         progress: the process-wide record of the backend's latest response, updated by every
@@ -230,14 +232,19 @@ class Generation:
         if self._failure is not None:
             raise self._failure
         try:
-            chunk = await _read_within(self._stream, self._idle_timeout_s)
-        except asyncio.TimeoutError:  # (not the builtin before Python 3.11)
-            raise OpenAIError(
-                f"no response from the backend for {self._idle_timeout_s:g} s",
-                504,
-                "server_error",
-                code="timeout",
-            ) from None
+            while True:
+                try:
+                    chunk = await _read_within(self._stream, self._idle_timeout_s)
+                    break
+                except asyncio.TimeoutError:  # (not the builtin before Python 3.11)
+                    if self._failure is None and await self._working_on_its_one_response():
+                        continue  # the read goes on (ResponseStream keeps it): wait again
+                    raise OpenAIError(
+                        f"no response from the backend for {self._idle_timeout_s:g} s",
+                        504,
+                        "server_error",
+                        code="timeout",
+                    ) from None
         except TritonError as exc:
             self._backend_finished = True  # an error response ends the request in Triton
             if self._failure is not None:
@@ -256,6 +263,20 @@ class Generation:
             self._last[chunk.index] = chunk
             self._times.on_response(chunk.index, chunk.num_output_tokens, self.last_response_at)
         return chunk
+
+    async def _working_on_its_one_response(self) -> bool:
+        """Whether an idle timeout should wait again: a request the backend answers once (not
+        streamed, ``stream`` false) is silent until it has finished, however long that takes
+        (a long non-streamed output on a slow device), so its silence says nothing; it fails
+        only when the backend is unhealthy too (``backend_ok``, the health check: a probe
+        generation through the same engine). A streamed one fails at once, as before."""
+        if self.inputs.get("stream") is not False or self._backend_ok is None:
+            return False
+        try:
+            return await self._backend_ok()
+        except Exception:  # an unknown state: the timeout stands
+            log.exception("health check failed")
+            return False
 
     def _logprobs(self, chunk: LLMChunk) -> list[dict[str, Any]] | None:
         if not self.logprobs:

@@ -7,6 +7,7 @@ import asyncio
 import time
 import types
 
+from openai_frontend.errors import OpenAIError
 from openai_frontend.generation import BackendProgress, Generation
 from openai_frontend.health import RECOVERY_PROBES, BackendWatch, HealthMonitor
 from openai_frontend.triton_client import LLMChunk, TritonError
@@ -305,3 +306,74 @@ def test_the_supervisor_waits_longer_for_health_than_a_probe_may_take():
 
     probe_s = inspect.signature(HealthMonitor).parameters["probe_timeout_s"].default
     assert SupervisePolicy().health_answer_timeout_s > probe_s
+
+
+class _LateResponse:
+    """The stream of a non-streamed request whose one response comes after ``delay_s``."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.responses = [LLMChunk("Once upon a time", "length", 7, 300, 0), None]
+        self.done = False
+        self._sent = False
+
+    async def read(self):
+        if not self._sent:
+            await asyncio.sleep(self.delay_s)
+            self._sent = True
+        chunk = self.responses.pop(0)
+        self.done = chunk is None
+        return chunk
+
+    def cancel(self) -> None:
+        self.done = True
+
+
+class _LateClient:
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    async def stream(self, request_id, inputs, model=None):
+        return _LateResponse(self.delay_s)
+
+
+def _late_generation(stream: bool, healthy: bool) -> Generation:
+    async def backend_ok() -> bool:
+        return healthy
+
+    return Generation(
+        _LateClient(0.5),
+        "chatcmpl-1",
+        {"stream": stream},
+        idle_timeout_s=0.1,
+        backend_ok=backend_ok,
+    )
+
+
+def _collect(gen: Generation):
+    async def run():
+        try:
+            await gen.start()
+            return await gen.collect()
+        finally:
+            gen._closed = True  # nothing to abort: a fake stream
+
+    return asyncio.run(run())
+
+
+def test_a_non_streamed_request_outlasts_the_idle_timeout_while_the_backend_is_healthy():
+    """QA: a non-streamed request gets one response, at its end, so a healthy generation longer
+    than --stream-idle-timeout (300 s: a long output on a CPU) was cut with a 504 and its work
+    thrown away; it waits on while the health check passes."""
+    choices = _collect(_late_generation(stream=False, healthy=True))
+    assert [(c.text, c.finish_reason) for c in choices] == [("Once upon a time", "length")]
+
+
+def test_the_idle_timeout_still_fails_a_silent_stream_or_an_unhealthy_backend():
+    for stream, healthy in ((True, True), (False, False)):
+        try:
+            _collect(_late_generation(stream=stream, healthy=healthy))
+        except OpenAIError as exc:
+            assert (exc.status, exc.code) == (504, "timeout")
+        else:
+            raise AssertionError(f"no timeout (stream={stream}, healthy={healthy})")
