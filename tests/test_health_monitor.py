@@ -309,18 +309,21 @@ def test_the_supervisor_waits_longer_for_health_than_a_probe_may_take():
 
 
 class _LateResponse:
-    """The stream of a non-streamed request whose one response comes after ``delay_s``."""
+    """The stream of a non-streamed request whose one response comes ``delay_s`` after its
+    first read. A read cancelled by a timeout loses nothing: the next one waits for the same
+    moment, as ``ResponseStream`` keeps its gRPC read."""
 
     def __init__(self, delay_s: float) -> None:
         self.delay_s = delay_s
         self.responses = [LLMChunk("Once upon a time", "length", 7, 300, 0), None]
         self.done = False
-        self._sent = False
+        self._ready_at: float | None = None
 
     async def read(self):
-        if not self._sent:
-            await asyncio.sleep(self.delay_s)
-            self._sent = True
+        loop = asyncio.get_running_loop()
+        if self._ready_at is None:
+            self._ready_at = loop.time() + self.delay_s
+        await asyncio.sleep(max(0.0, self._ready_at - loop.time()))
         chunk = self.responses.pop(0)
         self.done = chunk is None
         return chunk
