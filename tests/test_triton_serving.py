@@ -441,11 +441,13 @@ def test_histogram_observer_stops_once_the_server_is_gone_and_bounds_its_backlog
             super().observe(value)
 
     stuck = _Stuck()
-    observer = HistogramObserver([(stuck, "queue_s")], lambda: True, max_pending=2)
+    errors: list[str] = []
+    observer = HistogramObserver([(stuck, "queue_s")], lambda: True, 2, errors.append)
     for i in range(6):
         observer.put(LatencySamples(queue_s=[float(i), float(i)]))
     # the thread holds the first tick; two wait; the other three ticks (6 samples) are dropped
     assert observer.dropped in (6, 8)
+    assert len(errors) == 1 and "dropped" in errors[0]  # told once
     release.set()
     observer.close()
     assert len(stuck.values) == 12 - observer.dropped

@@ -7,9 +7,8 @@ The latency histograms are Triton ``HISTOGRAM`` metric families (the Python back
 they are observed per request (TTFT, queue time, end-to-end) and per response (ITL), never per
 token. The sender thread's tick (``GeneratorCore``) collects each tick's samples and hands them
 to a ``HistogramObserver`` thread, so that one IPC per response is not paid on a thread that
-sends responses (about 63 µs an ``observe`` against 271 µs a ``send`` in a real stub on a 2-core
-box, BENCHMARKS.md "Latency histograms off the sender thread"); both stop calling into Triton
-once the server is gone.
+sends responses (what an ``observe`` costs against a ``send``: BENCHMARKS.md "Latency
+histograms off the sender thread"); both stop calling into Triton once the server is gone.
 """
 
 from __future__ import annotations
@@ -116,8 +115,10 @@ class HistogramObserver:
         alive: False once tritonserver is gone: a ``pb_utils`` call made then never returns,
             so the thread stops before its next batch.
         max_pending: ticks' samples that may wait; beyond that a tick's samples are dropped
-            (counted in ``dropped``) rather than held without bound.
-        on_error: called with a message when an ``observe`` raises (the thread goes on).
+            (counted in ``dropped``; ``on_error`` is told of the first drop) rather than held
+            without bound.
+        on_error: called with a message when an ``observe`` raises (the thread goes on), and
+            when samples are first dropped.
     """
 
     def __init__(
@@ -141,6 +142,11 @@ class HistogramObserver:
         try:
             self._pending.put_nowait(samples)
         except queue.Full:
+            if not self.dropped:
+                self._on_error(
+                    f"generator: {self._pending.maxsize} ticks of latency samples wait to be "
+                    "observed; later samples are dropped until they are"
+                )
             self.dropped += sum(len(getattr(samples, attr)) for _, attr in self._histograms)
 
     def close(self, timeout: float = 5.0) -> None:
