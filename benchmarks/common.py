@@ -64,11 +64,14 @@ Methodology:
   tokens). The offline engine runs the same prompts with the same concurrency cap in the same
   run, as the ceiling the serving path is compared with.
 - **Platform ceiling** (`benchmarks/ceiling.py`, `benchmarks.online --ceiling`). A decoupled
-  Python model that streams one-token responses from one sender thread, with the generator's
-  tensors, alone and inside an ensemble shaped like `llm` (a Python step before it and a
-  detokenizer-like step after it, with the detokenizer's dynamic batching); closed-loop gRPC
-  streams from the sidecar's client in several processes; responses received in a fixed window
-  per concurrency level. The online table gives the generator's responses/s
+  Python model that streams one-token responses, with the generator's tensors, from as many
+  sender threads per instance as the generator has (`--ceiling-sender-threads`, default 4, the
+  generator's with its engine in its own process). Runs up to 2026-12-07 09:40 UTC used one
+  thread, while the generator has sent from 4 since "The fused ensemble" (2026-12-06): their
+  ceilings under-measure the platform as the generator uses it. The model runs alone and inside
+  an ensemble shaped like `llm` (a Python step before it and a detokenizer-like step after it,
+  with the detokenizer's dynamic batching); closed-loop gRPC streams from the sidecar's client
+  in several processes; responses received in a fixed window per concurrency level. The online table gives the generator's responses/s
   (`tritonllm_responses_total`) as a fraction of the ensemble's ceiling at the same concurrency.
 """
 
