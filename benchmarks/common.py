@@ -71,8 +71,9 @@ Methodology:
   ceilings under-measure the platform as the generator uses it. The model runs alone and inside
   an ensemble shaped like `llm` (a Python step before it and a detokenizer-like step after it,
   with the detokenizer's dynamic batching); closed-loop gRPC streams from the sidecar's client
-  in several processes; responses received in a fixed window per concurrency level. The online table gives the generator's responses/s
-  (`tritonllm_responses_total`) as a fraction of the ensemble's ceiling at the same concurrency.
+  in several processes; responses received in a fixed window per concurrency level. The online
+  table gives the generator's responses/s (`tritonllm_responses_total`) as a fraction of the
+  ensemble's ceiling at the same concurrency.
 """
 
 
