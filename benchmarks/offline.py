@@ -351,6 +351,7 @@ def report(res: OfflineResult, args: argparse.Namespace) -> tuple[str, list[str]
         ]
 
     rows, prefill_notes = [], []
+    roofs = {size: res.roofline_at(size) for size in res.engines}  # one schedule walk each
     for size, run in res.engines.items():
         tp = "" if size == 1 else f", TP={size}"
         bound_s = res.bound_seconds_at(size)
@@ -371,7 +372,7 @@ def report(res: OfflineResult, args: argparse.Namespace) -> tuple[str, list[str]
         bound = ThroughputRun(
             len(w), w.num_prompt_tokens, w.num_output_tokens, res.bound_seconds_at(size)
         )
-        roof = res.roofline_at(size)
+        roof = roofs[size]
         gpus = "" if size == 1 else f"{size} GPUs, "
         rows.append(
             row(
@@ -392,7 +393,7 @@ def report(res: OfflineResult, args: argparse.Namespace) -> tuple[str, list[str]
         rows.append(
             row(f"HF transformers generate (batch {res.hf.num_requests}, padded)", res.hf, "-")
         )
-    roof = res.roofline_at(next(iter(res.engines)))
+    roof = next(iter(roofs.values()))
     notes = [
         f"engine: device {args.device}, temperature {args.temperature} (nano-vllm uses 0.6; "
         "ignore_eos fixes the output lengths), all requests submitted at once",
