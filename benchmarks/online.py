@@ -41,6 +41,7 @@ from openai_frontend.triton_client import FUSED_MODEL
 from tritonllm.cli_types import positive_int
 from tritonllm.launch import sidecar_command, sidecar_env
 from tritonllm.processes import child_pids
+from tritonllm.triton_config import ServingConfig
 from tritonllm.triton_server import (
     CONTROL_SECRET_ENV,
     TritonServer,
@@ -97,6 +98,23 @@ def _offline_worker(queue: Any, kwargs: dict[str, Any]) -> None:
         queue.put((tokens, {c: r.steps / r.seconds for c, r in runs.items()}, step))
     except BaseException as exc:  # noqa: BLE001 (reported to the parent)
         queue.put(f"{type(exc).__name__}: {exc}")
+
+
+BUDGET_ENV = "TRITONLLM_MAX_RESPONSES_PER_S"
+
+
+def response_budget(args: argparse.Namespace) -> float:
+    """The generator's response budget (responses/s of all its instances) in the tritonserver
+    this benchmark starts: ``--max-responses-per-s``, else ``$TRITONLLM_MAX_RESPONSES_PER_S``,
+    else ``ServingConfig``'s default.
+
+    Raises:
+        ValueError: the environment's value is not a number.
+    """
+    if args.max_responses_per_s is not None:
+        return args.max_responses_per_s
+    given = os.environ.get(BUDGET_ENV, "").strip()
+    return float(given) if given else ServingConfig().max_responses_per_s
 
 
 def engine_args(args: argparse.Namespace) -> dict[str, str]:
@@ -273,6 +291,7 @@ def serve_and_run(
         "TRITONLLM_MAX_MODEL_LEN": "4096",
     }
     env.update({f"TRITONLLM_{k.upper()}": v for k, v in engine_args(args).items()})
+    env[BUDGET_ENV] = str(response_budget(args))
     log_path = Path(args.server_log) if args.server_log else None
     instances = args.generator_instances
     server = TritonServer(
@@ -383,6 +402,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="generator model instances (Triton instance_group) of the tritonserver this "
         "benchmark starts, sharing one engine process (not with --triton-url or --openai-url)",
     )
+    p.add_argument(
+        "--max-responses-per-s",
+        type=float,
+        help="the generator's response budget (TRITONLLM_MAX_RESPONSES_PER_S, all instances "
+        "together; 0: no pacing) in the tritonserver this benchmark starts (default: the "
+        "environment's, else ServingConfig's)",
+    )
     p.add_argument("--server-log", help="tritonserver log file (default: a temp file)")
     p.add_argument(
         "--tensor-parallel-size",
@@ -410,6 +436,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--generator-instances: this benchmark starts no tritonserver with --triton-url "
             "or --openai-url"
         )
+    if (args.triton_url or args.openai_url) and args.max_responses_per_s is not None:
+        p.error(
+            "--max-responses-per-s: this benchmark starts no tritonserver with --triton-url "
+            "or --openai-url"
+        )
+    if args.max_responses_per_s is not None and args.max_responses_per_s < 0:
+        p.error(f"--max-responses-per-s must be >= 0, got {args.max_responses_per_s}")
     return args
 
 
@@ -437,7 +470,8 @@ def main(argv: list[str] | None = None) -> OnlineRun:
     if not (args.openai_url or args.triton_url):
         notes.append(
             f"generator: {args.generator_instances} Triton instance(s) (--generator-instances; "
-            "several share one engine)"
+            f"several share one engine); response budget {response_budget(args):,.0f}/s over "
+            "all instances (--max-responses-per-s; 0: none)"
         )
     itl = online_report.itl_note(result)
     if itl:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks import bandwidth, common, decode_step, offline, online, profile_step
+from tritonllm.triton_config import ServingConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -680,6 +681,21 @@ def test_online_refuses_generator_instances_for_a_server_it_does_not_start(url, 
     assert online.parse_args(["--generator-instances", "3"]).generator_instances == 3
     with pytest.raises(SystemExit):
         online.parse_args(["--generator-instances", "0"])
+
+
+def test_online_response_budget_comes_from_the_option_the_environment_or_the_default(
+    monkeypatch, capsys
+):
+    monkeypatch.delenv(online.BUDGET_ENV, raising=False)
+    assert online.response_budget(online.parse_args([])) == ServingConfig().max_responses_per_s
+    monkeypatch.setenv(online.BUDGET_ENV, "12000")
+    assert online.response_budget(online.parse_args([])) == 12000.0
+    given = online.parse_args(["--max-responses-per-s", "0"])
+    assert online.response_budget(given) == 0.0  # no pacing
+    for argv in (["--triton-url", "http://x"], ["--openai-url", "http://x"], []):
+        with pytest.raises(SystemExit):
+            online.parse_args([*argv, "--max-responses-per-s", "-1" if not argv else "8000"])
+    assert "--max-responses-per-s" in capsys.readouterr().err
 
 
 def test_cpu_prefill_chunks_counts_the_steps_of_one_prompt(tiny_model_dir):
