@@ -2,7 +2,7 @@
 
     python -m benchmarks.online [--model DIR] [--concurrency 1,16,64,256]
         [--num-prompts-per-level N] [--device cuda] [--tensor-parallel-size 2]
-        [--sidecar-workers 4] [--generator-instances 2] [--no-append]
+        [--sidecar-workers 4] [--generator-instances 2] [--max-responses-per-s 0] [--no-append]
 
 For each concurrency level, `c` closed-loop clients stream chat completions (a client sends its
 next request when the last one finished) with random prompts and fixed output lengths
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import multiprocessing
 import os
 import subprocess
@@ -441,8 +442,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--max-responses-per-s: this benchmark starts no tritonserver with --triton-url "
             "or --openai-url"
         )
-    if args.max_responses_per_s is not None and args.max_responses_per_s < 0:
-        p.error(f"--max-responses-per-s must be >= 0, got {args.max_responses_per_s}")
+    budget = args.max_responses_per_s
+    if budget is not None and not (math.isfinite(budget) and budget >= 0):
+        p.error(f"--max-responses-per-s must be a number >= 0, got {budget}")
     return args
 
 

@@ -692,10 +692,14 @@ def test_online_response_budget_comes_from_the_option_the_environment_or_the_def
     assert online.response_budget(online.parse_args([])) == 12000.0
     given = online.parse_args(["--max-responses-per-s", "0"])
     assert online.response_budget(given) == 0.0  # no pacing
-    for argv in (["--triton-url", "http://x"], ["--openai-url", "http://x"], []):
+    refused = [
+        [u, "http://x", "--max-responses-per-s", "8000"] for u in ("--triton-url", "--openai-url")
+    ]
+    refused += [["--max-responses-per-s", v] for v in ("-1", "nan", "inf")]
+    for argv in refused:
         with pytest.raises(SystemExit):
-            online.parse_args([*argv, "--max-responses-per-s", "-1" if not argv else "8000"])
-    assert "--max-responses-per-s" in capsys.readouterr().err
+            online.parse_args(argv)
+        assert "--max-responses-per-s" in capsys.readouterr().err
 
 
 def test_cpu_prefill_chunks_counts_the_steps_of_one_prompt(tiny_model_dir):
