@@ -42,7 +42,7 @@ from openai_frontend.triton_client import FUSED_MODEL
 from tritonllm.cli_types import positive_int
 from tritonllm.launch import sidecar_command, sidecar_env
 from tritonllm.processes import child_pids
-from tritonllm.triton_config import ServingConfig
+from tritonllm.triton_config import serving_config
 from tritonllm.triton_server import (
     CONTROL_SECRET_ENV,
     TritonServer,
@@ -106,16 +106,16 @@ BUDGET_ENV = "TRITONLLM_MAX_RESPONSES_PER_S"
 
 def response_budget(args: argparse.Namespace) -> float:
     """The generator's response budget (responses/s of all its instances) in the tritonserver
-    this benchmark starts: ``--max-responses-per-s``, else ``$TRITONLLM_MAX_RESPONSES_PER_S``,
-    else ``ServingConfig``'s default.
+    this benchmark starts: ``--max-responses-per-s``, else ``$TRITONLLM_MAX_RESPONSES_PER_S``
+    as the generator reads it (``serving_config``), else ``ServingConfig``'s default.
 
     Raises:
         ValueError: the environment's value is not a number.
     """
     if args.max_responses_per_s is not None:
         return args.max_responses_per_s
-    given = os.environ.get(BUDGET_ENV, "").strip()
-    return float(given) if given else ServingConfig().max_responses_per_s
+    given = {BUDGET_ENV: os.environ.get(BUDGET_ENV, "")}
+    return serving_config({}, given).max_responses_per_s
 
 
 def engine_args(args: argparse.Namespace) -> dict[str, str]:
