@@ -11,7 +11,7 @@ import pytest
 
 from tritonllm.engine.request import RequestOutput
 from tritonllm.sampling_params import SamplingParams
-from tritonllm.serving.coalesce import coalesce
+from tritonllm.serving.coalesce import coalesce, merged
 from tritonllm.serving.inputs import generate_request, scalar
 from tritonllm.serving.metrics import ENGINE_GAUGES, gauge_values
 from tritonllm.serving.request_table import RequestTable
@@ -55,6 +55,27 @@ def test_coalesce_merges_each_request_in_order_and_keeps_the_last_counts():
         "length",
     )
     assert (b.new_token_ids, b.num_output_tokens, b.finished) == ([7, 8], 2, False)
+
+
+def test_merged_copies_the_last_output_and_joins_logprobs_and_prompt_scores():
+    first = out("a", [1], 1)
+    first.logprobs, first.top_logprobs = [-0.5], [{1: -0.5}]
+    first.prompt_logprobs, first.prompt_top_logprobs = [-1.0], [{4: -1.0}]
+    second = out("a", [2], 2)
+    second.logprobs, second.top_logprobs = [-0.25], [{2: -0.25}]
+    abort = out("a", [], 2, "abort")  # a final abort carries no ids and no logprobs
+    before = [dict(vars(o)) for o in (first, second, abort)]
+    result = merged([first, second, abort])
+    assert [vars(o) for o in (first, second, abort)] == before  # the inputs are left as they are
+    assert (result.new_token_ids, result.logprobs, result.top_logprobs) == (
+        [1, 2],
+        [-0.5, -0.25],
+        [{1: -0.5}, {2: -0.25}],
+    )
+    assert (result.prompt_logprobs, result.prompt_top_logprobs) == ([-1.0], [{4: -1.0}])
+    assert (result.finished, result.finish_reason, result.num_output_tokens) == (True, "abort", 2)
+    plain = merged([out("b", [7], 1), out("b", [8], 2)])  # no logprobs: ids only
+    assert (plain.new_token_ids, plain.logprobs, plain.prompt_logprobs) == ([7, 8], None, None)
 
 
 def test_coalesce_drops_outputs_after_a_final_one():

@@ -10,7 +10,6 @@ by (request id, choice index), so the n choices of one request are never merged.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,19 +28,36 @@ def _joined(outputs: list[RequestOutput], field: str) -> list | None:
 def merged(outputs: list[RequestOutput]) -> RequestOutput:
     """The last of ``outputs`` (one request's choice, in engine order) with all their ids and
     logprobs, in order, and the prompt scores of the one that has them (only a choice's first
-    output does): one ``replace`` per response, not one per merged output (the sender
-    thread's cost)."""
+    output does).
+
+    A shallow copy of the last output with its lists replaced, so the outputs given are left as
+    they are. This runs once per response on the generator's sender thread, whose stub is
+    GIL-bound under load (BENCHMARKS.md, "Less Python per response"): the copy is a
+    ``__dict__`` update, not ``dataclasses.replace`` (which re-runs ``__init__`` through keyword
+    arguments), and requests without logprobs join only their ids.
+    """
+    last = outputs[-1]
     if len(outputs) == 1:
-        return outputs[0]
-    scored = next((o for o in outputs if o.prompt_logprobs is not None), outputs[-1])
-    return replace(
-        outputs[-1],
-        new_token_ids=_joined(outputs, "new_token_ids") or [],
-        logprobs=_joined(outputs, "logprobs"),
-        top_logprobs=_joined(outputs, "top_logprobs"),
-        prompt_logprobs=scored.prompt_logprobs,
-        prompt_top_logprobs=scored.prompt_top_logprobs,
-    )
+        return last
+    out = object.__new__(type(last))
+    out.__dict__.update(last.__dict__)
+    ids: list[int] = []
+    scored = None
+    with_logprobs = False
+    for output in outputs:
+        ids += output.new_token_ids or ()
+        if scored is None and output.prompt_logprobs is not None:
+            scored = output
+        if output.logprobs is not None or output.top_logprobs is not None:
+            with_logprobs = True
+    out.new_token_ids = ids
+    if with_logprobs:
+        out.logprobs = _joined(outputs, "logprobs")
+        out.top_logprobs = _joined(outputs, "top_logprobs")
+    if scored is not None:
+        out.prompt_logprobs = scored.prompt_logprobs
+        out.prompt_top_logprobs = scored.prompt_top_logprobs
+    return out
 
 
 def coalesce(outputs: Iterable[RequestOutput]) -> list[RequestOutput]:

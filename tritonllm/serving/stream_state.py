@@ -13,9 +13,13 @@ if TYPE_CHECKING:
 PREFIX_LEN = 8
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ResponseChunk:
     """What one generator response carries (the ``generator`` outputs of ARCHITECTURE.md).
+
+    Built once per response and read-only after that by convention: not ``frozen``, whose
+    ``__init__`` sets each of the 23 fields through ``object.__setattr__`` on the sender
+    thread's GIL-bound path (BENCHMARKS.md, "Less Python per response").
 
     Attributes:
         output_ids: new token ids of this response.
