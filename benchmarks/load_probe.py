@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,18 +121,24 @@ class LoadProbe:
     """Snapshots of the process groups `pgids` and the metrics at `metrics_url` (either may be
     empty: what is missing is left out of the report). `generator_instances`: the generator's
     Triton instances, whose stubs' sender threads all add to the `tritonllm_sender_*`
-    counters."""
+    counters. `client_cpu`: CPU seconds of the client's worker processes so far
+    (`streaming_client.ClientPool.cpu_s`), added to this process's own as `client`."""
 
     def __init__(
-        self, pgids: list[int], metrics_url: str | None, generator_instances: int = 1
+        self,
+        pgids: list[int],
+        metrics_url: str | None,
+        generator_instances: int = 1,
+        client_cpu: Callable[[], float] | None = None,
     ) -> None:
         self.pgids = pgids
         self.metrics_url = metrics_url
         self.generator_instances = generator_instances
+        self.client_cpu = client_cpu
 
     def snapshot(self) -> Snapshot:
         cpu = process_cpu_seconds(self.pgids)
-        cpu["client"] = time.process_time()
+        cpu["client"] = time.process_time() + (self.client_cpu() if self.client_cpu else 0.0)
         return Snapshot(time.monotonic(), cpu, scrape(self.metrics_url))
 
     @staticmethod

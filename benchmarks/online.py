@@ -37,7 +37,7 @@ from benchmarks import ceiling, common, online_report
 from benchmarks.common import Workload, log
 from benchmarks.load_probe import DETOKENIZER_REQUESTS, LoadProbe
 from benchmarks.online_report import OnlineRun
-from benchmarks.streaming_client import run_level, served_model_name
+from benchmarks.streaming_client import ClientPool, run_level, served_model_name
 from openai_frontend.triton_client import FUSED_MODEL
 from tritonllm.cli_types import positive_int
 from tritonllm.launch import sidecar_command, sidecar_env
@@ -102,6 +102,9 @@ def _offline_worker(queue: Any, kwargs: dict[str, Any]) -> None:
 
 
 BUDGET_ENV = "TRITONLLM_MAX_RESPONSES_PER_S"
+# Clients per client process by default (no --client-processes): one asyncio process reading
+# 256 streams was saturated (BENCHMARKS.md, "The benchmark's client, and instances").
+CLIENTS_PER_PROCESS = 64
 
 
 def response_budget(args: argparse.Namespace) -> float:
@@ -220,6 +223,13 @@ def check_fused(rates: dict[str, float], concurrency: int) -> None:
         )
 
 
+def client_processes(args: argparse.Namespace) -> int:
+    """``--client-processes``, or by default one process per 64 clients of the largest level."""
+    if args.client_processes is not None:
+        return args.client_processes
+    return -(-max(args.concurrency) // CLIENTS_PER_PROCESS)
+
+
 async def run_levels_online(
     base_url: str,
     level_inputs: dict[int, tuple[list[str], Workload]],
@@ -227,9 +237,11 @@ async def run_levels_online(
     endpoint: str,
     probe: LoadProbe | None = None,
     fused: bool = False,
+    clients: ClientPool | None = None,
 ) -> OnlineRun:
     """Warm up with one short request, then run each level in order. ``fused``: the sidecar
-    was asked to stream from `llm_fused` (`check_fused` holds each level to it).
+    was asked to stream from `llm_fused` (`check_fused` holds each level to it). ``clients``:
+    the processes that run each level's clients (None: this one).
 
     Returns:
         the results per level and, with a `probe`, its report over each level and the
@@ -243,9 +255,11 @@ async def run_levels_online(
     results, loads = run.results, run.loads
     for c, (texts, workload) in level_inputs.items():
         before = probe.snapshot() if probe else None
-        results[c] = res = await run_level(
-            base_url, model, texts, workload.output_lens, c, temperature, endpoint
-        )
+        level = (base_url, model, texts, workload.output_lens, c, temperature, endpoint)
+        if clients is None:
+            results[c] = res = await run_level(*level)
+        else:
+            results[c] = res = await asyncio.to_thread(clients.run_level, *level)
         if probe and before:
             after = probe.snapshot()
             loads[c] = probe.report(before, after)
@@ -274,9 +288,14 @@ def serve_and_run(
     fused = args.triton_model == FUSED_MODEL
 
     def go(base_url: str, probe: LoadProbe | None = None):
-        return asyncio.run(
-            run_levels_online(base_url, level_inputs, args.temperature, args.endpoint, probe, fused)
-        )
+        with ClientPool(client_processes(args)) as clients:
+            if probe is not None:
+                probe.client_cpu = lambda: clients.cpu_s
+            return asyncio.run(
+                run_levels_online(
+                    base_url, level_inputs, args.temperature, args.endpoint, probe, fused, clients
+                )
+            )
 
     if args.openai_url:
         return go(args.openai_url)
@@ -390,6 +409,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "same shape is the one the generator's responses/s are compared with",
     )
     p.add_argument(
+        "--client-processes",
+        type=positive_int,
+        default=None,
+        help="processes that run each level's clients (default: one per 64 clients of the "
+        "largest level)",
+    )
+    p.add_argument(
         "--sidecar-workers",
         type=positive_int,
         default=1,
@@ -460,6 +486,8 @@ def main(argv: list[str] | None = None) -> OnlineRun:
         f"{args.temperature}; device {args.device}, attention {args.attention_backend}, "
         f"tensor parallel size {args.tensor_parallel_size}",
         "offline engine: the same prompt ids, same concurrency cap (closed loop), same run",
+        f"client: each level's clients spread over up to {client_processes(args)} process(es) "
+        "(--client-processes); its CPU is theirs and this process's",
         "generator responses/s: tritonllm_responses_total over the level's wall time; of "
         f"ceiling: against the ceiling of the {args.triton_model} shape (the sidecar's "
         "--triton-model) at the same concurrency, same run",

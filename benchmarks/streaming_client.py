@@ -1,7 +1,10 @@
 """Closed-loop streaming OpenAI clients and their per-request timings (TTFT, TPOT, chunk ITL).
 
 Clients speak plain HTTP + server-sent events through `httpx` (lighter per chunk than the
-`openai` package, so the client is not what limits a 256-way level). Token counts come from the
+`openai` package). One asyncio process reads about 7k chunks/s before it is what limits a level
+(it then reads chunks late and in bursts, which adds to TTFT and hides chunk gaps: BENCHMARKS.md,
+"The benchmark's client, and instances"), so `ClientPool` spreads a level's clients over several
+processes. Token counts come from the
 final `usage` chunk (`stream_options.include_usage`); chunks may carry several tokens, so TPOT is
 per request, `(last chunk - first chunk) / (completion tokens - 1)`, and chunk ITL is the raw gap
 between text-carrying chunks.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -176,6 +180,89 @@ async def run_level(
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         seconds = time.perf_counter() - start
     return LevelResult(concurrency, records, seconds)
+
+
+def _level_share(args: tuple) -> tuple[list[RequestRecord], float]:
+    """A `ClientPool` worker's share of a level: its records and its CPU seconds for them."""
+    cpu = time.process_time()
+    result = asyncio.run(run_level(*args))
+    return result.records, time.process_time() - cpu
+
+
+class ClientPool:
+    """Closed-loop clients spread over `processes` worker processes (spawned once, reused by
+    every level), so that reading the streams is not what limits a level.
+
+    Client `k` of a level runs in process `k % processes` and sends that process's requests in
+    order: request `i` goes to process `i % processes` (a shared pool of requests per process,
+    not over all clients). `time.perf_counter` is the system's monotonic clock, so the records
+    of all processes share one time line.
+
+    Args:
+        processes: worker processes (>= 1); 1 runs each level in the calling process.
+    Raises:
+        ValueError: `processes` < 1.
+    """
+
+    def __init__(self, processes: int) -> None:
+        if processes < 1:
+            raise ValueError(f"processes must be >= 1, got {processes}")
+        self.processes = processes
+        self.cpu_s = 0.0  # the workers' CPU seconds over the levels so far
+        self._pool = None
+        if processes > 1:
+            self._pool = multiprocessing.get_context("spawn").Pool(processes)
+
+    def pids(self) -> list[int]:
+        """The worker processes' ids (none with one process)."""
+        return [w.pid for w in self._pool._pool] if self._pool else []  # type: ignore[attr-defined]
+
+    def run_level(
+        self,
+        base_url: str,
+        model: str,
+        texts: list[str],
+        output_lens: list[int],
+        concurrency: int,
+        temperature: float = 0.6,
+        endpoint: str = "chat",
+    ) -> LevelResult:
+        """`run_level` over the workers (blocking); records in the order of `texts`."""
+        if self._pool is None:
+            return asyncio.run(
+                run_level(base_url, model, texts, output_lens, concurrency, temperature, endpoint)
+            )
+        n = min(self.processes, concurrency, len(texts))
+        shares = [
+            (
+                base_url,
+                model,
+                texts[p::n],
+                output_lens[p::n],
+                len(range(p, concurrency, n)),
+                temperature,
+                endpoint,
+            )
+            for p in range(n)
+        ]
+        records: list[RequestRecord] = [RequestRecord(max_tokens=m) for m in output_lens]
+        for p, (share, cpu) in enumerate(self._pool.map(_level_share, shares, chunksize=1)):
+            records[p::n] = share
+            self.cpu_s += cpu
+        started = [r.start for r in records if r.start]
+        seconds = max(r.end for r in records) - min(started) if started else 0.0
+        return LevelResult(concurrency, records, seconds)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+
+    def __enter__(self) -> ClientPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def served_model_name(base_url: str) -> str:

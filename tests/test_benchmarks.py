@@ -258,7 +258,8 @@ def test_online_benchmark_streams_exact_token_counts(
     responses/s against the platform ceiling measured in the same run (`--ceiling`), and the
     concurrency-1 ITL against the batch-1 decode step; the JSON summary and plots are written
     and linked from the appended section. The sidecar streams from `llm_fused` (it has the
-    server's control secret): `check_fused` stops a level that went through the detokenizer."""
+    server's control secret): `check_fused` stops a level that went through the detokenizer.
+    The clients run in two worker processes (`--client-processes 2`)."""
     import json
 
     monkeypatch.setenv("TRITONLLM_CONTROL_SECRET", triton_server.control_secret)
@@ -287,6 +288,8 @@ def test_online_benchmark_streams_exact_token_counts(
         "--triton-url",
         triton_server.grpc_url,
         "--sidecar-workers",
+        "2",
+        "--client-processes",
         "2",
         "--metrics-url",
         triton_server.metrics_url,
@@ -347,6 +350,8 @@ def test_online_benchmark_streams_exact_token_counts(
         assert 0 <= lv["generator_queue_mean_ms"] <= lv["generator_ttft_mean_ms"]
         assert lv["generator_ttft_mean_ms"] < lv["ttft_mean_ms"]
     assert "sidecar: 2 worker process(es) on one port (--sidecar-workers)" in section
+    # Each level's clients ran in 2 worker processes; the records below are in prompt order.
+    assert "spread over up to 2 process(es) (--client-processes)" in section
     # Per level: CPU of the sidecar and this client, and the generator's time counters.
     for load in loads.values():
         assert "sidecar" in load["cpu"] and "client" in load["cpu"], load
