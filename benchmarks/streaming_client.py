@@ -213,10 +213,6 @@ class ClientPool:
         if processes > 1:
             self._pool = multiprocessing.get_context("spawn").Pool(processes)
 
-    def pids(self) -> list[int]:
-        """The worker processes' ids (none with one process)."""
-        return [w.pid for w in self._pool._pool] if self._pool else []  # type: ignore[attr-defined]
-
     def run_level(
         self,
         base_url: str,
