@@ -1,13 +1,14 @@
 """Closed-loop streaming OpenAI clients and their per-request timings (TTFT, TPOT, chunk ITL).
 
 Clients speak plain HTTP + server-sent events through `httpx` (lighter per chunk than the
-`openai` package). One asyncio process reads about 7k chunks/s before it is what limits a level
-(it then reads chunks late and in bursts, which adds to TTFT and hides chunk gaps: BENCHMARKS.md,
-"The benchmark's client, and instances"), so `ClientPool` spreads a level's clients over several
-processes. Token counts come from the
-final `usage` chunk (`stream_options.include_usage`); chunks may carry several tokens, so TPOT is
-per request, `(last chunk - first chunk) / (completion tokens - 1)`, and chunk ITL is the raw gap
+`openai` package). Token counts come from the final `usage` chunk
+(`stream_options.include_usage`); chunks may carry several tokens, so TPOT is per request,
+`(last chunk - first chunk) / (completion tokens - 1)`, and chunk ITL is the raw gap
 between text-carrying chunks.
+
+One asyncio process was what limited a 256-client level (it read the chunks late and in bursts,
+which adds to TTFT and hides chunk gaps: BENCHMARKS.md, "The benchmark's client, and
+instances"), so `ClientPool` spreads a level's clients over several processes.
 """
 
 from __future__ import annotations
@@ -193,9 +194,10 @@ class ClientPool:
     """Closed-loop clients spread over `processes` worker processes (spawned once, reused by
     every level), so that reading the streams is not what limits a level.
 
-    Client `k` of a level runs in process `k % processes` and sends that process's requests in
-    order: request `i` goes to process `i % processes` (a shared pool of requests per process,
-    not over all clients). `time.perf_counter` is the system's monotonic clock, so the records
+    A level uses `n = min(processes, concurrency, requests)` of them: request `i` goes to
+    process `i % n`, whose clients (`concurrency / n`, the first `concurrency % n` processes one
+    more) take its requests in order (a shared pool of requests per process, not over all
+    clients). `time.perf_counter` is the system's monotonic clock, so the records
     of all processes share one time line.
 
     Args:
