@@ -256,10 +256,8 @@ async def run_levels_online(
     for c, (texts, workload) in level_inputs.items():
         before = probe.snapshot() if probe else None
         level = (base_url, model, texts, workload.output_lens, c, temperature, endpoint)
-        if clients is None:
-            results[c] = res = await run_level(*level)
-        else:
-            results[c] = res = await asyncio.to_thread(clients.run_level, *level)
+        run_clients = run_level if clients is None else clients.run_level
+        results[c] = res = await run_clients(*level)
         if probe and before:
             after = probe.snapshot()
             loads[c] = probe.report(before, after)

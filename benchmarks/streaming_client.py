@@ -18,6 +18,7 @@ import json
 import multiprocessing
 import time
 import urllib.request
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,6 +184,18 @@ async def run_level(
     return LevelResult(concurrency, records, seconds)
 
 
+# Seconds a `ClientPool` waits for all its workers to have started.
+WORKER_START_TIMEOUT_S = 120.0
+
+
+def _start_worker(started: Any) -> None:
+    """A `ClientPool` worker's initializer: import what a level needs, then wait until every
+    worker of the pool is up (`started`, a barrier over them)."""
+    import httpx  # noqa: F401
+
+    started.wait(WORKER_START_TIMEOUT_S)
+
+
 def _level_share(args: tuple) -> tuple[list[RequestRecord], float]:
     """A `ClientPool` worker's share of a level: its records and its CPU seconds for them."""
     cpu = time.process_time()
@@ -191,14 +204,15 @@ def _level_share(args: tuple) -> tuple[list[RequestRecord], float]:
 
 
 class ClientPool:
-    """Closed-loop clients spread over `processes` worker processes (spawned once, reused by
-    every level), so that reading the streams is not what limits a level.
+    """Closed-loop clients spread over `processes` worker processes (started and warmed up
+    before the first level, reused by every level), so that reading the streams is not what
+    limits a level.
 
-    A level uses `n = min(processes, concurrency, requests)` of them: request `i` goes to
-    process `i % n`, whose clients (`concurrency / n`, the first `concurrency % n` processes one
-    more) take its requests in order (a shared pool of requests per process, not over all
-    clients). `time.perf_counter` is the system's monotonic clock, so the records
-    of all processes share one time line.
+    A level uses `n = min(processes, concurrency, requests)` workers. Client slot `k` (of
+    `concurrency`) belongs to worker `k % n`, and request `i` to the worker of slot
+    `i % concurrency`, so each worker's share of the requests matches its share of the clients;
+    a worker's clients take its requests in order. `time.perf_counter` is the system's monotonic
+    clock, so the records of all workers share one time line.
 
     Args:
         processes: worker processes (>= 1); 1 runs each level in the calling process.
@@ -211,11 +225,22 @@ class ClientPool:
             raise ValueError(f"processes must be >= 1, got {processes}")
         self.processes = processes
         self.cpu_s = 0.0  # the workers' CPU seconds over the levels so far
-        self._pool = None
+        self._executor: ProcessPoolExecutor | None = None
         if processes > 1:
-            self._pool = multiprocessing.get_context("spawn").Pool(processes)
+            context = multiprocessing.get_context("spawn")
+            self._executor = ProcessPoolExecutor(
+                processes,
+                mp_context=context,
+                initializer=_start_worker,
+                initargs=(context.Barrier(processes),),
+            )
+            # With no worker idle yet, each call starts one more (a spawn pool's workers start
+            # on demand), and none runs before all have started and imported httpx: all are up
+            # before a level's window opens.
+            for future in [self._executor.submit(time.sleep, 0) for _ in range(processes)]:
+                future.result()
 
-    def run_level(
+    async def run_level(
         self,
         base_url: str,
         model: str,
@@ -225,42 +250,63 @@ class ClientPool:
         temperature: float = 0.6,
         endpoint: str = "chat",
     ) -> LevelResult:
-        """`run_level` over the workers (blocking); records in the order of `texts`."""
-        if self._pool is None:
-            return asyncio.run(
-                run_level(base_url, model, texts, output_lens, concurrency, temperature, endpoint)
+        """`run_level` over the workers; records in the order of `texts`."""
+        if self._executor is None:
+            return await run_level(
+                base_url, model, texts, output_lens, concurrency, temperature, endpoint
             )
         n = min(self.processes, concurrency, len(texts))
+        owned: list[list[int]] = [[] for _ in range(n)]
+        for i in range(len(texts)):
+            owned[(i % concurrency) % n].append(i)
+        loop = asyncio.get_running_loop()
         shares = [
-            (
-                base_url,
-                model,
-                texts[p::n],
-                output_lens[p::n],
-                len(range(p, concurrency, n)),
-                temperature,
-                endpoint,
+            loop.run_in_executor(
+                self._executor,
+                _level_share,
+                (
+                    base_url,
+                    model,
+                    [texts[i] for i in indices],
+                    [output_lens[i] for i in indices],
+                    len(range(p, concurrency, n)),
+                    temperature,
+                    endpoint,
+                ),
             )
-            for p in range(n)
+            for p, indices in enumerate(owned)
         ]
         records: list[RequestRecord] = [RequestRecord(max_tokens=m) for m in output_lens]
-        for p, (share, cpu) in enumerate(self._pool.map(_level_share, shares, chunksize=1)):
-            records[p::n] = share
+        for indices, (share, cpu) in zip(owned, await asyncio.gather(*shares), strict=True):
+            for i, record in zip(indices, share, strict=True):
+                records[i] = record
             self.cpu_s += cpu
         started = [r.start for r in records if r.start]
         seconds = max(r.end for r in records) - min(started) if started else 0.0
         return LevelResult(concurrency, records, seconds)
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers; with `kill` (an interrupted or failed run) without waiting for the
+        levels they may still be running."""
+        executor, self._executor = self._executor, None
+        if executor is None:
+            return
+        if not kill:
+            executor.shutdown(wait=True)
+            return
+        processes = list(getattr(executor, "_processes", {}).values())  # CPython's pool
+        executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        for process in processes:
+            process.join(5)
 
     def __enter__(self) -> ClientPool:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(kill=exc_type is not None)
 
 
 def served_model_name(base_url: str) -> str:

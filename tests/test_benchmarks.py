@@ -732,3 +732,30 @@ def test_response_path_harness_runs_the_served_sender_path(text, tiny_model_dir,
     assert result["tokens_per_response"] >= 1.0
     # ids: output_ids, prefix_ids and the progress tensors; text: text_output in their place
     assert result["tensors_per_response"] >= (2.0 if text else 3.0)
+
+
+def test_client_pool_returns_each_level_in_request_order_and_stops_its_workers():
+    """`ClientPool` spreads a level over its worker processes (here 3 workers for 4 clients, so
+    one worker has two) and puts every record back at its request's index; against a port with
+    no server every request fails alone, with its connection error."""
+    import asyncio
+    import socket
+
+    from benchmarks.streaming_client import ClientPool
+
+    with socket.socket() as s:  # a free port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lens = [3, 5, 7, 11, 13, 17, 19]
+    with ClientPool(3) as pool:
+        workers = list(pool._executor._processes.values())
+        assert len(workers) == 3 and all(w.is_alive() for w in workers)
+        level = asyncio.run(
+            pool.run_level(f"http://127.0.0.1:{port}", "m", ["hi"] * len(lens), lens, 4)
+        )
+        assert [r.max_tokens for r in level.records] == lens
+        assert all(r.error and "ConnectError" in r.error for r in level.records)
+        assert pool.cpu_s > 0
+    for worker in workers:
+        worker.join(10)
+        assert not worker.is_alive()
