@@ -121,20 +121,18 @@ class LoadProbe:
     """Snapshots of the process groups `pgids` and the metrics at `metrics_url` (either may be
     empty: what is missing is left out of the report). `generator_instances`: the generator's
     Triton instances, whose stubs' sender threads all add to the `tritonllm_sender_*`
-    counters. `client_cpu`: CPU seconds of the client's worker processes so far
-    (`streaming_client.ClientPool.cpu_s`), added to this process's own as `client`."""
+    counters. Its attribute `client_cpu`, when set, gives the CPU seconds of the client's worker
+    processes so far (`streaming_client.ClientPool.cpu_s`), added to this process's own as
+    `client`."""
 
     def __init__(
-        self,
-        pgids: list[int],
-        metrics_url: str | None,
-        generator_instances: int = 1,
-        client_cpu: Callable[[], float] | None = None,
+        self, pgids: list[int], metrics_url: str | None, generator_instances: int = 1
     ) -> None:
         self.pgids = pgids
         self.metrics_url = metrics_url
         self.generator_instances = generator_instances
-        self.client_cpu = client_cpu
+        # Set once the client's workers exist (`serve_and_run` builds the probe before them).
+        self.client_cpu: Callable[[], float] | None = None
 
     def snapshot(self) -> Snapshot:
         cpu = process_cpu_seconds(self.pgids)

@@ -241,12 +241,13 @@ async def run_levels_online(
 ) -> OnlineRun:
     """Warm up with one short request, then run each level in order. ``fused``: the sidecar
     was asked to stream from `llm_fused` (`check_fused` holds each level to it). ``clients``:
-    the processes that run each level's clients (None: this one).
+    the processes that run each level's clients (None: this one, ``ClientPool(1)``).
 
     Returns:
         the results per level and, with a `probe`, its report over each level and the
         generator's responses/s (when the probe reads the generator's metrics).
     """
+    clients = clients or ClientPool(1)
     model = served_model_name(base_url)
     warm = await run_level(base_url, model, ["warm up " * 8], [8], 1, temperature, endpoint)
     if warm.records[0].error:
@@ -255,9 +256,9 @@ async def run_levels_online(
     results, loads = run.results, run.loads
     for c, (texts, workload) in level_inputs.items():
         before = probe.snapshot() if probe else None
-        level = (base_url, model, texts, workload.output_lens, c, temperature, endpoint)
-        run_clients = run_level if clients is None else clients.run_level
-        results[c] = res = await run_clients(*level)
+        results[c] = res = await clients.run_level(
+            base_url, model, texts, workload.output_lens, c, temperature, endpoint
+        )
         if probe and before:
             after = probe.snapshot()
             loads[c] = probe.report(before, after)
