@@ -2,7 +2,7 @@
 backend delivers when the model does nothing else.
 
     python -m benchmarks.ceiling [--concurrency 1,16,64,256] [--ceiling-seconds 4]
-        [--ceiling-tokens 128] [--ceiling-client-processes 4] [--ceiling-instances 1]
+        [--ceiling-tokens 128] [--ceiling-client-processes N] [--ceiling-instances 1]
         [--ceiling-sender-threads 4]
 
 A tritonserver on `benchmarks/ceiling_repository` serves `ceiling_stream`, a decoupled Python
@@ -347,7 +347,7 @@ def notes(args: argparse.Namespace) -> list[str]:
         "one-token response: 4, 6 in a stream's first and last), alone, as the middle step "
         f"of ceiling_llm (shaped like llm) and as the last step of ceiling_fused (shaped like "
         f"llm_fused); closed-loop gRPC streams of {args.ceiling_tokens} "
-        f"responses from {args.ceiling_client_processes} client processes (at most); responses "
+        f"responses from {client_processes(args)} client processes (at most); responses "
         f"counted in a {args.ceiling_seconds:g} s window after {WARM_S:g} s of warm-up",
     ]
 
@@ -356,7 +356,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ceiling's flags (shared with `benchmarks.online --ceiling`)."""
     p.add_argument("--ceiling-seconds", type=float, default=4.0, help="window per level (s)")
     p.add_argument("--ceiling-tokens", type=positive_int, default=128)
-    p.add_argument("--ceiling-client-processes", type=positive_int, default=4)
+    p.add_argument(
+        "--ceiling-client-processes",
+        type=positive_int,
+        default=None,
+        help="client processes per level, at most (default: 2 per server instance, at least 4)",
+    )
     p.add_argument("--ceiling-instances", type=positive_int, default=1)
     p.add_argument(
         "--ceiling-sender-threads",
@@ -368,13 +373,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ceiling-log", help="the ceiling server's log file (default: a temp file)")
 
 
+def client_processes(args: argparse.Namespace) -> int:
+    """``--ceiling-client-processes``, or by default 2 per server instance and at least 4: at 4
+    instances 4 client processes were not enough (the busiest used 1.1 cores, BENCHMARKS.md,
+    "The benchmark's client, and instances")."""
+    if args.ceiling_client_processes is not None:
+        return args.ceiling_client_processes
+    return max(4, 2 * args.ceiling_instances)
+
+
 def from_args(args: argparse.Namespace) -> dict[str, dict[int, CeilingLevel]]:
     """`run_ceiling` with `add_arguments`' flags and `args.concurrency`."""
     return run_ceiling(
         args.concurrency,
         args.ceiling_seconds,
         args.ceiling_tokens,
-        args.ceiling_client_processes,
+        client_processes(args),
         args.ceiling_instances,
         Path(args.ceiling_log) if args.ceiling_log else None,
         args.ceiling_sender_threads,

@@ -4,6 +4,7 @@ counts responses from every client process. Speeds are never asserted."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import pytest
@@ -78,3 +79,12 @@ def test_ceiling_levels_stream_exact_responses_alone_and_through_the_ensemble(tm
             bench.level("nope", 1, 8, 0.5)
     levels = {"alone": {1: level}, "ensemble": {1: level}, "fused": {1: level}}
     assert ceiling.report(levels).splitlines()[2].startswith("| 1 | ")
+
+
+def test_the_default_client_processes_grow_with_the_instances():
+    parser = argparse.ArgumentParser()
+    ceiling.add_arguments(parser)
+    assert ceiling.client_processes(parser.parse_args([])) == 4
+    assert ceiling.client_processes(parser.parse_args(["--ceiling-instances", "4"])) == 8
+    given = ["--ceiling-instances", "4", "--ceiling-client-processes", "3"]
+    assert ceiling.client_processes(parser.parse_args(given)) == 3
