@@ -19,10 +19,13 @@ from tritonllm.supervisor import Backoff, SupervisePolicy, Supervisor, check_hea
 from tritonllm.triton_server import free_port, start_process_group, stop_process_group
 
 # A /health server: answers the status code written in the file argv[2] (200 when absent;
-# "503 failed" also says backend_failed), or never answers while that file says "hang".
+# "503 failed" also says backend_failed), or never answers while that file says "hang". SIGINT
+# stops it as it stops the real sidecar (uvicorn sets its own handler): a process started from a
+# background shell inherits SIGINT ignored, and each teardown then waited 15 s for it.
 FAKE_SIDECAR = r"""
-import http.server, sys, time
+import http.server, signal, sys, time
 from pathlib import Path
+signal.signal(signal.SIGINT, signal.default_int_handler)
 status_file = Path(sys.argv[2])
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
