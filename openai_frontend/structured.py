@@ -4,9 +4,10 @@ Fields (both endpoints): OpenAI's ``response_format`` (``text``, ``json_object``
 ``json_schema`` with ``json_schema.schema``; ``strict`` or not, the output always matches the
 schema, as vLLM does), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar`` and their newer form ``structured_outputs`` (one object,
-``tritonllm.structured.spec``), ``guided_decoding_backend`` (``auto`` or ``guidance``: the one
-backend there is, llguidance, serves them all, so a no-op; any other name, ``xgrammar``
-included, is refused: it cannot be honoured),
+``tritonllm.structured.spec``), ``guided_decoding_backend`` (``auto``: the generator picks
+xgrammar for JSON schemas of its subset and llguidance otherwise; ``guidance``: llguidance for
+all, sent on as the constraint's ``backend``; any other name, ``xgrammar`` included, is
+refused: no other library serves every kind),
 ``allowed_token_ids`` and ``bad_words``. ``guided_whitespace_pattern`` is not declared: JSON is
 always compact here (``spec``), so ``extensions.py`` refuses it by name (as ``spec`` refuses
 ``whitespace_pattern``). At most one constraint per request (a named or
@@ -119,7 +120,12 @@ class StructuredOutputFields(BaseModel):
                 param=given[1][0],
                 code="invalid_value",
             )
-        return given[0] if given else None
+        if not given:
+            return None
+        name, constraint = given[0]
+        if self.guided_decoding_backend == "guidance":  # an object's own backend wins
+            constraint = {"backend": "guidance", **constraint}
+        return name, constraint
 
 
 def _gives_way(constraint: tuple[str, dict[str, Any]] | None) -> bool:

@@ -22,6 +22,7 @@ from openai_frontend.extensions import OPENAI_FIELDS
 from openai_frontend.generation import to_openai_error
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.sampling import chat_inputs, completion_inputs
+from openai_frontend.structured import constraint_inputs
 from openai_frontend.triton_client import InputSpec, TritonError, encode_tensor, parse_chunk
 from tritonllm.contract.errors import ErrorCode, encode_error
 from tritonllm.triton_server import free_port
@@ -131,6 +132,26 @@ def test_chat_inputs_send_only_given_fields():
         "stream": False,
         "enable_thinking": False,
     }
+
+
+@pytest.mark.parametrize(
+    ("extra", "sent"),
+    [
+        ({}, {"json": {"type": "boolean"}}),
+        ({"guided_decoding_backend": "auto"}, {"json": {"type": "boolean"}}),
+        (
+            {"guided_decoding_backend": "guidance"},
+            {"backend": "guidance", "json": {"type": "boolean"}},
+        ),
+    ],
+)
+def test_guided_decoding_backend_guidance_travels_with_the_constraint(extra, sent):
+    """``guidance`` asks for llguidance on every mask, so it reaches the generator as the
+    constraint's ``backend`` (which `StructuredOutputs` honours); ``auto`` leaves the choice
+    to the generator."""
+    req = CompletionRequest(prompt="x", guided_json={"type": "boolean"}, **extra)
+    inputs = constraint_inputs(req, {"structured_outputs": InputSpec("BYTES", (1,))})
+    assert json.loads(inputs["structured_outputs"]) == sent
 
 
 def test_unsupported_fields_are_400_unless_noop():

@@ -15,6 +15,9 @@ its tokenizer), the guarantees `tritonllm.structured` gives:
 - regex, choice, EBNF grammar and json_object outputs match; allowed_token_ids and bad_words
   (single- and multi-token) mask what they name.
 - An invalid schema, pattern or grammar is a RequestError naming the field, before the engine.
+- JSON schemas of xgrammar's subset get xgrammar's matchers, others (and any constraint with
+  backend "guidance", or an engine with grammar_backend "llguidance") llguidance's; a bounded
+  schema's outputs validate under either.
 - GPU (marked `gpu`): the same with CUDA graphs (the mask applied after the replay) and
   overlap scheduling.
 """
@@ -406,6 +409,104 @@ def test_properties_come_in_the_schemas_order(tiny_model_dir, tok):
     ).values()
     assert (reason, error) == ("stop", None)
     assert tok.decode(ids, skip_special_tokens=True) == '{"zeta": 1, "alpha": 2, "mid": 3}'
+
+
+OBJECT_OF_A_BOUNDED_STRING = {
+    "type": "object",
+    "properties": {"a": {"type": "string", "minLength": 1, "maxLength": 4}},
+    "required": ["a"],
+}
+
+
+@pytest.mark.parametrize(
+    ("schema", "xgrammar"),
+    [
+        (OBJECT_OF_A_BOUNDED_STRING, True),
+        ({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}}, True),
+        ({"enum": ["x", 1, None]}, True),
+        ({"type": "number"}, True),
+        ({"type": "string", "pattern": "^a+$"}, False),  # patterns: llguidance
+        ({"type": "number", "minimum": 0, "maximum": 1}, False),  # `strict`'s multipleOf
+        ({"type": "object"}, False),  # open object: the two libraries' defaults differ
+        ({"type": "array"}, False),
+        ({"type": ["string", "null"]}, False),
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, False),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}},
+                "additionalProperties": True,
+            },
+            False,
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"$ref": "#/$defs/x"}},
+                "$defs": {"x": {"type": "integer"}},
+            },
+            False,
+        ),
+    ],
+)
+def test_json_schemas_of_xgrammars_subset_get_xgrammar_matchers(tiny_model_dir, schema, xgrammar):
+    from tritonllm.config import ModelConfig
+    from tritonllm.structured.compiler import ConstraintCompiler
+    from tritonllm.structured.constraint import XGrammarMatcher
+
+    mc = ModelConfig.from_pretrained(str(tiny_model_dir))
+    compiler = ConstraintCompiler(str(tiny_model_dir), mc.vocab_size, mc.eos_token_ids)
+    llguidance_only = ConstraintCompiler(
+        str(tiny_model_dir), mc.vocab_size, mc.eos_token_ids, use_xgrammar=False
+    )
+    try:
+        spec = StructuredOutputs.build("json", schema, "guided_json")
+        guidance = StructuredOutputs.from_wire({"json": schema, "backend": "guidance"})
+        compiled = compiler.submit(SamplingParams(structured_outputs=spec)).result()
+        assert (compiled.xgrammar is not None) is xgrammar
+        assert isinstance(compiled.new().matcher, XGrammarMatcher) is xgrammar
+        for other in (
+            compiler.submit(SamplingParams(structured_outputs=guidance)).result(),
+            llguidance_only.submit(SamplingParams(structured_outputs=spec)).result(),
+        ):
+            assert other.xgrammar is None and other.grammar == compiled.grammar
+    finally:
+        compiler.shutdown()
+        llguidance_only.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["auto", "llguidance"])
+def test_a_bounded_schema_validates_under_either_grammar_backend(tiny_model_dir, tok, backend):
+    """The structured-decode benchmark's items (bounded strings, integers and arrays), where
+    the two libraries' masks cost the most differently, with overlap scheduling and a plain
+    neighbour: every output validates and ends with "stop"."""
+    from benchmarks.structured_decode import ITEM
+
+    schemas = [
+        {"type": "array", "items": ITEM, "minItems": 1, "maxItems": 2},
+        OBJECT_OF_A_BOUNDED_STRING,
+    ]
+    requests = [
+        (
+            f"s{k}",
+            tok.encode(f"JSON {k}:"),
+            SamplingParams(
+                max_tokens=200,
+                temperature=0.0 if k < 2 else 1.0,
+                seed=k,
+                structured_outputs=_json(schemas[k % 2]),
+            ),
+        )
+        for k in range(4)
+    ]
+    requests.append(("p", tok.encode("Hello"), SamplingParams(max_tokens=8, temperature=0.0)))
+    engine = _engine(tiny_model_dir, overlap_schedule=True, grammar_backend=backend)
+    outs = _run(engine, requests)
+    for k in range(4):
+        ids, reason, error = outs[f"s{k}"]
+        text = tok.decode(ids, skip_special_tokens=True)
+        assert (reason, error) == ("stop", None), (k, text)
+        jsonschema.validate(json.loads(text), schemas[k % 2])
 
 
 def test_a_bounded_number_with_a_narrow_range_stays_satisfiable():

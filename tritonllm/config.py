@@ -65,6 +65,7 @@ LINEAR_KERNELS = ("auto", "cublas", "triton")
 # best offline result of 1, 64 and 128 on the H200 (BENCHMARKS.md, "Offline: tensor-core
 # decode threshold").
 TENSOR_CORE_DECODE_MIN_BATCH = 64
+GRAMMAR_BACKENDS = ("auto", "llguidance")  # EngineConfig.grammar_backend
 # Most threads of the derived EngineConfig.grammar_threads (llguidance's own default: 80% of
 # the cores, at most 32).
 MAX_GRAMMAR_THREADS = 32
@@ -140,7 +141,11 @@ class EngineConfig:
             CPU (gloo), started by `EngineProcess`, whose child is rank 0. 1: the whole model
             in one engine, no process group.
         grammar_threads: structured outputs: the threads that fill the constrained rows' token
-            masks (llguidance's executor); None → `resolved_grammar_threads`.
+            masks (llguidance's executor, and xgrammar's); None → `resolved_grammar_threads`.
+        grammar_backend: structured outputs: ``"auto"``: JSON schemas of xgrammar's subset
+            get xgrammar's matchers, every other constraint llguidance's
+            (`tritonllm.structured.spec`); ``"llguidance"``: llguidance's for all (the A/B of
+            `benchmarks.structured_decode`).
         defer_grammar_sampling: structured outputs: a step with rows under a grammar enqueues
             its sampling only before the next step's uploads, its masks filling on a thread of
             their own meanwhile (`engine.model_runner`); False: the masks fill and the step
@@ -179,6 +184,7 @@ class EngineConfig:
     engine_profile: str | None = None
     tensor_parallel_size: int = 1
     grammar_threads: int | None = None
+    grammar_backend: str = "auto"
     defer_grammar_sampling: bool = True
     grammar_compile_timeout_s: float = 60.0
 
@@ -216,6 +222,10 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.grammar_threads is not None and self.grammar_threads < 1:
             raise ValueError(f"grammar_threads must be >= 1, got {self.grammar_threads}")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(
+                f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}"
+            )
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(
                 f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}"

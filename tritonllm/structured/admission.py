@@ -56,7 +56,12 @@ class ConstraintAdmission:
         """The compiler (created on first use: a service without constraints never loads it)."""
         if self._compiler is None:
             mc = self.config.model_config
-            self._compiler = ConstraintCompiler(self.config.model, mc.vocab_size, mc.eos_token_ids)
+            self._compiler = ConstraintCompiler(
+                self.config.model,
+                mc.vocab_size,
+                mc.eos_token_ids,
+                use_xgrammar=self.config.grammar_backend == "auto",
+            )
         return self._compiler
 
     @property

@@ -6,10 +6,11 @@ row for its next-token bitmask (`structured.masks`: llguidance's (and xgrammar's
 applies it to the logits; the engine then feeds the sampled token back (`accept`, or
 `accept_tokens` for a step's rows at once). What each part allows:
 
-- grammar (llguidance `LLMatcher`): the tokens that keep the output a prefix of the grammar's
-  language, and the stop tokens (the model's EOS ids, all of them the matcher's EOS tokens)
-  exactly when the output is complete; a constraint is *terminated* once it accepted a stop
-  token, which finishes the request ("stop");
+- grammar (llguidance `LLMatcher`, or `XGrammarMatcher` for a JSON schema of xgrammar's
+  subset): the tokens that keep the output a prefix of the grammar's language, and the stop
+  tokens (the model's EOS ids, all of them the matcher's EOS tokens) exactly when the output is
+  complete; a constraint is *terminated* once it accepted a stop token, which finishes the
+  request ("stop");
 - allowed token ids (vLLM's `allowed_token_ids`): only those ids;
 - bad words (vLLM's `bad_words`, TensorRT-LLM's `bad_words`): a word's last token is banned
   when the output ends with the word's other tokens (single-token words: always), for the
@@ -63,6 +64,8 @@ class CompiledConstraint:
         allowed: ``[W]`` int32 bitmask row of the allowed token ids, or None (all allowed).
         banned: token ids always banned (single-token bad words).
         bad_sequences: multi-token bad words: (prefix ids, last id) pairs.
+        xgrammar: xgrammar's `CompiledGrammar` of the same JSON schema as ``grammar``, or None:
+            where given, the matchers are xgrammar's (`XGrammarMatcher`).
     """
 
     grammar: str | None = None
@@ -71,9 +74,11 @@ class CompiledConstraint:
     allowed: np.ndarray | None = None
     banned: np.ndarray | None = None
     bad_sequences: tuple[tuple[tuple[int, ...], int], ...] = ()
+    xgrammar: Any = None
 
     def new(self) -> TokenConstraint:
-        """A fresh constraint state for one choice of a request, with its own llguidance
+        """A fresh constraint state for one choice of a request, with its own matcher: an
+        `XGrammarMatcher` where ``xgrammar`` is given (microseconds), else an llguidance
         ``LLMatcher`` (a grammar build, outside the GIL; `ConstraintCompiler.instantiate` runs
         it off the engine thread). Not a copy of one prototype: ``LLMatcher.deep_copy`` shares the
         prototype's lexer behind one mutex, so the masks of all copies would be filled one at a
@@ -85,8 +90,10 @@ class CompiledConstraint:
         Raises:
             ValueError: llguidance could not build the matcher (its error message).
         """
-        matcher = None
-        if self.grammar is not None:
+        matcher: Any = None
+        if self.xgrammar is not None:
+            matcher = XGrammarMatcher(self.xgrammar)
+        elif self.grammar is not None:
             import llguidance
 
             # log_level 0: a matcher's errors are read with get_error(), not printed.
@@ -94,6 +101,33 @@ class CompiledConstraint:
             if matcher.is_error():
                 raise ValueError(matcher.get_error())
         return TokenConstraint(self, matcher)
+
+
+class XGrammarMatcher:
+    """An xgrammar ``GrammarMatcher`` with the part of llguidance's ``LLMatcher`` interface that
+    `TokenConstraint` uses. xgrammar has no error state: a refused token only returns False.
+    Its masks are filled by `structured.masks` through xgrammar's ``BatchGrammarMatcher``.
+
+    Args:
+        compiled: xgrammar's ``CompiledGrammar`` (its tokenizer info holds the stop tokens).
+    """
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, compiled: Any) -> None:
+        import xgrammar
+
+        self.matcher = xgrammar.GrammarMatcher(compiled)
+
+    def consume_token(self, token: int) -> bool:
+        """Advance past ``token``; False where the grammar refuses it (the state is kept)."""
+        return bool(self.matcher.accept_token(token))
+
+    def is_error(self) -> bool:
+        return False
+
+    def get_error(self) -> str:
+        return ""
 
 
 class TokenConstraint:
@@ -225,6 +259,8 @@ def accept_tokens(
             continue
         elif c.matcher.is_error():
             ok[i] = c._settle(t, False)
+        elif isinstance(c.matcher, XGrammarMatcher):  # microseconds: not worth a batch
+            ok[i] = c._settle(t, c.matcher.consume_token(t))
         else:
             batch.append((c.matcher, t))
             where.append(i)
@@ -237,6 +273,7 @@ def accept_tokens(
 __all__ = [
     "CompiledConstraint",
     "TokenConstraint",
+    "XGrammarMatcher",
     "bitmask_words",
     "clear_bits",
     "accept_tokens",

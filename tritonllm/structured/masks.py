@@ -9,8 +9,8 @@ with `kernels.token_bitmask.apply_token_bitmask` (one Triton kernel), elsewhere 
 steps later, after the engine has waited for the step that uploaded it, so its copy is done.
 
 The fill can also run while the engine does other work (`start`, then `finish`; `apply` is
-both at once): the grammar rows' masks fill in one llguidance batch call, outside the GIL, on
-a thread of its own, so the engine thread can meanwhile commit the step and build the next
+both at once): the grammar rows' masks fill in one llguidance batch call (and one xgrammar batch
+call for `XGrammarMatcher` rows), outside the GIL, on a thread of its own, so the engine thread can meanwhile commit the step and build the next
 step's host inputs (`engine.model_runner`'s deferred sampling). Starting it is a handshake:
 `start` returns only once that thread is inside the llguidance call. A thread that merely
 waits for the GIL gets it when the holder blocks or after the interpreter's switch interval
@@ -31,7 +31,12 @@ import numpy as np
 import torch
 
 from tritonllm.engine.request import Request
-from tritonllm.structured.constraint import TokenConstraint, bitmask_words, restrict_rows
+from tritonllm.structured.constraint import (
+    TokenConstraint,
+    XGrammarMatcher,
+    bitmask_words,
+    restrict_rows,
+)
 
 
 def apply_token_bitmask_torch(
@@ -87,11 +92,12 @@ class MaskFill:
 
 
 class TokenMaskBuffers:
-    """Host bitmask buffers, the fill thread and the llguidance executor of one sampler.
+    """Host bitmask buffers, the fill thread and the grammar executors (llguidance's, and
+    xgrammar's batch matcher) of one sampler.
 
     Args:
         device: where the logits are.
-        threads: the executor's threads (`EngineConfig.resolved_grammar_threads`).
+        threads: each executor's threads (`EngineConfig.resolved_grammar_threads`).
     """
 
     def __init__(self, device: torch.device, threads: int = 1) -> None:
@@ -101,8 +107,9 @@ class TokenMaskBuffers:
         self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
         self._next = 0
         self._executor: Any = None
+        self._xgrammar_batch: Any = None
         self._filler: ThreadPoolExecutor | None = None
-        # Diagnostics: seconds inside llguidance's fill calls so far, on whichever thread.
+        # Diagnostics: seconds inside the grammar libraries' fill calls so far, on whichever thread.
         self.fill_seconds = 0.0
 
     @property
@@ -113,6 +120,15 @@ class TokenMaskBuffers:
 
             self._executor = llguidance.LLExecutor(self.threads)
         return self._executor
+
+    @property
+    def xgrammar_batch(self) -> Any:
+        """xgrammar's ``BatchGrammarMatcher`` (created on first use)."""
+        if self._xgrammar_batch is None:
+            import xgrammar
+
+            self._xgrammar_batch = xgrammar.BatchGrammarMatcher(self.threads)
+        return self._xgrammar_batch
 
     def _buffer(self, batch: int, words: int) -> tuple[torch.Tensor, torch.Tensor]:
         index, self._next = self._next, self._next ^ 1
@@ -133,28 +149,36 @@ class TokenMaskBuffers:
         """Start filling the masks of logits rows ``rows`` (of a ``[B, vocab]`` step) by the
         constraints of ``reqs`` (row ``rows[i]`` is ``reqs[i]``'s, each with a
         `TokenConstraint`). With ``background`` the grammar rows' fill runs on the fill thread
-        and this returns once that thread is inside llguidance's call (module docstring);
+        and this returns once that thread is inside the fill (module docstring);
         until `finish`, the caller must not use these constraints. Without, it fills them
         here, on the calling thread."""
         host, host_rows = self._buffer(len(rows), bitmask_words(vocab))
         host_rows.numpy()[:] = rows
         array = host.numpy()
         constraints: list[TokenConstraint] = [r.constraint for r in reqs]  # type: ignore[misc]
-        grammar = []
+        grammar, xg_matchers, xg_rows = [], [], []
         for i, c in enumerate(constraints):
-            if c.matcher is not None:
+            if isinstance(c.matcher, XGrammarMatcher):
+                xg_matchers.append(c.matcher.matcher)  # xgrammar writes the whole row too
+                xg_rows.append(i)
+            elif c.matcher is not None:
                 grammar.append((c.matcher, i))  # llguidance writes the whole row
             else:
                 array[i] = -1  # every token allowed until `restrict_rows` clears some
         done = None
-        if grammar:
+        if grammar or xg_matchers:
             inside = threading.Event()
-            executor, pointer, row_bytes = self.executor, array.ctypes.data, array.shape[1] * 4
+            executor: Any = self.executor if grammar else None
+            batch: Any = self.xgrammar_batch if xg_matchers else None
+            pointer, row_bytes = array.ctypes.data, array.shape[1] * 4
 
             def fill() -> None:  # llguidance.numpy.fill_next_token_bitmask_par's call, bare
                 inside.set()
                 begin = time.perf_counter()
-                executor.unsafe_compute_mask_ptr(grammar, pointer, row_bytes, len(rows))
+                if grammar:
+                    executor.unsafe_compute_mask_ptr(grammar, pointer, row_bytes, len(rows))
+                if xg_matchers:
+                    batch.batch_fill_next_token_bitmask(xg_matchers, host, xg_rows)
                 self.fill_seconds += time.perf_counter() - begin
 
             if not background:

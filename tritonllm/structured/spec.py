@@ -12,12 +12,18 @@ of
 - ``{"grammar": "<EBNF>"}``: text of the grammar's ``root`` rule (``guided_grammar``; GBNF, the
   EBNF dialect of llama.cpp and xgrammar, or llguidance's Lark syntax with a ``start`` rule).
 
-Constraints are llguidance grammars (`grammar`). ``backend`` may be given as ``"auto"``
-or ``"guidance"`` (vLLM's name of llguidance); another backend (``"xgrammar"``, ``"outlines"``)
-is refused by name, since it cannot be honoured; other keys of vLLM's object (``whitespace_pattern``,
-``structural_tag``, ...) are refused by name. Validation builds and checks the llguidance
-grammar (no tokenizer needed: about a millisecond), so an invalid schema, pattern or grammar is
-a ``RequestError`` at the trust boundary, never a failure in the engine loop.
+Every constraint is an llguidance grammar (`grammar`), and validation builds and checks it (no
+tokenizer needed: about a millisecond), so an invalid schema, pattern or grammar is a
+``RequestError`` at the trust boundary, never a failure in the engine loop. A JSON schema of the
+subset that xgrammar enforces in full (`xgrammar_schema`: objects, arrays, strings with length
+bounds, integers with bounds, unbounded numbers, booleans, null, enum and const) has its token
+masks filled by xgrammar instead, whose precomputed per-state token sets make a bounded string's
+mask about ten times cheaper than llguidance's trie walk (BENCHMARKS.md, "Bounded strings with
+xgrammar"); the output's language is the same schema's either way. ``backend`` may be given as
+``"auto"`` (that choice) or ``"guidance"`` (vLLM's name of llguidance: llguidance fills every
+mask); another backend (``"xgrammar"``, ``"outlines"``) is refused by name, since neither serves
+every kind here; other keys of vLLM's object (``whitespace_pattern``, ``structural_tag``, ...)
+are refused by name.
 
 JSON is generated compactly (llguidance's ``whitespace_flexible`` off, separators ``", "`` and
 ``": "``, no free whitespace), so a model cannot wander off into endless whitespace: vLLM offers
@@ -64,6 +70,8 @@ class StructuredOutputs:
             every error about it names (``param``); None: ``structured_outputs.<kind>``. Data
             about the request, not the constraint: equality and the hash (the grammar cache's
             key) leave it out.
+        backend: ``"guidance"``: llguidance fills its masks whatever the kind; None (the
+            client's ``"auto"`` or nothing): xgrammar where `xgrammar_schema` allows it.
     Raises:
         RequestError: (``invalid_value``, param ``param``) an unknown kind, or a schema /
             pattern / grammar that llguidance refuses (its reason quoted).
@@ -72,8 +80,11 @@ class StructuredOutputs:
     kind: str
     spec: str = ""
     client_param: str | None = field(default=None, compare=False)
+    backend: str | None = None
 
     def __post_init__(self) -> None:
+        if self.backend not in (None, "guidance"):
+            raise _invalid("structured_outputs.backend", "must be auto or guidance")
         if self.kind not in KINDS:
             raise _invalid("structured_outputs", f"kind must be one of {', '.join(KINDS)}")
         if len(self.spec) > limits.MAX_GRAMMAR_CHARS:
@@ -121,15 +132,29 @@ class StructuredOutputs:
             return llguidance.grammar_from("choice", self.spec)
         return llguidance.grammar_from("grammar", self.spec)
 
+    def xgrammar_schema(self) -> dict[str, Any] | None:
+        """The JSON schema that xgrammar fills this constraint's masks from: a ``json``
+        constraint of no ``backend`` whose schema stays inside `XGRAMMAR_KEYWORDS` (see
+        `in_xgrammar_subset`); None: llguidance fills them."""
+        if self.kind != "json" or self.backend is not None:
+            return None
+        schema = json.loads(self.spec)
+        return schema if in_xgrammar_subset(schema) else None
+
     def to_wire(self) -> dict[str, Any]:
         """The wire object (see the module docstring) of this constraint."""
+        wire: dict[str, Any]
         if self.kind == "json":
-            return {"json": json.loads(self.spec)}
-        if self.kind == "json_object":
-            return {"json_object": True}
-        if self.kind == "choice":
-            return {"choice": json.loads(self.spec)}
-        return {self.kind: self.spec}
+            wire = {"json": json.loads(self.spec)}
+        elif self.kind == "json_object":
+            wire = {"json_object": True}
+        elif self.kind == "choice":
+            wire = {"choice": json.loads(self.spec)}
+        else:
+            wire = {self.kind: self.spec}
+        if self.backend is not None:
+            wire["backend"] = self.backend
+        return wire
 
     @classmethod
     def from_wire(cls, value: Any, param: str = "structured_outputs") -> StructuredOutputs:
@@ -166,12 +191,15 @@ class StructuredOutputs:
         if len(given) != 1:
             raise _invalid(param, f"must give exactly one of {', '.join(KINDS)}")
         ((kind, spec),) = given.items()
-        return cls.build(kind, spec, f"{param}.{kind}")
+        return cls.build(kind, spec, f"{param}.{kind}", None if backend == "auto" else backend)
 
     @classmethod
-    def build(cls, kind: str, spec: Any, param: str) -> StructuredOutputs:
+    def build(
+        cls, kind: str, spec: Any, param: str, backend: str | None = None
+    ) -> StructuredOutputs:
         """A constraint of ``kind`` from its client value (a schema dict or JSON text, a
-        pattern, a list of choices, EBNF text, ``True`` for ``json_object``).
+        pattern, a list of choices, EBNF text, ``True`` for ``json_object``), with the
+        client's ``backend`` (None or ``"guidance"``).
 
         Raises:
             RequestError: a value of the wrong type or an invalid constraint, naming ``param``.
@@ -201,7 +229,95 @@ class StructuredOutputs:
             text = spec
         else:
             raise _invalid(param, f"kind must be one of {', '.join(KINDS)}")
-        return cls(kind, text, param)  # its errors, now and while generating, name ``param``
+        # Its errors, now and while generating, name ``param``.
+        return cls(kind, text, param, backend)
+
+
+# The keywords of the JSON schemas whose masks xgrammar fills (`in_xgrammar_subset`): each one
+# of them xgrammar 0.2.9 enforces in full, with the same output shape as llguidance under
+# `JSON_OPTIONS` and `strict` (compact separators, no properties beyond the declared ones).
+XGRAMMAR_KEYWORDS = frozenset(
+    {
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "minItems",
+        "maxItems",
+        "minLength",
+        "maxLength",
+        "minimum",
+        "maximum",
+        "enum",
+        "const",
+        "title",
+        "description",
+    }
+)
+_XGRAMMAR_TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def in_xgrammar_subset(schema: Any) -> bool:
+    """Whether xgrammar fills the masks of JSON ``schema`` (`StructuredOutputs.xgrammar_schema`):
+    every subschema has only `XGRAMMAR_KEYWORDS`, one ``type`` (or only ``enum`` / ``const`` of
+    strings, numbers, booleans and null), objects with ``properties``, arrays with ``items``,
+    ``required`` names it declares, no
+    ``additionalProperties`` but ``false``, ``items`` of one subschema, non-negative integer
+    length and count bounds, and integer ``minimum`` / ``maximum`` on integers only (a bounded
+    number keeps llguidance: `strict` gives it the 6-decimal ``multipleOf``). Anything else, a
+    ``pattern`` or a ``$ref`` say, keeps llguidance, which implements more of JSON Schema."""
+    if not isinstance(schema, dict) or not schema.keys() <= XGRAMMAR_KEYWORDS:
+        return False
+    scalars = (str, int, float, bool, type(None))
+    if "enum" in schema:
+        enum = schema["enum"]
+        if not isinstance(enum, list) or not enum or not all(isinstance(v, scalars) for v in enum):
+            return False
+    if "const" in schema and not isinstance(schema["const"], scalars):
+        return False
+    kind = schema.get("type")
+    if kind is None:
+        return ("enum" in schema or "const" in schema) and schema.keys() <= {
+            "enum",
+            "const",
+            "title",
+            "description",
+        }
+    if not isinstance(kind, str) or kind not in _XGRAMMAR_TYPES:
+        return False
+    # An object without properties or an array without items: llguidance's open defaults
+    # (any members) and xgrammar's strict mode differ there.
+    if (kind == "object" and not schema.get("properties")) or (
+        kind == "array" and "items" not in schema
+    ):
+        return False
+    if any(k in schema for k in ("minimum", "maximum")):
+        bounds = [schema.get(k, 0) for k in ("minimum", "maximum")]
+        if kind != "integer" or not all(
+            isinstance(b, int) and not isinstance(b, bool) for b in bounds
+        ):
+            return False
+    for key in ("minItems", "maxItems", "minLength", "maxLength"):
+        if key in schema and not _count(schema[key]):
+            return False
+    if schema.get("additionalProperties", False) is not False:
+        return False
+    properties = schema.get("properties", {})
+    if not isinstance(properties, dict) or not all(
+        in_xgrammar_subset(s) for s in properties.values()
+    ):
+        return False
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(
+        isinstance(n, str) and n in properties for n in required
+    ):
+        return False
+    return "items" not in schema or in_xgrammar_subset(schema["items"])
 
 
 # Keywords whose value is one subschema / a list of them / a map of names to them.
@@ -351,4 +467,4 @@ def _invalid(param: str, message: str) -> RequestError:
     return RequestError(ErrorCode.INVALID_VALUE, param, f"{param} {message}")
 
 
-__all__ = ["KINDS", "StructuredOutputs"]
+__all__ = ["KINDS", "XGRAMMAR_KEYWORDS", "StructuredOutputs", "in_xgrammar_subset"]
