@@ -28,6 +28,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 from structured_helpers import generated_schemas
@@ -473,6 +474,78 @@ def test_json_schemas_of_xgrammars_subset_get_xgrammar_matchers(tiny_model_dir, 
     finally:
         compiler.shutdown()
         llguidance_only.shutdown()
+
+
+def _xgrammar_allowed(matcher, vocab: int) -> set[int]:
+    mask = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
+    matcher.matcher.fill_next_token_bitmask(mask, 0)
+    bits = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[:vocab]
+    return set(np.flatnonzero(bits).tolist())
+
+
+def test_random_walks_of_xgrammar_matchers_end_in_valid_json(tiny_model_dir, tok):
+    """Seeded schemas of xgrammar's subset (two generated properties each), three walks each
+    that take a uniformly drawn allowed token (the stop token, once allowed, half of the time):
+    every walk that ends is JSON that validates. Found xgrammar 0.2.9's raw tab in bounded
+    strings; the compiler's `JSON_STRING_CHAR` replaces its character class."""
+    import random
+
+    from structured_helpers import random_schema
+
+    from tritonllm.config import ModelConfig
+    from tritonllm.structured.compiler import ConstraintCompiler
+
+    mc = ModelConfig.from_pretrained(str(tiny_model_dir))
+    stops = set(mc.eos_token_ids)
+    compiler = ConstraintCompiler(str(tiny_model_dir), mc.vocab_size, mc.eos_token_ids)
+    schemas = ended = 0
+    try:
+        for seed in range(130):
+            rng = random.Random(seed)
+            schema = {
+                "type": "object",
+                "properties": {"root": random_schema(rng), "x": random_schema(rng)},
+                "required": ["root"],
+            }
+            spec = StructuredOutputs.build("json", schema, "s")
+            if spec.xgrammar_schema() is None:
+                continue
+            schemas += 1
+            compiled = compiler.submit(SamplingParams(structured_outputs=spec)).result()
+            for _ in range(3):
+                matcher, ids = compiled.new().matcher, []
+                for _ in range(300):
+                    allowed = sorted(_xgrammar_allowed(matcher, mc.vocab_size))
+                    stop = [t for t in allowed if t in stops]
+                    token = stop[0] if stop and rng.random() < 0.5 else rng.choice(allowed)
+                    assert matcher.consume_token(token)
+                    if token in stops:
+                        ended += 1
+                        jsonschema.validate(json.loads(tok.decode(ids)), schema)
+                        break
+                    ids.append(token)
+    finally:
+        compiler.shutdown()
+    assert schemas >= 40 and ended >= 100, (schemas, ended)
+
+
+def test_a_bounded_string_under_xgrammar_refuses_raw_control_characters(tiny_model_dir, tok):
+    from tritonllm.config import ModelConfig
+    from tritonllm.structured.compiler import ConstraintCompiler
+
+    mc = ModelConfig.from_pretrained(str(tiny_model_dir))
+    compiler = ConstraintCompiler(str(tiny_model_dir), mc.vocab_size, mc.eos_token_ids)
+    try:
+        spec = StructuredOutputs.build("json", OBJECT_OF_A_BOUNDED_STRING, "s")
+        matcher = compiler.submit(SamplingParams(structured_outputs=spec)).result().new().matcher
+    finally:
+        compiler.shutdown()
+    for token in tok.encode('{"a": "', add_special_tokens=False):
+        assert matcher.consume_token(token)
+    allowed = _xgrammar_allowed(matcher, mc.vocab_size)
+    (tab,) = tok.encode("\t", add_special_tokens=False)
+    (letter,) = tok.encode("b", add_special_tokens=False)
+    assert letter in allowed and tab not in allowed
 
 
 @pytest.mark.parametrize("backend", ["auto", "llguidance"])

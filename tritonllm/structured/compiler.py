@@ -39,6 +39,16 @@ CACHE_ENTRIES = 512  # compiled constraints kept (grammar texts and token-id mas
 # requests with one schema is admitted sooner than one build after another would allow.
 BUILD_THREADS = 4
 
+# xgrammar 0.2.9 writes a character of a string with minLength / maxLength as this class,
+# which allows raw control characters (a tab: invalid JSON); the compiler puts JSON's unescaped
+# string character in its place (any character but the controls, the quote and the backslash).
+# Found by random walks of bounded-string schemas (tests/test_structured_engine.py). Such a
+# string still holds no escapes, as xgrammar's own: adding JSON's escapes as an alternative
+# made the structured-decode schema's fill 20 times slower than llguidance's (BENCHMARKS.md,
+# "Bounded strings with xgrammar"); a client that needs them asks for backend "guidance".
+XGRAMMAR_STRING_CHAR = r"[^\"\\\r\n]"
+JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+
 ConstraintKey = tuple[Any, tuple[int, ...] | None, tuple[str, ...]]
 
 
@@ -176,13 +186,16 @@ class ConstraintCompiler:
             )
             self._xgrammar_compiler = xgrammar.GrammarCompiler(info)
         try:
-            return self._xgrammar_compiler.compile_json_schema(
+            grammar = xgrammar.Grammar.from_json_schema(
                 json.dumps(schema),
                 any_whitespace=False,
                 indent=None,
                 separators=(", ", ": "),
                 strict_mode=True,
             )
+            # Its bounded-string characters, JSON's: see `XGRAMMAR_STRING_CHAR`.
+            text = str(grammar).replace(XGRAMMAR_STRING_CHAR, JSON_STRING_CHAR)
+            return self._xgrammar_compiler.compile_grammar(text)
         except (RuntimeError, ValueError) as exc:
             logger.warning("xgrammar refused a schema of its subset, llguidance serves it: %s", exc)
             return None

@@ -19,11 +19,13 @@ subset that xgrammar enforces in full (`xgrammar_schema`: objects, arrays, strin
 bounds, integers with bounds, unbounded numbers, booleans, null, enum and const) has its token
 masks filled by xgrammar instead, whose precomputed per-state token sets make a bounded string's
 mask about ten times cheaper than llguidance's trie walk (BENCHMARKS.md, "Bounded strings with
-xgrammar"); the output's language is the same schema's either way. ``backend`` may be given as
-``"auto"`` (that choice) or ``"guidance"`` (vLLM's name of llguidance: llguidance fills every
-mask); another backend (``"xgrammar"``, ``"outlines"``) is refused by name, since neither serves
-every kind here; other keys of vLLM's object (``whitespace_pattern``, ``structural_tag``, ...)
-are refused by name.
+xgrammar"). Outputs validate against the schema either way, and have the same shape; one
+difference: a string with ``minLength`` / ``maxLength`` holds no escape sequences under xgrammar
+(no ``\\"`` or ``\\n`` inside it; xgrammar's own rule, kept for its speed, `structured.compiler`).
+``backend`` may be given as ``"auto"`` (that choice) or ``"guidance"`` (vLLM's name of
+llguidance: llguidance fills every mask); another backend (``"xgrammar"``, ``"outlines"``) is
+refused by name, since neither serves every kind here; other keys of vLLM's object
+(``whitespace_pattern``, ``structural_tag``, ...) are refused by name.
 
 JSON is generated compactly (llguidance's ``whitespace_flexible`` off, separators ``", "`` and
 ``": "``, no free whitespace), so a model cannot wander off into endless whitespace: vLLM offers
