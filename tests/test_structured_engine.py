@@ -483,6 +483,24 @@ def _xgrammar_allowed(matcher, vocab: int) -> set[int]:
     return set(np.flatnonzero(bits).tolist())
 
 
+def test_without_xgrammar_llguidance_serves_every_schema(tiny_model_dir, monkeypatch):
+    import sys
+
+    from tritonllm.config import ModelConfig
+    from tritonllm.structured.compiler import ConstraintCompiler
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar: ImportError
+    mc = ModelConfig.from_pretrained(str(tiny_model_dir))
+    compiler = ConstraintCompiler(str(tiny_model_dir), mc.vocab_size, mc.eos_token_ids)
+    try:
+        spec = StructuredOutputs.build("json", OBJECT_OF_A_BOUNDED_STRING, "s")
+        compiled = compiler.submit(SamplingParams(structured_outputs=spec)).result()
+    finally:
+        compiler.shutdown()
+    assert compiled.xgrammar is None and compiled.grammar is not None
+    assert not compiler.use_xgrammar
+
+
 def test_random_walks_of_xgrammar_matchers_end_in_valid_json(tiny_model_dir, tok):
     """Seeded schemas of xgrammar's subset (two generated properties each), three walks each
     that take a uniformly drawn allowed token (the stop token, once allowed, half of the time):

@@ -177,9 +177,14 @@ class ConstraintCompiler:
 
     def _xgrammar(self, schema: dict[str, Any]) -> Any:
         """xgrammar's `CompiledGrammar` of JSON ``schema`` (compact, as `JSON_OPTIONS`; strict
-        mode, as `strict`), or None where xgrammar refuses it (llguidance then serves it)."""
-        import xgrammar
-
+        mode, as `strict`), or None where xgrammar refuses it or cannot be imported (llguidance
+        then serves it; without xgrammar, every later compile too)."""
+        try:
+            import xgrammar
+        except ImportError as exc:  # a broken install: slower masks, not failed requests
+            logger.warning("xgrammar cannot be imported, llguidance serves every schema: %s", exc)
+            self.use_xgrammar = False
+            return None
         if self._xgrammar_compiler is None:
             info = xgrammar.TokenizerInfo.from_huggingface(
                 self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
