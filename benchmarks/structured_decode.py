@@ -11,7 +11,8 @@ maxlength` (default): `SCHEMA`, a JSON array of at least 1000 small objects (str
 grammar for the whole run; a bounded string is the hard case for a mask fill (each position of
 it is a grammar state). `--schema plain`: `PLAIN_SCHEMA`, the same array without the bounds. every request is prefilled and past 4 warm-up decode steps, then
 `--steps` decode steps are timed (device synchronised on both ends). A constrained row costs its
-bitmask fill on the host (llguidance), the upload and the in-place mask kernel, and, with overlap
+bitmask fill on the host (xgrammar for both schemas, which are in its subset; llguidance with
+`--engine-arg grammar_backend=llguidance`, the A/B of the two libraries), the upload and the in-place mask kernel, and, with overlap
 scheduling, the wait for the step in flight before its mask is filled
 (`tritonllm.structured.admission`). The table gives each fraction's step time and its ratio to
 the unconstrained one (fraction 0) of the same repeat; with `--repeats R` the fractions run R
@@ -27,8 +28,8 @@ scheduler, the host half of the inputs, the forward's launch, the engine's `_pro
 step's samples (which includes `accept`, the constrained rows' matchers fed their tokens), and
 what a constrained row adds to the sampler: `mask start` (the fill started on its thread, or
 run there when the sampling is not deferred), `mask finish` (the wait for the fill, the
-uploads and the mask kernel's launch, `mask kernel`), and `fill`: the seconds inside llguidance's
-fill calls, on the fill thread or the engine thread (`TokenMaskBuffers.fill_seconds`).
+uploads and the mask kernel's launch, `mask kernel`), and `fill`: the seconds inside the grammar
+libraries' fill calls, on the fill thread or the engine thread (`TokenMaskBuffers.fill_seconds`).
 
 Exits with an error when a request left the batch before the timed steps ended (then the
 numbers would not be those of a full batch).
@@ -217,7 +218,7 @@ def time_structured_step(
     filled = masks.fill_seconds
     with host_timers(totals) if host is not None else contextlib.nullcontext():
         seconds = time_steps(engine, steps, device)
-    totals["fill"] = masks.fill_seconds - filled  # llguidance's calls, on either thread
+    totals["fill"] = masks.fill_seconds - filled  # the libraries' calls, on either thread
     if host is not None:
         host.update({name: total / steps for name, total in totals.items()})
     live = len(engine.scheduler.running)
@@ -305,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
         "steps; engine defaults (CUDA graphs, overlap scheduling, mixed steps) unless "
         f"--engine-arg: {extra or 'none'}",
         f"constrained rows: `benchmarks.structured_decode.{SCHEMA_NAMES[args.schema]}` "
-        f"(--schema {args.schema}: an array of >= 1000 small objects) with llguidance masks; "
+        f"(--schema {args.schema}: an array of >= 1000 small objects), masks by "
+        f"{'llguidance' if extra.get('grammar_backend') == 'llguidance' else 'xgrammar'}; "
         "unconstrained rows sample as in decode_step",
     ]
     common.publish(
