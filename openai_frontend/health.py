@@ -19,7 +19,12 @@ engine however often it is asked:
   while it waits, and fails the check only if it outlasts ``probe_timeout_s`` with none: under
   a burst the probe queues behind hundreds of requests, and a non-streamed request's only
   response is its last one, so responses can be seconds apart on a loaded server that is doing
-  its work (QA: a server restarted for that dropped every request it had admitted). Progress
+  its work (QA: a server restarted for that dropped every request it had admitted). A probe
+  that outlasts ``probe_timeout_s`` with no such response still passes when the engine ran
+  steps meanwhile: the generator's probe answer carries its step count (``engine_steps``), asked
+  again at the deadline. So 300 non-streamed requests of 600 tokens each, whose first
+  responses come only when they finish, leave the service healthy and busy (QA: before this,
+  the launcher restarted tritonserver 30 s into such a burst and failed all 300). Progress
   alone is not proof of health: with one of two generator instances dead, the live one keeps
   streaming while every other new request fails, which is why the generator's probe is always
   asked, and why progress counts for nothing while a failure is held.
@@ -134,6 +139,7 @@ class HealthMonitor:
         self._failed: HealthStatus | None = None  # the held failure, if any
         self._passed_in_row = 0  # probes that went through since the held failure
         self._running: asyncio.Task | None = None
+        self._engine_steps: int | None = None  # as the generator's last probe answer said
 
     def _held(self, now: float) -> HealthStatus | None:
         """The failure still held at ``now`` (within ``failure_hold_s``), if any."""
@@ -200,21 +206,33 @@ class HealthMonitor:
         while one is gone, which the generation alone (landing on a live one every other time)
         would not show for good."""
         try:
-            await self.client.generator_info()
+            info = await self.client.generator_info()
         except TritonError as exc:
             if _overloaded(exc):
                 return None
             return "generator failed", not exc.unavailable, exc.message
+        steps = info.get("engine_steps")
+        self._engine_steps = None if steps is None else int(steps.reshape(-1)[0])
         return None
+
+    async def _engine_stepped_since(self, steps: int | None) -> bool:
+        """Whether the generator's engine ran steps since its probe answered ``steps`` (None,
+        or a probe that fails now: no)."""
+        if steps is None:
+            return False
+        failure = await self._ask_generator()
+        return failure is None and self._engine_steps is not None and self._engine_steps > steps
 
     async def _generate_one(self) -> tuple[str, bool, str] | None:
         """Send the probe generation: None when it finished, else ``(reason, backend_failed,
         Triton's message)``. It passes as soon as another generation gets a response while it
-        waits, unless a failure is held (busy, not stuck: the module docstring); it is then
-        aborted, as is a probe that outlasts ``probe_timeout_s``, which fails the check but is
-        not ``backend_failed`` (slow is not dead)."""
+        waits, or at its deadline when the engine ran steps meanwhile, unless a failure is held
+        (busy, not stuck: the module docstring); it is then aborted, as is a probe that
+        outlasts ``probe_timeout_s`` otherwise, which fails the check but is not
+        ``backend_failed`` (slow is not dead)."""
         request_id = f"{PROBE_ID_PREFIX}{uuid.uuid4().hex}"
         sent_at = time.monotonic()
+        steps_before = self._engine_steps
         try:
             stream = await self.client.stream(request_id, PROBE_INPUTS, PROBE_MODEL)
         except TritonError as exc:
@@ -247,6 +265,8 @@ class HealthMonitor:
         self.client.close_soon(stream, request_id)
         if progress_counts and self._progressed_since(sent_at):
             return None
+        if progress_counts and await self._engine_stepped_since(steps_before):
+            return None  # a full engine at work: the probe waits behind it
         return f"no generation within {self.probe_timeout_s:g} s", False, ""
 
     def _record(self, status: HealthStatus) -> HealthStatus:

@@ -27,6 +27,7 @@ class RecordingEngine:
         self.aborted: list[str] = []
         self.alive = True
         self.fail_submit: Exception | None = None
+        self.steps = 0  # the engine's num_steps, as health probes report it
 
     def submit(self, key, prompt_ids, params, callback) -> None:
         if self.fail_submit is not None:
@@ -40,7 +41,7 @@ class RecordingEngine:
         return self.alive
 
     def stats(self):
-        return None
+        return types.SimpleNamespace(num_steps=self.steps)
 
     def loop_times(self):
         return None
@@ -81,9 +82,9 @@ class Sink:
     def is_cancelled(self) -> bool:
         return self.cancelled
 
-    def send_info(self, max_model_len) -> None:
+    def send_info(self, max_model_len, engine_steps) -> None:
         with self._cv:
-            self.sent.append(({"max_model_len": max_model_len}, True))
+            self.sent.append(({"max_model_len": max_model_len, "engine_steps": engine_steps}, True))
             self._cv.notify_all()
 
     @property
@@ -221,6 +222,29 @@ def _core(**settings) -> GeneratorCore:
     ).start()
 
 
+def test_the_live_limit_counts_choices():
+    """A request of n choices is n sequences in the engine: with a limit of 3, a request of 2
+    choices and one of 1 fill it, and the next request is refused (server_overloaded); once
+    the first finishes, one is taken again."""
+    core = _core(max_live_requests=3)
+    try:
+        two, one, refused, later = Sink(), Sink(), Sink(), Sink()
+        stream = np.array([True])
+        core.execute("two", {"input_ids": ids(1), "n": ids(2), "stream": stream}, "", two)
+        core.execute("one", {"input_ids": ids(1)}, "", one)
+        core.execute("no", {"input_ids": ids(1)}, "", refused)
+        assert refused.error().code is ErrorCode.SERVER_OVERLOADED
+        assert set(core.engine.submitted) == {"two", "one"}
+        core.engine.emit("two", out("two", [5], 0, "length", last=False))
+        core.engine.emit("two", out("two", [6], 1, "length", last=True))
+        two.wait()
+        eventually(lambda: len(core.requests) == 1)
+        core.execute("later", {"input_ids": ids(1)}, "", later)
+        assert not later.errors and "later" in core.engine.submitted
+    finally:
+        core.finalize()
+
+
 def test_a_cancelled_lease_aborts_the_requests_it_covers_and_no_other(core):
     lease, replaced = Sink(), Sink()
     core.execute("lease-a", _lease("side"), "", replaced)
@@ -320,7 +344,12 @@ def test_health_probe_reports_engine_liveness_and_aborts_nothing(core):
     core.execute("live", {"input_ids": ids(1)}, "", live)
     probe = Sink()
     core.execute("p", {"health_probe": np.array([True])}, "", probe)
-    assert probe.sent == [({"max_model_len": 4096}, True)] and core.engine.aborted == []
+    assert probe.sent == [({"max_model_len": 4096, "engine_steps": 0}, True)]
+    assert core.engine.aborted == []
+    core.engine.steps = 7  # the engine stepped: the next probe says so
+    later = Sink()
+    core.execute("p", {"health_probe": np.array([True])}, "", later)
+    assert later.sent == [({"max_model_len": 4096, "engine_steps": 7}, True)]
     core.engine.alive = False
     dead = Sink()
     core.execute("p", {"health_probe": np.array([True])}, "", dead)
@@ -611,9 +640,6 @@ class SiblingEngine(RecordingEngine):
             if other is not self and other.on_control is not None:
                 other.on_control(payload)
 
-    def stats(self):
-        return types.SimpleNamespace(num_running=self.live, num_waiting=0)
-
 
 def _siblings(n: int = 2, **settings) -> list[GeneratorCore]:
     group: list = []
@@ -693,7 +719,7 @@ def test_a_health_probe_fails_on_every_instance_once_one_lost_the_engine():
             core.engine.num_clients = None  # not announced yet: the engine's liveness counts
             probe = Sink()
             core.execute("h", {"health_probe": np.array([True])}, "", probe)
-            assert probe.sent == [({"max_model_len": 0}, True)]
+            assert probe.sent == [({"max_model_len": 0, "engine_steps": 0}, True)]
         for core in (a, b):
             core.engine.num_clients = 1  # the engine announced one client of two
             probe = Sink()

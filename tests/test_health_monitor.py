@@ -7,6 +7,8 @@ import asyncio
 import time
 import types
 
+import numpy as np
+
 from openai_frontend.errors import OpenAIError
 from openai_frontend.generation import BackendProgress, Generation
 from openai_frontend.health import RECOVERY_PROBES, BackendWatch, HealthMonitor
@@ -159,6 +161,37 @@ def test_a_probe_that_times_out_with_no_response_anywhere_fails_as_slow_not_fail
     status = _probe_behind_a_burst(others_answered=False, probe_timeout_s=0.2)
     assert not status.ok and not status.backend_failed
     assert status.reason.startswith("no generation within")
+
+
+class _SteppingEngineClient(_BurstClient):
+    """A probe queued behind a burst of non-streamed requests (no response anywhere), the
+    generator's probe answer carrying the engine's step count: advancing between two answers
+    with ``stepping``, else stuck."""
+
+    def __init__(self, stepping: bool) -> None:
+        super().__init__()
+        self.stepping, self.steps = stepping, 100
+
+    async def generator_info(self) -> dict:
+        self.steps += 5 if self.stepping else 0
+        return {"engine_steps": np.array([self.steps], dtype=np.int64)}
+
+
+def test_a_probe_behind_non_streamed_requests_passes_while_the_engine_steps():
+    """QA: 300 non-streamed requests of 600 tokens at once; no response came for tens of
+    seconds (each request's only one is its last), the probe timed out, and the launcher
+    restarted tritonserver 30 s in, failing all 300. The engine's step count, asked again at
+    the probe's deadline, tells that busy engine from a stuck one."""
+    results = {}
+    for stepping in (True, False):
+        client = _SteppingEngineClient(stepping)
+        monitor = HealthMonitor(
+            client, set(), BackendProgress(), interval_s=0.0, probe_timeout_s=0.2
+        )
+        results[stepping] = asyncio.run(monitor.check())
+        assert len(client.aborted) == 1  # the probe itself is aborted either way
+    assert results[True].ok, results[True].reason
+    assert not results[False].ok and not results[False].backend_failed
 
 
 class _FailsThenQueues(_BurstClient):

@@ -311,6 +311,28 @@ def test_tokenize_needs_exactly_one_of_prompt_and_messages(offline_app, body):
     assert "exactly one of prompt or messages" in error["message"], error
 
 
+@pytest.mark.parametrize(
+    ("extra", "refused"),
+    [
+        ({"n": 16, "max_tokens": 1024}, True),  # QA: 1,048,576 tokens in one request
+        ({"n": 2, "max_tokens": 129}, True),  # 64 x 2 x 129 = 16,512
+        ({"n": 16}, False),  # 64 x 16 x the default 16 = 16,384: the cap itself
+        ({"n": 2, "max_tokens": 128}, False),
+    ],
+)
+def test_a_list_of_prompts_shares_the_output_token_cap(offline_app, extra, refused):
+    """Each prompt of a list is a generation of its own, which the generator holds to
+    ``n x max_tokens <= 16384``; the request as a whole is held to it too."""
+    body = {"model": "tiny", "prompt": ["hi"] * 64, **extra}
+    response = offline_app.post("/v1/completions", json=body)
+    if refused:
+        error = _assert_openai_error(response, 400)
+        assert (error["code"], error["param"]) == ("invalid_value", "max_tokens")
+        assert "64 prompts" in error["message"]
+    else:
+        _assert_openai_error(response, 503)  # past the check: no Triton listens
+
+
 def test_unknown_model_is_404_model_not_found(offline_app):
     body = {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}
     error = _assert_openai_error(offline_app.post("/v1/chat/completions", json=body), 404)

@@ -93,9 +93,11 @@ def test_the_generator_health_probe_aborts_nothing(triton_server):
     probe = Stream(triton_server.grpc_url)
     try:
         probe.send("generator", {"health_probe": True}, request_id=rid)  # even the same id
-        # One final response, carrying only the engine's context limit.
+        # One final response, carrying only the engine's context limit and its step count
+        # (the engine has run steps: a request of 30 tokens is under way).
         (answer,) = probe.collect()[rid]
-        assert set(answer) == {"max_model_len"} and int(answer["max_model_len"].item()) > 0
+        assert set(answer) == {"max_model_len", "engine_steps"}
+        assert int(answer["max_model_len"].item()) > 0 and int(answer["engine_steps"].item()) > 0
     finally:
         probe.close()
     outputs = stream.collect()[rid]

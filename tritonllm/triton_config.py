@@ -126,8 +126,9 @@ class ServingConfig:
             engine's device is CUDA (the stub's GIL bounds a fast GPU engine, ARCHITECTURE.md
             "Platform facts"), the thread otherwise; a tensor-parallel engine always runs in
             processes. See ``use_engine_process``.
-        max_waiting_requests: requests that may wait for admission beyond the engine's
-            ``max_running_requests``; a request beyond both is refused (``server_overloaded``).
+        max_waiting_requests: sequences (choices: a request of n counts n) that may wait for
+            admission beyond the engine's ``max_running_requests``; a request that finds both
+            full is refused (``server_overloaded``).
         control_secret: what the generator's abort control requests must carry and what the
             models' own aborts send (None: aborts are not authenticated).
     """

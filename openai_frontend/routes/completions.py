@@ -19,6 +19,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
+from tritonllm.contract import limits
+
 from ..errors import OpenAIError
 from ..generation import Delta, Generation
 from ..logprobs import completion_logprobs
@@ -59,10 +61,34 @@ class Generations:
             gen.close()
 
 
+def _check_output_tokens(body: CompletionRequest, num_prompts: int) -> None:
+    """The per-request cap on output tokens (``limits.MAX_REQUEST_OUTPUT_TOKENS``, which the
+    generator holds each prompt's ``n x max_tokens`` to), over all of a request's prompts:
+    each prompt is a generation of its own, so a list of 64 prompts would otherwise ask for 64
+    times the cap in one request.
+
+    Raises:
+        OpenAIError: 400 ``invalid_value`` naming ``max_tokens``.
+    """
+    max_tokens = body.max_tokens
+    if max_tokens is None:
+        max_tokens = limits.DEFAULT_COMPLETION_MAX_TOKENS  # what the generations are sent
+    total = num_prompts * body.n * max_tokens
+    if total > limits.MAX_REQUEST_OUTPUT_TOKENS:
+        raise OpenAIError(
+            f"{num_prompts} prompts x n ({body.n}) x max_tokens ({max_tokens}) = {total} "
+            f"exceeds the limit of {limits.MAX_REQUEST_OUTPUT_TOKENS} output tokens per request",
+            param="max_tokens",
+            code="invalid_value",
+        )
+
+
 async def _start_all(request: Request, body: CompletionRequest, request_id: str) -> Generations:
     """Start one generation per prompt, concurrently. Raises: the first prompt's error (by
     prompt order); every generation is closed then."""
     prompts = body.prompts
+    if len(prompts) > 1:
+        _check_output_tokens(body, len(prompts))
 
     def inputs_of(prompt: str | list[int]) -> Any:
         return lambda req, specs, stream: completion_inputs(req, specs, stream, prompt)

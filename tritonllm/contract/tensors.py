@@ -187,8 +187,11 @@ GENERATOR_OUTPUTS: tuple[TensorSpec, ...] = (
     _opt("prompt_top_logprob_ids", "INT32", (-1,)),
     _opt("prompt_top_logprobs", "FP32", (-1,)),
 )
-# Only in the answer to a health probe: the engine's context limit (prompt + output tokens).
+# Only in the answer to a health probe: the engine's context limit (prompt + output tokens),
+# and the steps the (shared) engine ran so far: a sidecar whose probe generation waits behind a
+# full engine tells a busy engine from a stuck one by it (openai_frontend.health).
 MAX_MODEL_LEN = _opt("max_model_len", "INT32")
+ENGINE_STEPS = _opt("engine_steps", "INT64")
 # Only in answers to a request that asks for text_output and not output_ids (the llm_fused
 # ensemble): the generator then answers the detokenizer's text outputs itself
 # (tritonllm.serving.text_outputs), together with finish_reason, the counts, index and the
@@ -211,7 +214,7 @@ GENERATOR = ModelSpec(
         CLIENT_LEASE,
         CONTROL_SECRET,
     ),
-    outputs=(*GENERATOR_OUTPUTS, MAX_MODEL_LEN, *GENERATOR_TEXT_OUTPUTS),
+    outputs=(*GENERATOR_OUTPUTS, MAX_MODEL_LEN, ENGINE_STEPS, *GENERATOR_TEXT_OUTPUTS),
     decoupled=True,
 )
 

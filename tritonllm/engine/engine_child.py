@@ -266,7 +266,8 @@ def _serve(
                 if clients.over_limit(command):
                     refused.append(clients.overloaded(client, command))
                     continue
-                submissions.append((clients.submitted(client, command[1]), *command[2:4]))
+                engine_id = clients.submitted(client, command[1], command[3].n)
+                submissions.append((engine_id, *command[2:4]))
             elif command[0] == ABORT:
                 aborts.append(clients.engine_id(client, command[1]))
             elif command[0] == FORWARD:
@@ -359,7 +360,7 @@ class _Client:
         self, index: int, commands: Connection, results: Connection, shared: bool = True
     ) -> None:
         self.index, self.commands, self.results = index, commands, results
-        self.live: set[str] = set()
+        self.live: dict[str, int] = {}  # a shared engine's live requests → their choices
         self.sent_at = 0.0  # time.monotonic() of its last step message
         # (a shared engine's clients only: one parent may block the engine, it is the engine)
         self.outbox = _Outbox(results) if shared else None
@@ -449,22 +450,23 @@ class _Clients:
         """The engine's name of `client`'s request `request_id`."""
         return f"{client.index}:{request_id}" if self.shared else request_id
 
-    def submitted(self, client: _Client, request_id: str) -> str:
-        """`engine_id`, for a request being submitted (a shared engine tracks it)."""
+    def submitted(self, client: _Client, request_id: str, choices: int) -> str:
+        """`engine_id`, for a request of ``choices`` choices being submitted (a shared engine
+        tracks it)."""
         if not self.shared:
             return request_id
         engine_id = f"{client.index}:{request_id}"
-        client.live.add(engine_id)
+        client.live[engine_id] = choices
         return engine_id
 
     def over_limit(self, command: tuple) -> bool:
         """Whether a shared engine must refuse this submit: it carries a limit (the most
-        requests live in the whole engine, ``_EngineFront.live_limit``) that its clients'
-        live requests already reach."""
+        choices live in the whole engine, ``_EngineFront.live_limit``: each choice is a
+        sequence the engine runs or queues) that its clients' live choices already reach."""
         limit = command[4] if len(command) > 4 else None
         if not self.shared or limit is None:
             return False
-        return sum(len(c.live) for c in self._clients.values()) >= limit
+        return sum(sum(c.live.values()) for c in self._clients.values()) >= limit
 
     def overloaded(self, client: _Client, command: tuple) -> RequestOutput:
         """The final output refusing a submit ``over_limit``: finish_reason "error" with the
@@ -475,7 +477,7 @@ class _Clients:
             error_output(
                 self.engine_id(client, command[1]),
                 len(command[2]),
-                f"the server is at its limit of {limit} requests in progress; retry later",
+                f"the server is at its limit of {limit} sequences in progress; retry later",
             ),
             error_code=ErrorCode.SERVER_OVERLOADED.value,
         )
@@ -522,7 +524,7 @@ class _Clients:
             if client is None:
                 continue  # its client left
             if out.request_finished:
-                client.live.discard(out.request_id)
+                client.live.pop(out.request_id, None)
             per_client[client.index].append((request_id, *output_row(out)[1:]))
         self._flush()
         now = time.monotonic()

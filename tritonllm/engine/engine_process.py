@@ -105,7 +105,8 @@ class _EngineFront(abc.ABC):
             It must not block; it may call `submit` and `abort`.
         num_clients: the clients a shared engine serves, as it last announced (None: not
             announced yet, or not shared).
-        live_limit: the most requests live in a shared engine, all clients' together: a
+        live_limit: the most choices (sequences) live in a shared engine, all clients'
+            requests together (a request of n choices counts n): a
             submit beyond it ends at once with one "error" output whose `error_code` is
             `server_overloaded` (None: no limit; an engine of one client ignores it).
     """

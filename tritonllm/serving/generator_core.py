@@ -11,7 +11,8 @@ a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept 
 - control requests: ``abort_request_id`` aborts that client id (every choice; an abort that
   arrives before its request is remembered, ``RequestTable``) and ``health_probe`` only reports
   whether the engine runs: an abort answers one empty final response, a health probe one final
-  response that carries the engine's ``max_model_len``. With a control secret set,
+  response that carries the engine's ``max_model_len`` and ``engine_steps`` (the steps the
+  engine ran so far, all instances' requests together). With a control secret set,
   an abort must carry it (``control_secret``, compared in constant time), else it is refused
   (``permission_denied``) before it touches any state: only the service's own parts (the
   sidecar, the detokenizer, the ``ensemble`` model) abort, never another Triton client;
@@ -27,8 +28,9 @@ a ``ResponseChunk`` of its choice (``StreamState``) and sends it. Policies kept 
   holds one, renewing it twice a second on one gRPC stream, and prefixes its request ids with
   it: through the ``llm_fused`` ensemble no step after the generator sees a cancelled stream, so
   without the lease a sidecar that dies would leave its generations running;
-- admission: with ``max_live_requests``, a request that finds that many live (running or
-  waiting in the engine) is refused at once with ``server_overloaded`` (the sidecar's 429);
+- admission: with ``max_live_requests``, a request that finds that many choices live (running
+  or waiting in the engine, where each choice is a sequence of its own: a request of ``n``
+  choices counts ``n``) is refused at once with ``server_overloaded`` (the sidecar's 429);
 - choices: a request's responses carry each output's ``index``; the final flag comes with the
   engine's ``request_finished`` output (the engine counts live choices; nothing here does);
 - cancellation: a request whose client cancelled (``ResponseSink.is_cancelled``, asked at most
@@ -137,11 +139,11 @@ class _GuardedSink:
                 self.closed = True
                 self._sink.send_error(message)
 
-    def send_info(self, max_model_len: int) -> None:
+    def send_info(self, max_model_len: int, engine_steps: int) -> None:
         with self._lock:
             if not self.closed:
                 self.closed = True
-                self._sink.send_info(max_model_len)
+                self._sink.send_info(max_model_len, engine_steps)
 
     def is_cancelled(self) -> bool:
         with self._lock:
@@ -176,8 +178,8 @@ class GeneratorCore:
             one (``ResponseStreamer``'s ``senders``).
         control_secret: what an abort must carry as ``control_secret`` (None: aborts are not
             authenticated, for a tritonserver started without ``TRITONLLM_CONTROL_SECRET``).
-        max_live_requests: most requests live at once (None: no limit); more get
-            ``server_overloaded``.
+        max_live_requests: most choices live at once, over all requests (None: no limit);
+            a request that finds them reached gets ``server_overloaded``.
         max_model_len: the engine's context limit (tokens), which health probes report.
         lease_check_s, lease_s, lease_grace_s: seconds between two cancellation checks of each
             lease, that one lease request is held open, that a lease may stay unrenewed.
@@ -314,17 +316,18 @@ class GeneratorCore:
         if inputs.get(tensors.HEALTH_PROBE.name) is not None:
             problem = self._unhealthy()
             if problem is None:
-                sink.send_info(self.max_model_len)
+                stats = self.engine.stats()
+                sink.send_info(self.max_model_len, 0 if stats is None else stats.num_steps)
             else:
                 sink.send_error(encode_error(ErrorCode.ENGINE_UNAVAILABLE, problem))
             return
         request = generate_request(inputs, parameters)
         limit = self._max_live_requests
-        if limit is not None and len(self.requests) >= limit:
+        if limit is not None and self._live_choices() >= limit:
             raise RequestError(
                 ErrorCode.SERVER_OVERLOADED,
                 None,
-                f"the server is at its limit of {limit} requests in progress; retry later",
+                f"the server is at its limit of {limit} sequences in progress; retry later",
             )
         if self.requests.was_aborted(request_id):  # its abort overtook it
             num_prompt = len(request.prompt_ids)
@@ -356,6 +359,10 @@ class GeneratorCore:
         except Exception:
             self.requests.pop(key)
             raise
+
+    def _live_choices(self) -> int:
+        """Choices of the live requests (each a sequence in the engine)."""
+        return sum(len(entry.states) for _, entry in self.requests.items())
 
     def _open_lease(self, lease: str, sink: ResponseSink) -> None:
         """Hold ``sink`` open as (a renewal of) lease ``lease`` (module doc, "leases"); an

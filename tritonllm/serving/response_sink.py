@@ -35,8 +35,9 @@ class ResponseSink(Protocol):
     def is_cancelled(self) -> bool:
         """Whether the client cancelled the request."""
 
-    def send_info(self, max_model_len: int) -> None:
-        """Send one final response carrying the served model's facts (a health probe's)."""
+    def send_info(self, max_model_len: int, engine_steps: int) -> None:
+        """Send one final response carrying the served model's facts (a health probe's): its
+        context limit in tokens and the steps its engine ran so far."""
 
 
 __all__ = ["ResponseSink"]

@@ -188,9 +188,10 @@ class _Sink:
     def is_cancelled(self):
         return self.sender.is_cancelled()
 
-    def send_info(self, max_model_len):
+    def send_info(self, max_model_len, engine_steps):
         tensor = pb_utils.Tensor("max_model_len", np.array([max_model_len], dtype=np.int32))
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=[tensor]), flags=FINAL)
+        steps = pb_utils.Tensor("engine_steps", np.array([engine_steps], dtype=np.int64))
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=[tensor, steps]), flags=FINAL)
 
 
 class _Metrics:
