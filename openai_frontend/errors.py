@@ -143,6 +143,8 @@ def from_backend(error: WireError, prompt_param: str) -> OpenAIError:
             param = prompt_param
         elif param == "logprobs" and prompt_param == "messages":
             param = "top_logprobs"  # chat's name for the count
+        elif param == "enable_thinking":
+            param = "chat_template_kwargs.enable_thinking"  # where the client gave it
     if status == 429:
         headers = {"Retry-After": str(RETRY_AFTER_S)}
         return OpenAIError(error.message, status, kind, code=code, headers=headers)

@@ -220,10 +220,13 @@ class SamplingFields(_Lenient):
 
 
 class ContentPart(_Lenient):
-    """One part of a message's ``content`` list; only ``{"type": "text"}`` parts are served."""
+    """One part of a message's ``content`` list; ``{"type": "text"}`` parts are served, and in
+    an assistant message also ``{"type": "refusal"}`` ones (OpenAI's history of a refusal: its
+    text is the message's text)."""
 
     type: str
     text: str | None = None
+    refusal: str | None = None
 
 
 class ChatMessage(_Lenient):

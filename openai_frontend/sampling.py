@@ -123,6 +123,15 @@ def _message_text(index: int, message: ChatMessage) -> str:
         return message.content or ""
     parts = []
     for j, part in enumerate(message.content):
+        if part.type == "refusal" and message.role == "assistant":
+            if part.refusal is None:
+                raise OpenAIError(
+                    "a content part of type 'refusal' needs a 'refusal' string",
+                    param=f"messages.{index}.content.{j}.refusal",
+                    code="missing_required_parameter",
+                )
+            parts.append(part.refusal)
+            continue
         if part.type != "text":
             raise OpenAIError(
                 f"content part type {part.type!r} is not supported (text only)",

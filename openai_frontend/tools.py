@@ -28,7 +28,7 @@ from typing import Any, Literal
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
-from pydantic import BaseModel, ConfigDict, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from .errors import OpenAIError
 from .tool_parsers import ToolCall, new_call_id
@@ -44,7 +44,8 @@ class FunctionDef(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    name: str
+    # OpenAI's rule for a function's name (it answers 400 otherwise).
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

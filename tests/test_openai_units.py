@@ -210,6 +210,9 @@ def test_triton_errors_map_to_openai_statuses_by_code():
     logprobs = backend(ErrorCode.INVALID_VALUE, "logprobs must be ...", "logprobs")
     assert to_openai_error(logprobs, "messages").param == "top_logprobs"
     assert to_openai_error(logprobs, "prompt").param == "logprobs"
+    # The tokenizer's enable_thinking input comes from chat_template_kwargs.
+    thinking = backend(ErrorCode.UNSUPPORTED_PARAMETER, "no such option", "enable_thinking")
+    assert to_openai_error(thinking, "messages").param == "chat_template_kwargs.enable_thinking"
 
 
 @pytest.fixture(scope="module")
@@ -741,6 +744,16 @@ def test_an_assistant_message_may_leave_content_out():
             {"response_format": {"type": "json_schema", "json_schema": {"name": "has space!"}}},
             "response_format.json_schema.name",
         ),
+        # OpenAI's rule for a function's name too (QA 2026-12-07: "", "bad name!" and a
+        # 100-character name were accepted).
+        *[
+            (
+                "/v1/chat/completions",
+                {"tools": [{"type": "function", "function": {"name": name}}]},
+                "tools.0.function.name",
+            )
+            for name in ("", "bad name!", "f" * 65)
+        ],
     ],
 )
 def test_values_openai_refuses_are_400s_naming_the_field(offline_app, path, extra, param):
@@ -749,6 +762,19 @@ def test_values_openai_refuses_are_400s_naming_the_field(offline_app, path, extr
     base = _CHAT if path == "/v1/chat/completions" else _COMPLETION
     error = _assert_openai_error(offline_app.post(path, json={**base, **extra}), 400)
     assert error["param"] == param
+
+
+def test_an_assistant_refusal_part_is_its_text():
+    """OpenAI's history of a refused turn (QA 2026-12-07: a 400 here): the refusal is the
+    assistant message's text; elsewhere a refusal part is still refused."""
+    refusal = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}, refusal])
+    sent = json.loads(chat_inputs(req, FULL_SPECS, backend_stream=False)["messages"])
+    assert sent[1] == {"role": "assistant", "content": "I can't."}
+    from_user = {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}
+    with pytest.raises(OpenAIError) as raised:
+        chat_inputs(ChatCompletionRequest(messages=[from_user]), FULL_SPECS, backend_stream=False)
+    assert raised.value.param == "messages.0.content"
 
 
 def test_a_valid_json_schema_name_passes_validation(offline_app):

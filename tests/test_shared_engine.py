@@ -182,6 +182,29 @@ def test_every_client_learns_how_many_clients_the_engine_serves(shared):
     wait_for(shared, 1)
 
 
+def test_the_shared_live_limit_counts_choices(shared):
+    """A limit of 3 live sequences: one client's request of 2 choices and the other's of 1
+    fill it, so a third request is refused."""
+    other = EngineConnection(shared.listen_address)
+    shared.live_limit = other.live_limit = 3
+    two = SamplingParams(max_tokens=400, ignore_eos=True, n=2)
+    try:
+        mine, theirs = Collector(), Collector()
+        shared.submit("c1", [1, 2], two, mine)
+        _started(mine, "c1")
+        other.submit("c2", [1, 2], LONG, theirs)
+        _started(theirs, "c2")
+        other.submit("c3", [1, 2], LONG, theirs)
+        theirs.wait(["c3"])
+        (refused,) = theirs.outputs["c3"]
+        assert refused.error_code == "server_overloaded"
+    finally:
+        shared.live_limit = other.live_limit = None
+        shared.abort("c1")
+        other.abort("c2")
+        other.shutdown()
+
+
 def test_the_live_limit_holds_over_all_clients(shared):
     """Two clients, a limit of 3 live requests: the fourth and fifth submits (of either
     client) end at once with code server_overloaded; once one ends, a new one is taken."""
@@ -202,7 +225,7 @@ def test_the_live_limit_holds_over_all_clients(shared):
         for sink, rid in ((theirs, "l4"), (mine, "l5")):
             (refused,) = sink.outputs[rid]
             assert refused.finish_reason == "error" and refused.error_code == "server_overloaded"
-            assert "limit of 3 requests" in refused.error
+            assert "limit of 3 sequences" in refused.error
         shared.abort("l1")
         mine.wait(["l1"])
         other.submit("l6", [1, 2], GREEDY, theirs)
