@@ -123,28 +123,22 @@ def _message_text(index: int, message: ChatMessage) -> str:
         return message.content or ""
     parts = []
     for j, part in enumerate(message.content):
-        if part.type == "refusal" and message.role == "assistant":
-            if part.refusal is None:
-                raise OpenAIError(
-                    "a content part of type 'refusal' needs a 'refusal' string",
-                    param=f"messages.{index}.content.{j}.refusal",
-                    code="missing_required_parameter",
-                )
-            parts.append(part.refusal)
-            continue
-        if part.type != "text":
+        # An assistant's refusal part (OpenAI's history of a refused turn) is its text.
+        field = "refusal" if part.type == "refusal" and message.role == "assistant" else "text"
+        if part.type != field:
             raise OpenAIError(
                 f"content part type {part.type!r} is not supported (text only)",
                 param=f"messages.{index}.content",
                 code="unsupported_value",
             )
-        if part.text is None:
+        value = getattr(part, field)
+        if value is None:
             raise OpenAIError(
-                "a content part of type 'text' needs a 'text' string",
-                param=f"messages.{index}.content.{j}.text",
+                f"a content part of type '{field}' needs a '{field}' string",
+                param=f"messages.{index}.content.{j}.{field}",
                 code="missing_required_parameter",
             )
-        parts.append(part.text)
+        parts.append(value)
     return "".join(parts)
 
 
