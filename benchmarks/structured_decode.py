@@ -9,18 +9,19 @@ that fraction of them (rounded down) under a JSON schema, the rest unconstrained
 maxlength` (default): `SCHEMA`, a JSON array of at least 1000 small objects (strings of at most
 16 characters, bounded integers, at most 3 enums), so the constrained rows stay inside the
 grammar for the whole run; a bounded string is the hard case for a mask fill (each position of
-it is a grammar state). `--schema plain`: `PLAIN_SCHEMA`, the same array without the bounds. every request is prefilled and past 4 warm-up decode steps, then
-`--steps` decode steps are timed (device synchronised on both ends). A constrained row costs its
-bitmask fill on the host (xgrammar for both schemas, which are in its subset; llguidance with
-`--engine-arg grammar_backend=llguidance`, the A/B of the two libraries), the upload and the in-place mask kernel, and, with overlap
-scheduling, the wait for the step in flight before its mask is filled
+it is a grammar state). `--schema plain`: `PLAIN_SCHEMA`, the same array without the bounds.
+Every request is prefilled and past 4 warm-up decode steps, then `--steps` decode steps are
+timed (device synchronised on both ends). A constrained row costs its bitmask fill on the host
+(xgrammar for both schemas, which are in its subset; llguidance with `--engine-arg
+grammar_backend=llguidance`, the A/B of the two libraries), the upload and the in-place mask
+kernel, and, with overlap scheduling, the wait for the step in flight before its mask is filled
 (`tritonllm.structured.admission`). The table gives each fraction's step time and its ratio to
 the unconstrained one (fraction 0) of the same repeat; with `--repeats R` the fractions run R
 times in turn (a fresh engine each) and the table ends with each fraction's median ratio, since
-one ratio moves by up to ±20% from run to run on one machine (BENCHMARKS.md). Defaults: CUDA graphs and overlap scheduling on (the
-engine's defaults on CUDA), sampling at `--temperature`, each request with a seed of its own
-(the same walk in every configuration) unless `--unseeded` (as most API requests come: the
-sampler's fused path instead of a generator per row).
+one ratio moves by up to ±20% from run to run on one machine (BENCHMARKS.md). Defaults: CUDA
+graphs and overlap scheduling on (the engine's defaults on CUDA), sampling at `--temperature`,
+each request with a seed of its own (the same walk in every configuration) unless `--unseeded`
+(as most API requests come: the sampler's fused path instead of a generator per row).
 
 With `--host-profile` the table also gives the engine thread's milliseconds per timed step in
 the parts of `_host_parts`, each function wrapped by a timer for the timed steps only: the

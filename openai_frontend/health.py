@@ -201,10 +201,10 @@ class HealthMonitor:
         return self._record(HealthStatus(True, "ok", checked_at=now))
 
     async def _ask_generator(self) -> tuple[str, bool, str] | None:
-        """The generator's own health probe: None when it answers, else ``(reason,
-        backend_failed, Triton's message)``. With several generator instances it fails on every one of them
-        while one is gone, which the generation alone (landing on a live one every other time)
-        would not show for good."""
+        """The generator's own health probe: None when it answers (its ``engine_steps`` then
+        recorded), else ``(reason, backend_failed, Triton's message)``. With several generator
+        instances it fails on every one of them while one is gone, which the generation alone
+        (landing on a live one every other time) would not show for good."""
         try:
             info = await self.client.generator_info()
         except TritonError as exc:

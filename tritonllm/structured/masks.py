@@ -9,10 +9,11 @@ with `kernels.token_bitmask.apply_token_bitmask` (one Triton kernel), elsewhere 
 steps later, after the engine has waited for the step that uploaded it, so its copy is done.
 
 The fill can also run while the engine does other work (`start`, then `finish`; `apply` is
-both at once): the grammar rows' masks fill in one llguidance batch call (and one xgrammar batch
-call for `XGrammarMatcher` rows), outside the GIL, on a thread of its own, so the engine thread can meanwhile commit the step and build the next
-step's host inputs (`engine.model_runner`'s deferred sampling). Starting it is a handshake:
-`start` returns only once that thread is inside the llguidance call. A thread that merely
+both at once): the grammar rows' masks fill in one llguidance batch call (and one xgrammar
+batch call for `XGrammarMatcher` rows), outside the GIL, on a thread of its own, so the engine
+thread can meanwhile commit the step and build the next step's host inputs
+(`engine.model_runner`'s deferred sampling). Starting it is a handshake: `start` returns only
+once that thread is about to enter the fill. A thread that merely
 waits for the GIL gets it when the holder blocks or after the interpreter's switch interval
 (5 ms), so without the handshake the fill would start only when the engine thread next
 blocked, which is after the work it was meant to overlap (BENCHMARKS.md, "Structured decode:
@@ -109,7 +110,7 @@ class TokenMaskBuffers:
         self._executor: Any = None
         self._xgrammar_batch: Any = None
         self._filler: ThreadPoolExecutor | None = None
-        # Diagnostics: seconds inside the grammar libraries' fill calls so far, on whichever thread.
+        # Diagnostics: seconds inside the grammar libraries' fill calls so far (either thread).
         self.fill_seconds = 0.0
 
     @property
