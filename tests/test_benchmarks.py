@@ -651,9 +651,9 @@ def test_structured_decode_times_full_batches_with_constrained_rows(tiny_model_d
 
 
 def test_mask_fill_times_every_way_of_making_matchers(tiny_model_dir, capsys):
-    """The mask-fill benchmark walks copies and own matchers of its schema alike, after a
-    pre-warm walk (each row's token drawn from its own mask, so a wrong mask fails the walk)
-    and tables each."""
+    """The mask-fill benchmark walks llguidance's copies and own matchers and xgrammar's
+    matchers of its schema alike, after a pre-warm walk (each row's token drawn from its own
+    mask, so a wrong mask fails the walk) and tables each."""
     from benchmarks import mask_fill
 
     table = mask_fill.main(
@@ -666,6 +666,8 @@ def test_mask_fill_times_every_way_of_making_matchers(tiny_model_dir, capsys):
         [" copy ", " 2 "],
         [" own ", " 1 "],
         [" own ", " 2 "],
+        [" xgrammar ", " 1 "],
+        [" xgrammar ", " 2 "],
     ]
     assert all(float(line.split("|")[3]) > 0 for line in lines[2:])
 

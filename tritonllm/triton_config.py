@@ -64,6 +64,9 @@ is a field of ``EngineConfig``; each can be set by the environment variable
                                        sequences use its tensor-core kernels (64)
 ``TRITONLLM_GRAMMAR_THREADS``          structured outputs: threads that fill token masks
                                        (default: 80% of the cores, as llguidance's own)
+``TRITONLLM_GRAMMAR_BACKEND``          structured outputs: ``auto`` (default: xgrammar fills
+                                       the masks of JSON schemas of its subset, llguidance
+                                       all others) or ``llguidance`` (all)
 ``TRITONLLM_DEFER_GRAMMAR_SAMPLING``   ``true``/``false``: a grammar step's masks fill while
                                        the engine builds the next step (default true;
                                        ``engine/model_runner.py``)
