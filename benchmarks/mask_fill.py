@@ -135,10 +135,11 @@ def fill_ms(
             mask allowed.
     """
     import llguidance
-    import xgrammar
 
     make = make_matchers(tokenizer, grammar, way, rows)
     if way == "xgrammar":
+        import xgrammar
+
         executor = xgrammar.BatchGrammarMatcher(threads)
     else:
         executor = llguidance.LLExecutor(threads)

@@ -33,10 +33,11 @@ import pytest
 import torch
 from structured_helpers import generated_schemas
 
-from tritonllm.config import EngineConfig
+from tritonllm.config import EngineConfig, ModelConfig
 from tritonllm.contract.errors import RequestError
 from tritonllm.engine import LLMEngine
 from tritonllm.sampling_params import SamplingParams
+from tritonllm.structured.constraint import bitmask_words
 from tritonllm.structured.spec import StructuredOutputs
 
 # The first 10 of the 20 generated schemas (all 20 go through the service in
@@ -426,6 +427,15 @@ OBJECT_OF_A_BOUNDED_STRING = {
 }
 
 
+def _compiler(model_dir, use_xgrammar: bool = True):
+    """A `ConstraintCompiler` of the model in ``model_dir``, as the engine makes one; the caller
+    shuts it down."""
+    from tritonllm.structured.compiler import ConstraintCompiler
+
+    mc = ModelConfig.from_pretrained(str(model_dir))
+    return ConstraintCompiler(str(model_dir), mc.vocab_size, mc.eos_token_ids, use_xgrammar)
+
+
 @pytest.mark.parametrize(
     ("schema", "xgrammar"),
     [
@@ -458,15 +468,10 @@ OBJECT_OF_A_BOUNDED_STRING = {
     ],
 )
 def test_json_schemas_of_xgrammars_subset_get_xgrammar_matchers(tiny_model_dir, schema, xgrammar):
-    from tritonllm.config import ModelConfig
-    from tritonllm.structured.compiler import ConstraintCompiler
     from tritonllm.structured.constraint import XGrammarMatcher
 
-    mc = ModelConfig.from_pretrained(str(tiny_model_dir))
-    compiler = ConstraintCompiler(str(tiny_model_dir), mc.vocab_size, mc.eos_token_ids)
-    llguidance_only = ConstraintCompiler(
-        str(tiny_model_dir), mc.vocab_size, mc.eos_token_ids, use_xgrammar=False
-    )
+    compiler = _compiler(tiny_model_dir)
+    llguidance_only = _compiler(tiny_model_dir, use_xgrammar=False)
     try:
         spec = StructuredOutputs.build("json", schema, "guided_json")
         guidance = StructuredOutputs.from_wire({"json": schema, "backend": "guidance"})
@@ -484,7 +489,7 @@ def test_json_schemas_of_xgrammars_subset_get_xgrammar_matchers(tiny_model_dir, 
 
 
 def _xgrammar_allowed(matcher, vocab: int) -> set[int]:
-    mask = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
+    mask = torch.zeros((1, bitmask_words(vocab)), dtype=torch.int32)
     matcher.matcher.fill_next_token_bitmask(mask, 0)
     bits = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[:vocab]
     return set(np.flatnonzero(bits).tolist())
@@ -493,12 +498,8 @@ def _xgrammar_allowed(matcher, vocab: int) -> set[int]:
 def test_without_xgrammar_llguidance_serves_every_schema(tiny_model_dir, monkeypatch):
     import sys
 
-    from tritonllm.config import ModelConfig
-    from tritonllm.structured.compiler import ConstraintCompiler
-
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar: ImportError
-    mc = ModelConfig.from_pretrained(str(tiny_model_dir))
-    compiler = ConstraintCompiler(str(tiny_model_dir), mc.vocab_size, mc.eos_token_ids)
+    compiler = _compiler(tiny_model_dir)
     try:
         spec = StructuredOutputs.build("json", OBJECT_OF_A_BOUNDED_STRING, "s")
         compiled = compiler.submit(SamplingParams(structured_outputs=spec)).result()
@@ -517,12 +518,8 @@ def test_random_walks_of_xgrammar_matchers_end_in_valid_json(tiny_model_dir, tok
 
     from structured_helpers import random_schema
 
-    from tritonllm.config import ModelConfig
-    from tritonllm.structured.compiler import ConstraintCompiler
-
-    mc = ModelConfig.from_pretrained(str(tiny_model_dir))
-    stops = set(mc.eos_token_ids)
-    compiler = ConstraintCompiler(str(tiny_model_dir), mc.vocab_size, mc.eos_token_ids)
+    compiler = _compiler(tiny_model_dir)
+    vocab, stops = compiler.vocab_size, set(compiler.stop_token_ids)
     schemas = ended = 0
     try:
         for seed in range(130):
@@ -540,7 +537,7 @@ def test_random_walks_of_xgrammar_matchers_end_in_valid_json(tiny_model_dir, tok
             for _ in range(3):
                 matcher, ids = compiled.new().matcher, []
                 for _ in range(300):
-                    allowed = sorted(_xgrammar_allowed(matcher, mc.vocab_size))
+                    allowed = sorted(_xgrammar_allowed(matcher, vocab))
                     stop = [t for t in allowed if t in stops]
                     token = stop[0] if stop and rng.random() < 0.5 else rng.choice(allowed)
                     assert matcher.consume_token(token)
@@ -555,11 +552,7 @@ def test_random_walks_of_xgrammar_matchers_end_in_valid_json(tiny_model_dir, tok
 
 
 def test_a_bounded_string_under_xgrammar_refuses_raw_control_characters(tiny_model_dir, tok):
-    from tritonllm.config import ModelConfig
-    from tritonllm.structured.compiler import ConstraintCompiler
-
-    mc = ModelConfig.from_pretrained(str(tiny_model_dir))
-    compiler = ConstraintCompiler(str(tiny_model_dir), mc.vocab_size, mc.eos_token_ids)
+    compiler = _compiler(tiny_model_dir)
     try:
         spec = StructuredOutputs.build("json", OBJECT_OF_A_BOUNDED_STRING, "s")
         matcher = compiler.submit(SamplingParams(structured_outputs=spec)).result().new().matcher
@@ -567,7 +560,7 @@ def test_a_bounded_string_under_xgrammar_refuses_raw_control_characters(tiny_mod
         compiler.shutdown()
     for token in tok.encode('{"a": "', add_special_tokens=False):
         assert matcher.consume_token(token)
-    allowed = _xgrammar_allowed(matcher, mc.vocab_size)
+    allowed = _xgrammar_allowed(matcher, compiler.vocab_size)
     (tab,) = tok.encode("\t", add_special_tokens=False)
     (letter,) = tok.encode("b", add_special_tokens=False)
     assert letter in allowed and tab not in allowed

@@ -14,9 +14,9 @@ matchers, as vLLM's and SGLang's grammar caches do.
 
 A JSON schema of xgrammar's subset (`StructuredOutputs.xgrammar_schema`) is compiled by xgrammar
 too, after llguidance validated it: its matchers are xgrammar's (`XGrammarMatcher`), whose masks
-of a bounded string cost a tenth of llguidance's. xgrammar's tokenizer info and compiler are
-built on the first such compile (a second or two for a 150k vocabulary), on the same worker
-thread. A schema xgrammar refuses keeps llguidance.
+of a bounded string cost far less than llguidance's (BENCHMARKS.md, "Bounded strings with
+xgrammar"). xgrammar's tokenizer info and compiler are built on the first such compile, after
+llguidance's tokenizer, on the same worker thread. A schema xgrammar refuses keeps llguidance.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ BUILD_THREADS = 4
 # string character in its place (any character but the controls, the quote and the backslash).
 # Found by random walks of bounded-string schemas (tests/test_structured_engine.py). Such a
 # string still holds no escapes, as xgrammar's own: adding JSON's escapes as an alternative
-# made the structured-decode schema's fill 20 times slower than llguidance's (BENCHMARKS.md,
+# made the structured-decode schema's fill slower than llguidance's (BENCHMARKS.md,
 # "Bounded strings with xgrammar"); a client that needs them asks for backend "guidance".
 XGRAMMAR_STRING_CHAR = r"[^\"\\\r\n]"
 JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"

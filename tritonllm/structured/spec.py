@@ -18,7 +18,7 @@ tokenizer needed: about a millisecond), so an invalid schema, pattern or grammar
 subset that xgrammar enforces in full (`xgrammar_schema`: objects, arrays, strings with length
 bounds, integers with bounds, unbounded numbers, booleans, null, enum and const) has its token
 masks filled by xgrammar instead, whose precomputed per-state token sets make a bounded string's
-mask about ten times cheaper than llguidance's trie walk (BENCHMARKS.md, "Bounded strings with
+mask much cheaper than llguidance's trie walk (BENCHMARKS.md, "Bounded strings with
 xgrammar"). Outputs validate against the schema either way, and have the same shape; one
 difference: a string with ``minLength`` / ``maxLength`` holds no escape sequences under xgrammar
 (no ``\\"`` or ``\\n`` inside it; xgrammar's own rule, kept for its speed, `structured.compiler`).
