@@ -124,9 +124,11 @@ class XGrammarMatcher:
         return bool(self.matcher.accept_token(token))
 
     def is_error(self) -> bool:
+        """Always False: xgrammar has no error state (llguidance's interface)."""
         return False
 
     def get_error(self) -> str:
+        """Always empty (see `is_error`)."""
         return ""
 
 
