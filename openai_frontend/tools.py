@@ -142,7 +142,7 @@ class ToolFields(BaseModel):
         a ``required`` or named tool choice (the named tool's ``parameters``, or ``tools``)."""
         if mode.kind == "named":
             i = [t.function.name for t in self.tools or ()].index(mode.name or "")
-            parameters = (self.tools or [])[i].function.parameters or NO_PARAMETERS
+            parameters = _object_root((self.tools or [])[i].function.parameters)
             return (f"tools[{i}].function.parameters", {"json": parameters})
         if mode.kind != "required":
             return None
@@ -150,7 +150,7 @@ class ToolFields(BaseModel):
         # rebased there, so "#/$defs/..." (pydantic's nested models) still resolves.
         tools = list(self.tools or ())
         defs = {
-            f"tool_{i}": _rebase_refs(t.function.parameters or NO_PARAMETERS, f"#/$defs/tool_{i}")
+            f"tool_{i}": _rebase_refs(_object_root(t.function.parameters), f"#/$defs/tool_{i}")
             for i, t in enumerate(tools)
         }
         items = [
@@ -175,15 +175,26 @@ class ToolFields(BaseModel):
         return ("tools", {"json": schema})
 
 
+def _object_root(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """The schema a call's arguments are generated under: ``parameters`` with ``"type":
+    "object"`` added where it names no type (arguments are always a JSON object), and
+    ``NO_PARAMETERS`` for a function without them."""
+    if not parameters:
+        return NO_PARAMETERS
+    return parameters if "type" in parameters else {"type": "object", **parameters}
+
+
 def check_parameters(schema: dict[str, Any], param: str) -> None:
     """Check a tool's ``parameters`` against the JSON Schema meta-schema of its ``$schema``
-    (Draft 2020-12 without one), as OpenAI refuses an invalid function schema with any
-    ``tool_choice``. Structure only, no grammar compile (that is for a ``required`` or named
-    choice, whose constraint the generator builds) and no ``format`` checks (a ``pattern``
-    is ECMA-262, which Python's ``re`` would misjudge).
+    (Draft 2020-12 without one), and that its root is an object schema (a ``type`` of
+    ``"object"``, or none), as OpenAI refuses an invalid function schema with any
+    ``tool_choice``: a call's arguments are a JSON object. Structure only, no grammar compile
+    (that is for a ``required`` or named choice, whose constraint the generator builds) and
+    no ``format`` checks (a ``pattern`` is ECMA-262, which Python's ``re`` would misjudge).
 
     Raises:
-        OpenAIError: 400 ``invalid_value`` naming ``param``, with jsonschema's reason.
+        OpenAIError: 400 ``invalid_value`` naming ``param``, with jsonschema's reason or the
+            root's type.
     """
     declared = schema.get("$schema")
     cls = validator_for(schema, Draft202012Validator) if isinstance(declared, str) else None
@@ -201,6 +212,13 @@ def check_parameters(schema: dict[str, Any], param: str) -> None:
         raise OpenAIError(
             f"{param} is nested too deeply", param=param, code="invalid_value"
         ) from None
+    if schema.get("type", "object") != "object":
+        raise OpenAIError(
+            f'{param} must be a JSON schema of type "object" (a call\'s arguments are a JSON'
+            f" object), not of type {json.dumps(schema['type'])}",
+            param=param,
+            code="invalid_value",
+        )
 
 
 # Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.

@@ -382,12 +382,26 @@ def test_logit_bias_never_lifts_a_token_mask(tiny_model_dir, tok):
         ("regex", "[a-z"),
         ("grammar", "root ::= missing_rule"),
         ("choice", "[]"),
+        # llguidance 1.9.1's validation crashes the process (SIGSEGV) on these integers
+        ("json", '{"enum": [-9223372036854775808]}'),
+        ("json", '{"properties": {"a": {"const": -9223372036854775296}}}'),
+        ("grammar", 'start: %json{"const": -9223372036854775808}'),
+        ("json", '{"type": "integer", "maximum": 18446744073709551616}'),
     ],
 )
 def test_an_invalid_constraint_is_a_request_error_naming_its_field(kind, spec):
     with pytest.raises(RequestError) as info:
         StructuredOutputs(kind, spec)
     assert info.value.param == f"structured_outputs.{kind}"
+
+
+def test_integers_up_to_llguidances_edges_still_compile():
+    for schema in (
+        {"enum": [-9223372036854775295]},  # the last above -2^63 + 512
+        {"type": "integer", "maximum": 2**64 - 1},
+        {"description": "-9223372036854775808"},  # a string, not an integer
+    ):
+        StructuredOutputs.build("json", schema, "guided_json")  # no RequestError
 
 
 def test_a_constraint_names_the_clients_field_without_splitting_the_grammar_cache():
@@ -442,6 +456,13 @@ def _compiler(model_dir, use_xgrammar: bool = True):
         (OBJECT_OF_A_BOUNDED_STRING, True),
         ({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}}, True),
         ({"enum": ["x", 1, None]}, True),
+        ({"type": "string", "enum": ["a", "b"], "title": "Colour"}, True),  # a pydantic Enum
+        ({"type": "number", "const": 2}, True),
+        # xgrammar drops every keyword beside an enum or a const: these keep llguidance.
+        ({"type": "string", "enum": ["a", "bbbbbbbb"], "maxLength": 3}, False),
+        ({"type": "integer", "enum": [1, 50], "maximum": 10}, False),
+        ({"type": "string", "enum": ["x", 1]}, False),
+        ({"enum": ["x"], "const": "x"}, False),
         ({"type": "number"}, True),
         ({"type": "string", "pattern": "^a+$"}, False),  # patterns: llguidance
         ({"type": "number", "minimum": 0, "maximum": 1}, False),  # `strict`'s multipleOf

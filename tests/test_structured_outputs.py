@@ -164,6 +164,12 @@ def test_guided_regex_choice_grammar_and_structured_outputs_match(sidecar):
         ({"extra_body": {"guided_regex": "b{500000}"}}, "guided_regex"),
         ({"extra_body": {"guided_grammar": "root ::= undefined_rule"}}, "guided_grammar"),
         ({"extra_body": {"guided_grammar": "root ::= root"}}, "guided_grammar"),
+        # integers that crashed the generator's stub (SIGSEGV in llguidance 1.9.1)
+        ({"extra_body": {"guided_json": {"enum": [-(2**63)]}}}, "guided_json"),
+        (
+            {"extra_body": {"guided_grammar": 'start: %json{"const": -9223372036854775808}'}},
+            "guided_grammar",
+        ),
         ({"extra_body": {"guided_json": {"type": "object"}, "guided_regex": "a"}}, "guided_regex"),
         (
             {
@@ -255,6 +261,47 @@ def test_an_invalid_tool_parameters_schema_is_a_400_with_any_tool_choice(
     assert info.value.status_code == 400 and body["code"] == "invalid_value", body
     assert body["param"] == "tools[1].function.parameters", body
     assert "properties.days.minimum" in body["message"], body  # where in the schema
+
+
+@pytest.mark.parametrize(
+    "root", [{"type": "string", "maxLength": 10}, {"type": ["object", "null"]}]
+)
+def test_a_tool_parameters_schema_of_another_root_type_is_a_400(client, sidecar, root):
+    """QA: a named function whose ``parameters`` was a string schema was called with
+    ``"arguments": "\\"https://en\\""``; OpenAI refuses a root that is no object schema."""
+    for extra in ({}, {"tool_choice": {"type": "function", "function": {"name": "f"}}}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model=sidecar.model_name,
+                messages=USER,
+                max_tokens=2,
+                tools=[{"type": "function", "function": {"name": "f", "parameters": root}}],
+                **extra,
+            )
+        body = info.value.body
+        assert body["param"] == "tools[0].function.parameters", body
+        assert body["code"] == "invalid_value" and 'type "object"' in body["message"], body
+
+
+def test_a_tool_parameters_schema_without_a_type_is_called_with_an_object(client, sidecar):
+    """A root without ``type`` is generated as an object schema: the arguments are an object."""
+    parameters = {
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    (c,) = client.chat.completions.create(
+        model=sidecar.model_name,
+        messages=USER,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+        tool_choice={"type": "function", "function": {"name": "f"}},
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=11,
+    ).choices
+    assert c.finish_reason == "stop", c
+    arguments = json.loads(c.message.tool_calls[0].function.arguments)
+    assert isinstance(arguments, dict) and 0 <= arguments["a"] <= 99, arguments
 
 
 def _check_calls(calls, parallel: bool) -> None:

@@ -38,6 +38,7 @@ they still validate against the schema).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -93,6 +94,13 @@ class StructuredOutputs:
             raise _invalid(
                 self.param,
                 f"is longer than {limits.MAX_GRAMMAR_CHARS} characters ({len(self.spec)})",
+            )
+        wide = _wide_integer(self)
+        if wide is not None:
+            raise _invalid(
+                self.param,
+                f"cannot be compiled: the integer {wide} is outside the range the grammar"
+                " library takes (above -2^63 + 512 and below 2^64)",
             )
         import llguidance
 
@@ -264,10 +272,31 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+_XGRAMMAR_ENUM_KEYWORDS = frozenset({"enum", "const", "type", "title", "description"})
+_JSON_SCALARS: dict[str | None, tuple[type, ...]] = {
+    None: (str, int, float, bool, type(None)),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "null": (type(None),),
+}
+
+
+def _of_type(value: Any, kind: Any) -> bool:
+    """Whether ``value`` is a JSON scalar of JSON Schema type ``kind`` (None: of any scalar
+    type); a bool is no integer or number here, as in JSON Schema."""
+    types = _JSON_SCALARS.get(kind) if isinstance(kind, str) or kind is None else None
+    if types is None or not isinstance(value, types):
+        return False
+    return kind in (None, "boolean") or not isinstance(value, bool)
+
+
 def in_xgrammar_subset(schema: Any) -> bool:
     """Whether xgrammar fills the masks of JSON ``schema`` (`StructuredOutputs.xgrammar_schema`):
-    every subschema has only `XGRAMMAR_KEYWORDS`, one ``type`` (or only ``enum`` / ``const`` of
-    strings, numbers, booleans and null), objects with ``properties``, arrays with ``items``,
+    every subschema has only `XGRAMMAR_KEYWORDS`, one ``type`` (or one ``enum`` / ``const`` of
+    strings, numbers, booleans and null, beside at most a ``type`` that each of its values has
+    and annotations), objects with ``properties``, arrays with ``items``,
     ``required`` names it declares, no
     ``additionalProperties`` but ``false``, ``items`` of one subschema, non-negative integer
     length and count bounds, and integer ``minimum`` / ``maximum`` on integers only (a bounded
@@ -275,21 +304,19 @@ def in_xgrammar_subset(schema: Any) -> bool:
     ``pattern`` or a ``$ref`` say, keeps llguidance, which implements more of JSON Schema."""
     if not isinstance(schema, dict) or not schema.keys() <= XGRAMMAR_KEYWORDS:
         return False
-    scalars = (str, int, float, bool, type(None))
-    if "enum" in schema:
-        enum = schema["enum"]
-        if not isinstance(enum, list) or not enum or not all(isinstance(v, scalars) for v in enum):
-            return False
-    if "const" in schema and not isinstance(schema["const"], scalars):
-        return False
     kind = schema.get("type")
-    if kind is None:
-        return ("enum" in schema or "const" in schema) and schema.keys() <= {
-            "enum",
-            "const",
-            "title",
-            "description",
-        }
+    if "enum" in schema or "const" in schema:
+        # xgrammar 0.2.9 builds an enum's or a const's grammar from its values alone and drops
+        # every other keyword beside it (a maxLength, a minimum, the type itself), so those go
+        # to llguidance; a type stays here only when every value already is of that type.
+        values = schema["enum"] if "enum" in schema else [schema["const"]]
+        return (
+            schema.keys() <= _XGRAMMAR_ENUM_KEYWORDS
+            and ("enum" not in schema or "const" not in schema)
+            and isinstance(values, list)
+            and bool(values)
+            and all(_of_type(v, kind) for v in values)
+        )
     if not isinstance(kind, str) or kind not in _XGRAMMAR_TYPES:
         return False
     # An object without properties or an array without items: llguidance's open defaults
@@ -455,6 +482,36 @@ def strict(schema: Any, in_all_of: bool = False) -> Any:
     if is_number and "multipleOf" not in out and _room_for_decimals(out):
         out["multipleOf"] = 1e-6  # a bounded number: at most 6 decimals, as xgrammar's
     return out
+
+
+# An integer in a JSON schema (a grammar's %json one too) that llguidance 1.9.1 cannot take:
+# from 2^64 up it refuses it, and from -2^63 + 512 down (where a float64 rounds it to -2^63) its
+# validation crashes the process (SIGSEGV, found 2026-12-08 with `{"enum": [-2**63]}`).
+_INTEGER_LITERAL = re.compile(r"(?<![\w.])-?[0-9]{19,}(?![\w.])")
+
+
+def _out_of_range(value: int) -> bool:
+    return value >= 2**64 or float(value) <= -(2.0**63)
+
+
+def _wide_integer(constraint: StructuredOutputs) -> int | None:
+    """An integer of ``constraint``'s schema (any place: a bound, an enum value, a default),
+    or of a grammar's text, that llguidance cannot take (`_out_of_range`); None if none."""
+    if constraint.kind == "grammar":
+        values = [int(m) for m in _INTEGER_LITERAL.findall(constraint.spec)]
+        return next((v for v in values if _out_of_range(v)), None)
+    if constraint.kind != "json" or not _INTEGER_LITERAL.search(constraint.spec):
+        return None
+    stack = [json.loads(constraint.spec)]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, int) and not isinstance(value, bool) and _out_of_range(value):
+            return value
+    return None
 
 
 def short_reason(error: str) -> str:
