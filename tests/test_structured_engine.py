@@ -313,6 +313,43 @@ def test_regex_choice_grammar_and_json_object_outputs_match(tiny_model_dir, tok)
     ]
 
 
+def _reference_chain(links: int) -> dict:
+    """A JSON schema whose root is a chain of ``links`` ``$ref``s to a bounded integer."""
+    defs: dict = {str(i): {"$ref": f"#/$defs/{i + 1}"} for i in range(links)}
+    defs[str(links)] = {"type": "integer", "minimum": 0, "maximum": 99}
+    return {"$ref": "#/$defs/0", "$defs": defs}
+
+
+def test_long_reference_chains_compile_and_generate(tiny_model_dir, tok):
+    """QA (a fuzzing session): llguidance recurses per link of a reference chain, and a chain of
+    2,500 ``$ref``s or 2,700 Lark rules (well under the 100,000-character limit) overflowed an
+    8 MiB stack: SIGSEGV in the generator's stub. Validation, compile, matcher builds and mask
+    fills now run on large stacks (`tritonllm.structured.stacks`); these chains, near the
+    length limit, are served (this test's process would die, not fail, without that)."""
+    lark = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(7500)) + 'r7500: "a"\n'
+    constraints = {
+        "ref": StructuredOutputs.build("json", _reference_chain(3200), "guided_json"),
+        "lark": StructuredOutputs.build("grammar", lark, "guided_grammar"),
+    }
+    engine = _engine(tiny_model_dir, overlap_schedule=True)
+    requests = [
+        (
+            f"{name}{i}",
+            tok.encode(f"{name} {i}"),
+            SamplingParams(max_tokens=20, temperature=float(i), seed=i, structured_outputs=so),
+        )
+        for name, so in constraints.items()
+        for i in range(2)
+    ]
+    for rid, (ids, reason, error) in _run(engine, requests).items():
+        text = tok.decode(ids, skip_special_tokens=True)
+        assert (reason, error) == ("stop", None), (rid, text)
+        if rid.startswith("ref"):
+            assert 0 <= json.loads(text) <= 99, (rid, text)
+        else:
+            assert text == "a", (rid, text)
+
+
 def test_allowed_token_ids_and_bad_words_mask_what_they_name(tiny_model_dir, tok):
     engine = _engine(tiny_model_dir)
     prompt = tok.encode("Once upon a time")
@@ -387,6 +424,9 @@ def test_logit_bias_never_lifts_a_token_mask(tiny_model_dir, tok):
         ("json", '{"properties": {"a": {"const": -9223372036854775296}}}'),
         ("grammar", 'start: %json{"const": -9223372036854775808}'),
         ("json", '{"type": "integer", "maximum": 18446744073709551616}'),
+        # a matcher of this one grew past 4 GB without end (validation took it at once)
+        ("json", '{"type": "integer", "multipleOf": 2147483648}'),
+        ("grammar", 'start: %json{"type": "number", "multipleOf": 10001}'),
     ],
 )
 def test_an_invalid_constraint_is_a_request_error_naming_its_field(kind, spec):
@@ -400,6 +440,10 @@ def test_integers_up_to_llguidances_edges_still_compile():
         {"enum": [-9223372036854775295]},  # the last above -2^63 + 512
         {"type": "integer", "maximum": 2**64 - 1},
         {"description": "-9223372036854775808"},  # a string, not an integer
+        {"type": "integer", "multipleOf": 9973},
+        {"type": "number", "multipleOf": 0.0025},
+        {"type": "integer", "multipleOf": 86400},  # 864 * 10^2
+        {"properties": {"multipleOf": {"type": "integer"}}},  # a property's name
     ):
         StructuredOutputs.build("json", schema, "guided_json")  # no RequestError
 

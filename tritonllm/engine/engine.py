@@ -206,7 +206,9 @@ class LLMEngine:
             if error is None:
                 self.scheduler.add(req)
             else:
-                self._finish(req, "error", release=True, error=f"constraint compile: {error}")
+                # The request's own fault (RequestError: its code and field), else a server's.
+                fault = error if isinstance(error, RequestError) else f"constraint compile: {error}"
+                self._finish(req, "error", release=True, error=fault)
                 outputs.append(self._pending.pop())
 
     def _sync_constrained(

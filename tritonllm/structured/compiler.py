@@ -26,11 +26,14 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
+from tritonllm.contract.errors import ErrorCode, RequestError
 from tritonllm.sampling_params import SamplingParams
 from tritonllm.structured.constraint import CompiledConstraint, TokenConstraint, ids_bitmask
+from tritonllm.structured.spec import StructuredOutputs, short_reason
+from tritonllm.structured.stacks import GrammarExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +62,13 @@ def constraint_key(params: SamplingParams) -> ConstraintKey | None:
     return (params.structured_outputs, params.allowed_token_ids, params.bad_words)
 
 
-def _worker_pools() -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+def _worker_pools() -> tuple[GrammarExecutor, GrammarExecutor]:
     """The compile thread and the `BUILD_THREADS` matcher-build threads of a compiler (their
-    names are what `ConstraintAdmission` looks for when it logs a stuck compile's stacks)."""
+    names are what `ConstraintAdmission` looks for when it logs a stuck compile's stacks),
+    with stacks large enough for llguidance's recursion (`stacks`)."""
     return (
-        ThreadPoolExecutor(1, thread_name_prefix="tritonllm-grammar"),
-        ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="tritonllm-matchers"),
+        GrammarExecutor(1, thread_name_prefix="tritonllm-grammar"),
+        GrammarExecutor(BUILD_THREADS, thread_name_prefix="tritonllm-matchers"),
     )
 
 
@@ -122,7 +126,16 @@ class ConstraintCompiler:
         thread and then on one of `BUILD_THREADS` (a burst of requests is admitted that much
         sooner). Its exception is the compile's or the build's."""
         compiled = self.submit(params)
-        return self._builders.submit(lambda: [compiled.result().new() for _ in range(n)])
+        spec = params.structured_outputs
+
+        def build() -> list[TokenConstraint]:
+            constraint = compiled.result()
+            try:
+                return [constraint.new() for _ in range(n)]
+            except ValueError as exc:  # llguidance could not build this grammar's matcher
+                raise _refused(spec, str(exc)) from None
+
+        return self._builders.submit(build)
 
     def shutdown(self) -> None:
         """Stop the worker threads (compiles and builds in progress finish first)."""
@@ -161,7 +174,7 @@ class ConstraintCompiler:
         spec = params.structured_outputs
         grammar = xgrammar = None
         if spec is not None:
-            grammar = self._validated(spec.grammar())
+            grammar = self._validated(spec)
             schema = spec.xgrammar_schema() if self.use_xgrammar else None
             if schema is not None:
                 xgrammar = self._xgrammar(schema)
@@ -205,17 +218,20 @@ class ConstraintCompiler:
             logger.warning("xgrammar refused a schema of its subset, llguidance serves it: %s", exc)
             return None
 
-    def _validated(self, grammar: str) -> str:
-        """``grammar``, once llguidance accepted it with this tokenizer.
+    def _validated(self, spec: StructuredOutputs) -> str:
+        """``spec``'s llguidance grammar, once llguidance accepted it with this tokenizer.
 
         Raises:
-            ValueError: llguidance refused the grammar (its message).
+            RequestError: (``invalid_value``, the constraint's ``param``) llguidance refused
+                the grammar with the tokenizer (beyond its limits: "fuel exhausted" say),
+                though it took it without one where the request arrived.
         """
         import llguidance
 
+        grammar = spec.grammar()
         error = llguidance.LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
         if error:
-            raise ValueError(error)
+            raise _refused(spec, error)
         return grammar
 
     def _bad_words(self, words: tuple[str, ...]) -> tuple[Any, tuple]:
@@ -228,7 +244,14 @@ class ConstraintCompiler:
         sequences: set[tuple[tuple[int, ...], int]] = set()
         for word in words:
             for text in {word, " " + word.lstrip()}:
-                ids = self._tokenizer.encode(text, add_special_tokens=False)
+                try:
+                    ids = self._tokenizer.encode(text, add_special_tokens=False)
+                except (TypeError, ValueError) as exc:  # a lone surrogate: no UTF-8 text
+                    raise RequestError(
+                        ErrorCode.INVALID_VALUE,
+                        "bad_words",
+                        f"bad_words cannot be tokenized: {word!r}: {exc}",
+                    ) from None
                 if not ids:
                     continue
                 if len(ids) == 1:
@@ -237,6 +260,15 @@ class ConstraintCompiler:
                     sequences.add((tuple(ids[:-1]), ids[-1]))
         banned_ids = np.asarray(sorted(banned), dtype=np.int64) if banned else None
         return banned_ids, tuple(sorted(sequences))
+
+
+def _refused(spec: StructuredOutputs | None, error: str) -> RequestError:
+    """The request's error for a constraint llguidance refused while compiling it with the
+    model's tokenizer or building its matcher: ``invalid_value`` naming the client's field."""
+    param = "structured_outputs" if spec is None else spec.param
+    return RequestError(
+        ErrorCode.INVALID_VALUE, param, f"{param} cannot be compiled: {short_reason(error)}"
+    )
 
 
 __all__ = ["BUILD_THREADS", "CACHE_ENTRIES", "ConstraintCompiler", "constraint_key"]

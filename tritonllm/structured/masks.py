@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from tritonllm.structured.constraint import (
     bitmask_words,
     restrict_rows,
 )
+from tritonllm.structured.stacks import GrammarExecutor
 
 
 def apply_token_bitmask_torch(
@@ -109,7 +110,7 @@ class TokenMaskBuffers:
         self._next = 0
         self._executor: Any = None
         self._xgrammar_batch: Any = None
-        self._filler: ThreadPoolExecutor | None = None
+        self._filler: GrammarExecutor | None = None
         # Diagnostics: seconds inside the grammar libraries' fill calls so far (either thread).
         self.fill_seconds = 0.0
 
@@ -186,7 +187,7 @@ class TokenMaskBuffers:
                 fill()
             else:
                 if self._filler is None:
-                    self._filler = ThreadPoolExecutor(1, thread_name_prefix="tritonllm-masks")
+                    self._filler = GrammarExecutor(1, thread_name_prefix="tritonllm-masks")
                 done = self._filler.submit(fill)
                 inside.wait()  # blocks the caller (GIL released) until the thread took the GIL
         return MaskFill(host, host_rows, constraints, done)

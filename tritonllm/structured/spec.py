@@ -37,6 +37,7 @@ they still validate against the schema).
 
 from __future__ import annotations
 
+import decimal
 import json
 import re
 from collections.abc import Mapping
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from tritonllm.contract import limits
 from tritonllm.contract.errors import ErrorCode, RequestError, short_repr
+from tritonllm.structured.stacks import on_grammar_stack
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -95,17 +97,11 @@ class StructuredOutputs:
                 self.param,
                 f"is longer than {limits.MAX_GRAMMAR_CHARS} characters ({len(self.spec)})",
             )
-        wide = _wide_integer(self)
-        if wide is not None:
-            raise _invalid(
-                self.param,
-                f"cannot be compiled: the integer {wide} is outside the range the grammar"
-                " library takes (above -2^63 + 512 and below 2^64)",
-            )
-        import llguidance
-
-        try:
-            error = llguidance.LLMatcher.validate_grammar(self.grammar())
+        problem = _number_problem(self)
+        if problem is not None:
+            raise _invalid(self.param, f"cannot be compiled: {problem}")
+        try:  # on a large stack: llguidance recurses per link of a reference chain
+            error = on_grammar_stack(_validate, self)
         except (ValueError, RuntimeError) as exc:  # unparsable JSON text or GBNF
             error = str(exc)
         if error:
@@ -484,34 +480,82 @@ def strict(schema: Any, in_all_of: bool = False) -> Any:
     return out
 
 
-# An integer in a JSON schema (a grammar's %json one too) that llguidance 1.9.1 cannot take:
-# from 2^64 up it refuses it, and from -2^63 + 512 down (where a float64 rounds it to -2^63) its
-# validation crashes the process (SIGSEGV, found 2026-12-08 with `{"enum": [-2**63]}`).
+# Numbers of a JSON schema (a grammar's %json one too) that llguidance 1.9.1 cannot take
+# (found 2026-12-08 by fuzzing it):
+# - an integer from 2^64 up it refuses; one from -2^63 + 512 down (a float64 rounds it to
+#   -2^63) crashes its validation (SIGSEGV: `{"enum": [-2**63]}`);
+# - a ``multipleOf`` m = c * 10^e (c without trailing zeros) it validates at once, but builds
+#   each matcher in time and memory growing with c, without end at 2^31 (BENCHMARKS.md,
+#   "multipleOf and llguidance's matcher builds"); up to MAX_MULTIPLE_OF_DIGITS is served.
+MAX_MULTIPLE_OF_DIGITS = 10_000
 _INTEGER_LITERAL = re.compile(r"(?<![\w.])-?[0-9]{19,}(?![\w.])")
+_MULTIPLE_OF = re.compile(r'"multipleOf"\s*:\s*(-?[0-9][0-9.eE+-]*)')
 
 
 def _out_of_range(value: int) -> bool:
     return value >= 2**64 or float(value) <= -(2.0**63)
 
 
-def _wide_integer(constraint: StructuredOutputs) -> int | None:
-    """An integer of ``constraint``'s schema (any place: a bound, an enum value, a default),
-    or of a grammar's text, that llguidance cannot take (`_out_of_range`); None if none."""
+def _multiple_of_digits(value: float) -> int:
+    """c of ``value`` = c * 10^e, c an integer without trailing zeros (0 for 0 or no finite
+    number)."""
+    try:
+        digits = decimal.Decimal(repr(value)).normalize().as_tuple().digits
+    except (decimal.InvalidOperation, ValueError):
+        return 0
+    return int("".join(map(str, digits)) or "0")
+
+
+def _number_problem(constraint: StructuredOutputs) -> str | None:
+    """Why llguidance cannot take a number of ``constraint``'s schema (any place: a bound, an
+    enum value, a default) or of a grammar's text, or None."""
     if constraint.kind == "grammar":
-        values = [int(m) for m in _INTEGER_LITERAL.findall(constraint.spec)]
-        return next((v for v in values if _out_of_range(v)), None)
-    if constraint.kind != "json" or not _INTEGER_LITERAL.search(constraint.spec):
+        integers = [int(m) for m in _INTEGER_LITERAL.findall(constraint.spec)]
+        multiples = []
+        for m in _MULTIPLE_OF.findall(constraint.spec):
+            try:
+                multiples.append(float(m) if set(m) & set(".eE") else int(m))
+            except ValueError:  # not a number: llguidance's parser reports it
+                pass
+    elif constraint.kind == "json":
+        integers, multiples = [], []
+        try:
+            stack = [json.loads(constraint.spec)]
+        except ValueError:  # no JSON: llguidance's parser reports it
+            return None
+        while stack:
+            value = stack.pop()
+            if isinstance(value, dict):
+                stack.extend(value.values())
+                bound = value.get("multipleOf")
+                if isinstance(bound, (int, float)) and not isinstance(bound, bool):
+                    multiples.append(bound)
+            elif isinstance(value, list):
+                stack.extend(value)
+            elif isinstance(value, int) and not isinstance(value, bool):
+                integers.append(value)
+    else:
         return None
-    stack = [json.loads(constraint.spec)]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, dict):
-            stack.extend(value.values())
-        elif isinstance(value, list):
-            stack.extend(value)
-        elif isinstance(value, int) and not isinstance(value, bool) and _out_of_range(value):
-            return value
+    wide = next((v for v in integers if _out_of_range(v)), None)
+    if wide is not None:
+        return (
+            f"the integer {wide} is outside the range the grammar library takes (above"
+            " -2^63 + 512 and below 2^64)"
+        )
+    costly = next((m for m in multiples if _multiple_of_digits(m) > MAX_MULTIPLE_OF_DIGITS), None)
+    if costly is not None:
+        return (
+            f"multipleOf {costly} is not supported: written as c * 10^e, c must be at most"
+            f" {MAX_MULTIPLE_OF_DIGITS:,} (a grammar of c states is built for it)"
+        )
     return None
+
+
+def _validate(constraint: StructuredOutputs) -> str:
+    """llguidance's reason to refuse ``constraint``'s grammar ("" when it takes it)."""
+    import llguidance
+
+    return llguidance.LLMatcher.validate_grammar(constraint.grammar())
 
 
 def short_reason(error: str) -> str:
