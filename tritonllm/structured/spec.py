@@ -546,7 +546,7 @@ def _number_problem(constraint: StructuredOutputs) -> str | None:
     if costly is not None:
         return (
             f"multipleOf {costly} is not supported: written as c * 10^e, c must be at most"
-            f" {MAX_MULTIPLE_OF_DIGITS:,} (a grammar of c states is built for it)"
+            f" {MAX_MULTIPLE_OF_DIGITS:,} (the grammar library's build for it grows with c)"
         )
     return None
 
