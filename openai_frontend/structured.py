@@ -145,7 +145,8 @@ def constraint_inputs(
     (plus a tool choice's constraint, ``tool_constraint``).
 
     Raises:
-        OpenAIError: 400 for conflicting constraints, or a field the backend has no input for.
+        OpenAIError: 400 for conflicting constraints, empty ``allowed_token_ids``, or a field
+            the backend has no input for.
     """
     inputs: dict[str, InputValue] = {}
     constraint = req.output_constraint()
@@ -162,6 +163,12 @@ def constraint_inputs(
         if BACKEND_PARAM not in specs:
             raise unsupported(constraint[0])
         inputs[BACKEND_PARAM] = json.dumps(constraint[1], ensure_ascii=False)
+    if req.allowed_token_ids == []:  # vLLM refuses it too: no token could ever be sampled
+        raise OpenAIError(
+            "allowed_token_ids must name at least one token id",
+            param="allowed_token_ids",
+            code="invalid_value",
+        )
     for name in ("allowed_token_ids", "bad_words"):
         value = getattr(req, name)
         if value:

@@ -166,6 +166,8 @@ def test_guided_regex_choice_grammar_and_structured_outputs_match(sidecar):
         ({"extra_body": {"guided_grammar": "root ::= root"}}, "guided_grammar"),
         # integers that crashed the generator's stub (SIGSEGV in llguidance 1.9.1)
         ({"extra_body": {"guided_json": {"enum": [-(2**63)]}}}, "guided_json"),
+        # QA: dropped as if absent; nothing could be sampled (vLLM refuses it too)
+        ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
         # its matcher builds grew the generator past 9 GB (validation took it at once)
         ({"extra_body": {"guided_json": {"type": "integer", "multipleOf": 2**31}}}, "guided_json"),
         (
